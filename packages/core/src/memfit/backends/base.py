@@ -1,0 +1,171 @@
+"""The backend contract: the narrow slice of a device that a memory toolkit needs.
+
+Code outside ``memfit.backends`` (and ``memfit_npu``) never calls ``torch.cuda`` or
+``torch_npu``; it asks the backend. A backend offers:
+
+* a device and its capacity, and live/peak byte statistics;
+* streams and events, so that copies overlap compute;
+* host buffers for swapped-out data (pinned where the device has pinned memory; never counted
+  against the device);
+* ``is_oom(exc)``, because devices spell "out of memory" differently.
+
+Example:
+    ```python
+    import torch
+    from memfit.plugins import get_hooks
+
+    backend = get_hooks().create_backend("cpu-sim", capacity="256MiB")
+    with backend.activate():
+        x = torch.ones(1024, 1024, device=backend.device)       # 4 MiB counted
+        host = backend.host_empty(x.shape, x.dtype)             # not counted
+        done = backend.copy_async(host, x, backend.copy_stream())
+        done.synchronize()
+        print(backend.memory_allocated(), backend.max_memory_allocated())
+    ```
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+
+class Event(Protocol):
+    """A point in a stream's work."""
+
+    def synchronize(self) -> None:
+        """Block the host until the work before the event has completed."""
+
+    def query(self) -> bool:
+        """Whether the work before the event has completed."""
+
+
+class Stream(Protocol):
+    """An ordered queue of device work."""
+
+    def record_event(self) -> Event:
+        """An event completed once everything queued so far is done."""
+
+    def wait_event(self, event: Event) -> None:
+        """Make later work on this stream wait for ``event``."""
+
+    def synchronize(self) -> None:
+        """Block the host until everything queued so far is done."""
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryStats:
+    """A snapshot of device memory statistics, in bytes."""
+
+    allocated: int
+    peak_allocated: int
+    reserved: int
+    capacity: int
+
+
+class Backend(abc.ABC):
+    """A device backend. Subclasses implement the abstract members; see the module docs."""
+
+    name: str
+    """Registered name, e.g. ``cpu-sim``."""
+    device_type: str
+    """torch device type tensors are placed on."""
+    comm_backend: str | None = None
+    """torch.distributed backend for this device (``nccl``, ``hccl``), if any."""
+    visible_devices_env: str | None = None
+    """Environment variable that restricts visible devices, if any."""
+    allocation_granularity: int = 1
+    """Allocations are rounded up to a multiple of this many bytes by the device allocator."""
+
+    # -- device and memory ------------------------------------------------------------------
+    @property
+    @abc.abstractmethod
+    def device(self) -> torch.device:
+        """The device tensors go to."""
+
+    @property
+    @abc.abstractmethod
+    def capacity_bytes(self) -> int:
+        """Bytes the device (or the emulated limit) can hold."""
+
+    @abc.abstractmethod
+    def set_capacity(self, nbytes: int) -> None:
+        """Limit usable device memory to ``nbytes`` (to emulate a smaller device)."""
+
+    @abc.abstractmethod
+    def memory_allocated(self) -> int:
+        """Bytes held by live tensors (and, where the backend sees them, operator temporaries)."""
+
+    @abc.abstractmethod
+    def max_memory_allocated(self) -> int:
+        """Peak of :meth:`memory_allocated` since the last :meth:`reset_peak_memory_stats`."""
+
+    @abc.abstractmethod
+    def reset_peak_memory_stats(self) -> None:
+        """Restart peak tracking from the current allocation."""
+
+    def memory_reserved(self) -> int:
+        """Bytes the allocator holds from the device (allocated plus cached)."""
+        return self.memory_allocated()
+
+    def empty_cache(self) -> int:
+        """Return cached, unused blocks to the device; returns the bytes released."""
+        return 0
+
+    def memory_stats(self) -> MemoryStats:
+        return MemoryStats(
+            allocated=self.memory_allocated(),
+            peak_allocated=self.max_memory_allocated(),
+            reserved=self.memory_reserved(),
+            capacity=self.capacity_bytes,
+        )
+
+    def round_size(self, nbytes: int) -> int:
+        """What an allocation of ``nbytes`` really occupies on this device."""
+        g = self.allocation_granularity
+        return -(-nbytes // g) * g if g > 1 else nbytes
+
+    @abc.abstractmethod
+    def is_oom(self, exc: BaseException) -> bool:
+        """Whether ``exc`` is this device's out-of-memory error."""
+
+    # -- execution --------------------------------------------------------------------------
+    @abc.abstractmethod
+    def synchronize(self) -> None:
+        """Wait for all queued device work, including copies."""
+
+    @abc.abstractmethod
+    def current_stream(self) -> Stream:
+        """The stream compute runs on."""
+
+    @abc.abstractmethod
+    def copy_stream(self) -> Stream:
+        """A dedicated stream for host-device copies (created on first use, then reused)."""
+
+    @abc.abstractmethod
+    def copy_async(self, dst: torch.Tensor, src: torch.Tensor, stream: Stream) -> Event:
+        """Queue ``dst.copy_(src)`` on ``stream``; returns the event marking its completion.
+
+        The caller must keep both tensors alive, and not write them, until the event completes.
+        """
+
+    @abc.abstractmethod
+    def host_empty(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised host tensor suitable as a copy destination (pinned where possible)."""
+
+    @contextlib.contextmanager
+    def activate(self) -> Iterator[Backend]:
+        """Make this backend the active device for the duration (cpu-sim starts counting)."""
+        yield self
+
+    def close(self) -> None:
+        """Release threads and resources held by the backend."""
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name} capacity={self.capacity_bytes}>"

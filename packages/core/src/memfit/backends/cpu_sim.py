@@ -1,0 +1,285 @@
+"""cpu-sim: a virtual device on the CPU with a capacity, live-byte counting and a copy stream.
+
+It is a real measurement, not a mock. While a cpu-sim backend is active, a native counting CPU
+allocator (:mod:`memfit.native`) adds up the bytes of every allocation, including the
+temporaries operators allocate inside their kernels, and raises :class:`torch.OutOfMemoryError`
+once an allocation would pass the capacity. Host buffers made with :meth:`CpuSimBackend.host_empty`
+(swap destinations) are not counted. Copies queued on :meth:`CpuSimBackend.copy_stream` run on a
+worker thread at a configurable bandwidth, so swap traffic overlaps compute as it would on a GPU.
+
+The counter is process-wide (there is one CPU allocator): only one cpu-sim backend can be active
+at a time, and allocations from every thread count while it is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+from memfit.backends.base import Backend
+from memfit.config import parse_size
+from memfit.errors import MemfitError
+from memfit.plugins import hookimpl
+from memfit.types import BackendSpec
+
+if TYPE_CHECKING:
+    import torch
+
+DEFAULT_CAPACITY = "16GiB"
+DEFAULT_COPY_BANDWIDTH = "12GB"
+"""Bytes per second: an effective PCIe 3.0 x16 link. The real memcpy is the floor; the bandwidth
+only ever slows a copy down to what the emulated link would take."""
+
+_active_lock = threading.Lock()
+_active: CpuSimBackend | None = None
+
+
+class SimEvent:
+    """An event on a cpu-sim stream; carries the error of the work before it, if any."""
+
+    __slots__ = ("_done", "_error")
+
+    def __init__(self, done: bool = False) -> None:
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        if done:
+            self._done.set()
+
+    def _complete(self, error: BaseException | None = None) -> None:
+        self._error = error
+        self._done.set()
+
+    def query(self) -> bool:
+        return self._done.is_set()
+
+    def synchronize(self) -> None:
+        self._done.wait()
+        if self._error is not None:
+            raise MemfitError(f"a cpu-sim copy failed: {self._error}") from self._error
+
+
+class HostStream:
+    """The compute stream: operators run synchronously on the calling thread."""
+
+    def record_event(self) -> SimEvent:
+        return SimEvent(done=True)
+
+    def wait_event(self, event: SimEvent) -> None:  # type: ignore[override]
+        event.synchronize()
+
+    def synchronize(self) -> None:
+        pass
+
+
+class SimCopyStream:
+    """A FIFO of copies executed by one worker thread, each taking at least ``nbytes / bandwidth``."""
+
+    def __init__(self, bytes_per_second: float, name: str = "memfit-cpu-sim-copy") -> None:
+        self.bytes_per_second = bytes_per_second
+        self._queue: queue.SimpleQueue[tuple[Callable[[], None], int, SimEvent] | None] = queue.SimpleQueue()
+        self._pending = 0
+        self._pending_lock = threading.Lock()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            work, nbytes, event = item
+            error = None
+            start = time.perf_counter()
+            try:
+                work()
+            except BaseException as exc:  # reported through the event, never lost in the thread
+                error = exc
+            if nbytes:
+                remaining = nbytes / self.bytes_per_second - (time.perf_counter() - start)
+                if remaining > 0:
+                    time.sleep(remaining)
+            with self._pending_lock:
+                self._pending -= 1
+            event._complete(error)
+
+    def submit(self, work: Callable[[], None], nbytes: int = 0) -> SimEvent:
+        """Queue ``work``; returns the event completed after it."""
+        event = SimEvent()
+        with self._pending_lock:
+            self._pending += 1
+        self._queue.put((work, nbytes, event))
+        return event
+
+    def record_event(self) -> SimEvent:
+        return self.submit(lambda: None)
+
+    def wait_event(self, event: SimEvent) -> None:  # type: ignore[override]
+        self.submit(event._done.wait)
+
+    def synchronize(self) -> None:
+        self.record_event().synchronize()
+
+    def query(self) -> bool:
+        return self._pending == 0
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=5)
+
+
+def _torch_available() -> bool:
+    return importlib.util.find_spec("torch") is not None
+
+
+class CpuSimBackend(Backend):
+    """The cpu-sim virtual device. See the module docs.
+
+    Args:
+        capacity: device capacity, bytes or a human size (default 16 GiB).
+        copy_bandwidth: host-device copy bandwidth in bytes per second, or a human size per
+            second (default 12 GB/s).
+
+    Example:
+        ```python
+        import torch
+        from memfit.backends.cpu_sim import CpuSimBackend
+
+        sim = CpuSimBackend(capacity="64MiB")
+        with sim.activate():
+            try:
+                torch.empty(100 * 2**20, dtype=torch.uint8)
+            except torch.OutOfMemoryError as exc:
+                print(exc)   # cpu-sim out of memory: tried to allocate 100.00 MiB ...
+        ```
+    """
+
+    name = "cpu-sim"
+    device_type = "cpu"
+    comm_backend = "gloo"
+
+    def __init__(self, capacity: int | str = DEFAULT_CAPACITY, copy_bandwidth: int | str = DEFAULT_COPY_BANDWIDTH):
+        from memfit.native import cpu_sim_allocator
+
+        self._capacity = parse_size(capacity, what="cpu-sim capacity")
+        bandwidth = parse_size(copy_bandwidth, what="cpu-sim copy bandwidth")
+        if self._capacity <= 0 or bandwidth <= 0:
+            raise MemfitError(f"cpu-sim capacity and copy bandwidth must be positive, got {capacity!r}, {copy_bandwidth!r}")
+        self.copy_bandwidth = bandwidth
+        self._native = cpu_sim_allocator()
+        self._native.install()
+        self._compute = HostStream()
+        self._copy: SimCopyStream | None = None
+
+    # -- device and memory ------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        import torch
+
+        return torch.device("cpu")
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._capacity
+
+    def set_capacity(self, nbytes: int) -> None:
+        if nbytes <= 0:
+            raise MemfitError(f"cpu-sim capacity must be positive, got {nbytes}")
+        self._capacity = nbytes
+        if _active is self:
+            self._native.set_capacity(nbytes)
+
+    def memory_allocated(self) -> int:
+        return int(self._native.current())
+
+    def max_memory_allocated(self) -> int:
+        return int(self._native.peak())
+
+    def reset_peak_memory_stats(self) -> None:
+        self._native.reset_peak()
+
+    def is_oom(self, exc: BaseException) -> bool:
+        import torch
+
+        return isinstance(exc, torch.OutOfMemoryError)
+
+    @property
+    def is_active(self) -> bool:
+        return _active is self
+
+    @contextlib.contextmanager
+    def activate(self) -> Iterator[CpuSimBackend]:
+        """Count allocations against this backend's capacity while the block runs.
+
+        Raises:
+            MemfitError: another cpu-sim backend is already active.
+        """
+        global _active
+        with _active_lock:
+            if _active is not None and _active is not self:
+                raise MemfitError("another cpu-sim backend is already active; cpu-sim counts one device per process")
+            reentered = _active is self
+            _active = self
+            self._native.set_capacity(self._capacity)
+            previous = self._native.set_counting(True)
+        try:
+            yield self
+        finally:
+            if not reentered:
+                with _active_lock:
+                    self._native.set_counting(previous)
+                    _active = None
+
+    @contextlib.contextmanager
+    def uncounted(self) -> Iterator[None]:
+        """Allocations made by this thread inside the block are host memory, not device memory."""
+        previous = self._native.set_thread_exempt(True)
+        try:
+            yield
+        finally:
+            self._native.set_thread_exempt(previous)
+
+    # -- execution --------------------------------------------------------------------------
+    def synchronize(self) -> None:
+        if self._copy is not None:
+            self._copy.synchronize()
+
+    def current_stream(self) -> HostStream:
+        return self._compute
+
+    def copy_stream(self) -> SimCopyStream:
+        if self._copy is None:
+            self._copy = SimCopyStream(self.copy_bandwidth)
+        return self._copy
+
+    def copy_async(self, dst: torch.Tensor, src: torch.Tensor, stream) -> SimEvent:  # type: ignore[override]
+        if isinstance(stream, HostStream):
+            dst.copy_(src)
+            return SimEvent(done=True)
+        return stream.submit(lambda: dst.copy_(src), src.numel() * src.element_size())
+
+    def host_empty(self, shape, dtype) -> torch.Tensor:  # type: ignore[override]
+        import torch
+
+        with self.uncounted():
+            return torch.empty(shape, dtype=dtype)
+
+    def close(self) -> None:
+        if self._copy is not None:
+            self._copy.close()
+            self._copy = None
+
+
+@hookimpl
+def register_backends():
+    """cpu-sim: always available where torch is installed; the lowest priority."""
+    yield BackendSpec(
+        name="cpu-sim",
+        device_type="cpu",
+        priority=0,
+        is_available=_torch_available,
+        factory=CpuSimBackend,
+        description="virtual device on the CPU: counted allocations, capacity, threaded copy stream",
+    )

@@ -1,0 +1,1 @@
+"""The ``memfit`` command line. Packages add subcommands through the ``register_commands`` hook."""

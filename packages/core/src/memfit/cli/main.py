@@ -1,0 +1,84 @@
+"""``memfit``: the entry point. Built-in commands live here; packages contribute the rest.
+
+A subcommand registered by a package (``profile``, ``plan``, ``run``, ``simulate``, ...) exists
+exactly when that package is installed: :class:`MemfitGroup` asks the plugin manager for them.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from memfit.__about__ import __version__
+from memfit.errors import MemfitError
+
+console = Console()
+
+
+class MemfitGroup(click.Group):
+    """A click group whose commands are the built-ins plus every registered ``CommandSpec``."""
+
+    def _plugin_commands(self) -> dict[str, click.Command]:
+        from memfit.plugins import get_hooks
+
+        try:
+            specs = get_hooks().commands()
+        except MemfitError as exc:
+            raise click.ClickException(str(exc)) from exc
+        clashes = set(specs) & set(self.commands)
+        if clashes:
+            raise click.ClickException(f"plugins may not replace built-in commands: {', '.join(sorted(clashes))}")
+        return {name: spec.command for name, spec in specs.items()}
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted([*self.commands, *self._plugin_commands()])
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        return self.commands.get(cmd_name) or self._plugin_commands().get(cmd_name)
+
+
+@click.group(cls=MemfitGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, "--version", "-V", prog_name="memfit")
+def cli() -> None:
+    """memfit: make large-model training fit the hardware it has."""
+
+
+@cli.command()
+def plugins() -> None:
+    """List registered plugins: name, what they provide, distribution and version."""
+    from memfit.plugins import get_hooks
+
+    try:
+        infos = get_hooks().plugin_infos()
+    except MemfitError as exc:
+        raise click.ClickException(str(exc)) from exc
+    table = Table(title="memfit plugins")
+    for column in ("name", "kind", "distribution", "version"):
+        table.add_column(column)
+    for info in infos:
+        table.add_row(info.name, info.kind, info.distribution, info.version)
+    console.print(table)
+
+
+@cli.command()
+@click.option("--model", default="tiny", show_default=True, help="Reference model preset.")
+@click.option("--steps", default=5, show_default=True, type=click.IntRange(1), help="Training steps.")
+@click.option("--batch-size", default=4, show_default=True, type=click.IntRange(1))
+@click.option("--seq-len", default=64, show_default=True, type=click.IntRange(2))
+@click.option("--capacity", default="16GiB", show_default=True, help="cpu-sim device capacity, e.g. 512MiB.")
+def demo(model: str, steps: int, batch_size: int, seq_len: int, capacity: str) -> None:
+    """Train the bundled Llama on the cpu-sim virtual device and report loss, time and peak memory."""
+    from memfit.cli.demo import run_demo
+
+    try:
+        run_demo(console, model=model, steps=steps, batch_size=batch_size, seq_len=seq_len, capacity=capacity)
+    except MemfitError as exc:
+        raise click.ClickException(str(exc)) from exc
+
+
+def main() -> None:
+    """Console-script entry point."""
+    sys.exit(cli.main(prog_name="memfit", standalone_mode=True))

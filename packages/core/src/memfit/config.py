@@ -1,0 +1,101 @@
+"""Validated configuration: the base model every config section uses, and human-readable sizes.
+
+Sizes accept what people write: ``"12GiB"``, ``"512MB"``, ``"1.5 GiB"``, or a plain integer of
+bytes. Decimal units are powers of 1000 (``MB``), binary units powers of 1024 (``MiB``), as in
+pydantic's :class:`pydantic.ByteSize`, which does the parsing.
+
+Example:
+    ```python
+    from memfit.config import MemfitConfig, parse_size
+
+    parse_size("12GiB")                     # 12884901888
+    config = MemfitConfig.model_validate({"budget": "512MB", "backend": {"name": "cpu-sim"}})
+    config.budget                           # 512000000
+    ```
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, TypeAdapter, ValidationError
+
+from memfit.errors import MemfitError
+
+
+class MemfitModel(BaseModel):
+    """Base of every memfit config section and plan: strict, immutable, documented fields."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, use_attribute_docstrings=True)
+
+
+Size = Annotated[ByteSize, Field(ge=0)]
+"""A non-negative byte count that accepts human sizes such as ``"12GiB"``."""
+
+_size_adapter: TypeAdapter[ByteSize] = TypeAdapter(Size)
+
+
+def parse_size(value: str | int, *, what: str = "size") -> int:
+    """Parse a human size (``"12GiB"``, ``"512MB"``, ``1024``) into bytes.
+
+    Raises:
+        MemfitError: the value is not a size; the message shows what was given and examples.
+    """
+    try:
+        return int(_size_adapter.validate_python(value))
+    except ValidationError as exc:
+        raise MemfitError(
+            f"invalid {what} {value!r}: expected a byte count such as 1073741824, '512MB' or '12GiB'"
+        ) from exc
+
+
+def format_size(nbytes: float) -> str:
+    """Binary human size, e.g. ``format_size(3 * 2**30) == '3.00 GiB'``."""
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{int(value)} {unit}" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+class BackendConfig(MemfitModel):
+    """Which device backend to use, and its options."""
+
+    name: str | None = None
+    """Backend name (``cpu-sim``, ``cuda``, ``npu``); ``None`` picks the best available one."""
+    capacity: Size | None = None
+    """Device capacity to enforce or emulate; ``None`` means the device's own (cpu-sim: 16 GiB)."""
+    copy_bandwidth: Size | None = None
+    """cpu-sim only: host-device copy bandwidth in bytes per second; ``None`` means the default."""
+
+
+class MemfitConfig(MemfitModel):
+    """The root configuration."""
+
+    budget: Size | None = None
+    """Device bytes training must stay under; ``None`` means the device capacity."""
+    backend: BackendConfig = BackendConfig()
+    """Backend selection and options."""
+
+    @classmethod
+    def from_mapping(cls, data: dict[str, Any]) -> MemfitConfig:
+        """Validate a mapping (e.g. loaded from TOML), turning errors into one readable message.
+
+        Raises:
+            MemfitError: naming every offending field by its dotted path.
+        """
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            raise MemfitError(f"invalid memfit config:\n{describe_validation_error(exc)}") from exc
+
+
+def describe_validation_error(exc: ValidationError) -> str:
+    """One line per problem: ``field.path: message (got value)``."""
+    lines = []
+    for err in exc.errors():
+        path = ".".join(str(part) for part in err["loc"]) or "<root>"
+        got = f" (got {err['input']!r})" if "input" in err and not isinstance(err["input"], dict) else ""
+        lines.append(f"  {path}: {err['msg']}{got}")
+    return "\n".join(lines)

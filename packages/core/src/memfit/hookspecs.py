@@ -1,0 +1,243 @@
+"""The hooks a memfit plugin can implement.
+
+Hookspecs are memfit's public, semver-governed plugin API. A plugin is any module or object
+with functions decorated by :data:`memfit.hookimpl`, made known through the entry-point group
+``memfit``::
+
+    # pyproject.toml of distribution "memfit-myplugin"
+    [project.entry-points.memfit]
+    myplugin = "memfit_myplugin.plugin"
+
+Every hook below carries a complete example plugin in its docstring. Hooks evolve by adding
+fields to the event objects in :mod:`memfit.types`, never by changing arguments.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import pluggy
+
+if TYPE_CHECKING:
+    from memfit.plan import MemoryPlan
+    from memfit.types import (
+        BackendSpec,
+        CommandSpec,
+        FaultEvent,
+        FaultResponse,
+        OOMEvent,
+        OOMResponse,
+        OpDispatchEvent,
+        PlannerSpec,
+        PlanningProblem,
+    )
+
+PROJECT = "memfit"
+"""pluggy project name, entry-point group and distribution prefix: one word for all three."""
+
+hookspec = pluggy.HookspecMarker(PROJECT)
+
+
+class RegistrationSpecs:
+    """Hooks that register named things. Names must be unique across all installed plugins."""
+
+    @hookspec
+    def register_backends(self) -> Iterable[BackendSpec]:
+        """Register device backends.
+
+        Yield one :class:`~memfit.types.BackendSpec` per backend. ``memfit`` picks the
+        available backend with the highest priority unless the user names one
+        (``--backend`` or ``MEMFIT_BACKEND``).
+
+        Example:
+            ```python
+            import torch
+
+            from memfit import hookimpl
+            from memfit.backends.accelerator import AcceleratorBackend
+            from memfit.types import BackendSpec
+
+
+            class XPUBackend(AcceleratorBackend):
+                def __init__(self, **options):
+                    super().__init__(device_type="xpu", name="xpu", **options)
+
+
+            @hookimpl
+            def register_backends():
+                yield BackendSpec(
+                    name="xpu",
+                    device_type="xpu",
+                    priority=25,
+                    is_available=lambda: hasattr(torch, "xpu") and torch.xpu.is_available(),
+                    factory=XPUBackend,
+                    description="Intel GPUs through torch.xpu",
+                )
+            ```
+        """
+
+    @hookspec
+    def register_planners(self) -> Iterable[PlannerSpec]:
+        """Register planners by name; the planner itself implements ``plan_memory``.
+
+        Example:
+            ```python
+            from memfit import hookimpl
+            from memfit.types import PlannerSpec
+
+
+            @hookimpl
+            def register_planners():
+                yield PlannerSpec(name="do-nothing", description="plans nothing; for tests")
+
+
+            @hookimpl
+            def plan_memory(problem):
+                return None  # never proposes a plan
+            ```
+        """
+
+    @hookspec
+    def register_commands(self) -> Iterable[CommandSpec]:
+        """Contribute subcommands to the ``memfit`` CLI.
+
+        A subcommand exists exactly when the package that registers it is installed.
+
+        Example:
+            ```python
+            import click
+
+            from memfit import hookimpl
+            from memfit.types import CommandSpec
+
+
+            @click.command(help="Say hello.")
+            @click.argument("name")
+            def hello(name):
+                click.echo(f"hello {name}")
+
+
+            @hookimpl
+            def register_commands():
+                yield CommandSpec(name="hello", command=hello)
+            ```
+        """
+
+
+class RuntimeSpecs:
+    """Hooks called while a training job runs."""
+
+    @hookspec
+    def on_op_dispatch(self, event: OpDispatchEvent) -> None:
+        """Observe one operator as it is dispatched.
+
+        This is a per-operator hot path. Whoever dispatches (the profiler's detailed mode)
+        resolves the implementations once with
+        :meth:`memfit.plugins.Hooks.op_dispatch_callbacks` and calls them directly, never
+        through ``pm.hook``; so ``wrapper=True`` implementations are not supported here and
+        the set of implementations is fixed for an iteration. Keep the work small: aggregate,
+        or sample.
+
+        Example:
+            ```python
+            from collections import Counter
+
+            from memfit import hookimpl
+
+            op_counts = Counter()
+
+
+            @hookimpl
+            def on_op_dispatch(event):
+                op_counts[event.name] += 1
+            ```
+        """
+
+    @hookspec(firstresult=True)
+    def on_oom(self, event: OOMEvent) -> OOMResponse | None:
+        """Handle a device out-of-memory error; the first handler that answers wins.
+
+        Return ``None`` to pass, an :class:`~memfit.types.OOMResponse` with ``action="retry"``
+        after freeing memory, or ``action="abort"`` to give up. Use ``tryfirst``/``trylast`` to
+        order yourself relative to other handlers.
+
+        Example:
+            ```python
+            from memfit import hookimpl
+            from memfit.types import OOMResponse
+
+
+            @hookimpl(trylast=True)
+            def on_oom(event):
+                freed = event.backend.empty_cache()
+                if freed and event.attempt == 0:
+                    return OOMResponse(action="retry", freed_bytes=freed, note="emptied the allocator cache")
+                return None
+            ```
+        """
+
+    @hookspec(firstresult=True)
+    def on_fault(self, event: FaultEvent) -> FaultResponse | None:
+        """Choose the recovery from a fault; the first handler that claims it decides.
+
+        Example:
+            ```python
+            from memfit import hookimpl
+            from memfit.types import FaultResponse
+
+
+            @hookimpl
+            def on_fault(event):
+                if event.kind != "node_lost":
+                    return None
+                return FaultResponse(action="restart", handler="restart-from-checkpoint",
+                                     note=f"ranks {event.ranks} lost at step {event.step}")
+            ```
+        """
+
+
+class PlanningSpecs:
+    """Hooks that turn a step trace into a memory plan."""
+
+    @hookspec
+    def plan_memory(self, problem: PlanningProblem) -> MemoryPlan | None:
+        """Propose a plan for a trace and budget; return ``None`` when not applicable.
+
+        Every planner is asked; :meth:`memfit.plugins.Hooks.choose_plan` keeps the feasible
+        plan (predicted peak within the budget) with the lowest predicted overhead.
+
+        Example:
+            ```python
+            from memfit import hookimpl
+            from memfit.plan import MemoryPlan, PlanPrediction, PlanSource
+            from memfit.types import PlannerSpec
+
+
+            @hookimpl
+            def register_planners():
+                yield PlannerSpec(name="fits-already", description="empty plan when the step already fits")
+
+
+            @hookimpl
+            def plan_memory(problem):
+                peak = problem.trace.peak_bytes()
+                if peak > problem.budget_bytes:
+                    return None
+                return MemoryPlan(
+                    planner="fits-already",
+                    budget_bytes=problem.budget_bytes,
+                    source=PlanSource.from_trace(problem.trace),
+                    actions=(),
+                    predicted=PlanPrediction(peak_bytes=peak),
+                )
+            ```
+        """
+
+
+HOOKSPEC_CLASSES = (RegistrationSpecs, RuntimeSpecs, PlanningSpecs)
+
+
+def hook_names() -> list[str]:
+    """Names of every hook memfit defines, in declaration order."""
+    return [name for cls in HOOKSPEC_CLASSES for name in vars(cls) if not name.startswith("_")]

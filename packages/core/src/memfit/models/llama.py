@@ -1,0 +1,206 @@
+"""A Llama-style decoder: RMSNorm, rotary position embeddings, SwiGLU and grouped-query attention.
+
+It is the reference model of memfit's tests, demo and benchmarks. The ``tiny`` preset trains in
+seconds on a CPU; ``llama2-7b`` and ``llama3-8b`` have the published shapes and are meant for
+the simulator, on fake tensors (building them for real needs tens of GB).
+
+Example:
+    ```python
+    import torch
+    from memfit.models import LlamaConfig, Llama
+
+    model = Llama(LlamaConfig.preset("tiny"))
+    tokens = torch.randint(0, model.config.vocab_size, (2, 32))
+    loss = model.loss(tokens[:, :-1], tokens[:, 1:])
+    loss.backward()
+    ```
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from memfit.errors import MemfitError
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """Shape of a Llama-style decoder."""
+
+    vocab_size: int = 256
+    dim: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int = 2  # grouped-query attention: n_heads must be a multiple
+    ffn_dim: int = 176  # SwiGLU hidden size (Llama uses ~8/3 * dim, rounded)
+    max_seq_len: int = 128
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        if self.dim % self.n_heads:
+            raise MemfitError(f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
+        if self.n_heads % self.n_kv_heads:
+            raise MemfitError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
+        if (self.dim // self.n_heads) % 2:
+            raise MemfitError(f"the head dimension ({self.dim // self.n_heads}) must be even for rotary embeddings")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def num_parameters(self) -> int:
+        """Parameter count, computed from the shapes (no model is built)."""
+        kv = self.n_kv_heads * self.head_dim
+        attn = self.dim * self.dim * 2 + self.dim * kv * 2
+        mlp = 3 * self.dim * self.ffn_dim
+        per_layer = attn + mlp + 2 * self.dim
+        head = 0 if self.tie_embeddings else self.vocab_size * self.dim
+        return self.vocab_size * self.dim + self.n_layers * per_layer + self.dim + head
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> LlamaConfig:
+        """A named preset, optionally with fields replaced.
+
+        Raises:
+            MemfitError: unknown preset name (the message lists the known ones).
+        """
+        try:
+            base = PRESETS[name]
+        except KeyError:
+            raise MemfitError(f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}") from None
+        return dataclasses.replace(base, **overrides)
+
+
+PRESETS: dict[str, LlamaConfig] = {
+    # tests: a training step takes milliseconds on a CPU
+    "tiny": LlamaConfig(),
+    # benchmarks: a step of batch 8 x 256 takes ~0.1-0.5 s on 2 CPU cores
+    "small": LlamaConfig(vocab_size=2048, dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=688, max_seq_len=1024),
+    "medium": LlamaConfig(vocab_size=8192, dim=512, n_layers=8, n_heads=8, n_kv_heads=4, ffn_dim=1376, max_seq_len=2048),
+    # published shapes, for simulation on fake tensors
+    "llama2-7b": LlamaConfig(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, ffn_dim=11008,
+                             max_seq_len=4096, norm_eps=1e-5),
+    "llama3-8b": LlamaConfig(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
+                             max_seq_len=8192, rope_theta=500000.0),
+}  # fmt: skip
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 as Llama does, whatever the activation dtype.
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+
+def rotary_tables(config: LlamaConfig, seq_len: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables of shape (seq_len, head_dim / 2)."""
+    half = config.head_dim // 2
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, half, device=device, dtype=torch.float32) / half))
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[..., :half], x[..., half:]) of a (batch, heads, seq, head_dim) tensor."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+        kv_dim = config.n_kv_heads * config.head_dim
+        self.wq = nn.Linear(config.dim, config.dim, bias=False)
+        self.wk = nn.Linear(config.dim, kv_dim, bias=False)
+        self.wv = nn.Linear(config.dim, kv_dim, bias=False)
+        self.wo = nn.Linear(config.dim, config.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        c = self.config
+        batch, seq, _ = x.shape
+        q = self.wq(x).view(batch, seq, c.n_heads, c.head_dim).transpose(1, 2)
+        k = self.wk(x).view(batch, seq, c.n_kv_heads, c.head_dim).transpose(1, 2)
+        v = self.wv(x).view(batch, seq, c.n_kv_heads, c.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        groups = c.n_heads // c.n_kv_heads
+        if groups > 1:
+            k = k.repeat_interleave(groups, dim=1)
+            v = v.repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, c.dim))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(config.dim, config.ffn_dim, bias=False)  # gate
+        self.w3 = nn.Linear(config.dim, config.ffn_dim, bias=False)  # up
+        self.w2 = nn.Linear(config.ffn_dim, config.dim, bias=False)  # down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(config.dim, config.norm_eps)
+        self.attention = Attention(config)
+        self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
+        self.feed_forward = FeedForward(config)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Llama(nn.Module):
+    """The decoder. ``forward(tokens)`` returns logits; :meth:`loss` returns the next-token loss."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Initialise as Llama: normal(0, 0.02), output projections scaled by depth."""
+        for name, p in self.named_parameters():
+            if p.dim() == 2:
+                std = 0.02 / math.sqrt(2 * self.config.n_layers) if name.endswith(("wo.weight", "w2.weight")) else 0.02
+                nn.init.normal_(p, mean=0.0, std=std)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        seq = tokens.shape[1]
+        if seq > self.config.max_seq_len:
+            raise MemfitError(f"sequence length {seq} exceeds the model's max_seq_len {self.config.max_seq_len}")
+        cos, sin = rotary_tables(self.config, seq, device=tokens.device)
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        return self.output(self.norm(h))
+
+    def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self(tokens)
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())

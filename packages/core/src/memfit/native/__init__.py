@@ -1,0 +1,86 @@
+"""Build and load memfit's small native (C++) extensions, in one place for every package.
+
+Extensions are compiled on first use with :func:`torch.utils.cpp_extension.load` and cached per
+torch version under ``$MEMFIT_CACHE_DIR`` (default ``~/.cache/memfit``), so later processes load
+them in well under a second. Building needs a C++ compiler and ``ninja`` (``pip install ninja``).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import shutil
+import sys
+from pathlib import Path
+from types import ModuleType
+
+from memfit.errors import NativeBuildError
+
+NATIVE_SOURCE_DIR = Path(__file__).parent
+
+
+def cache_dir() -> Path:
+    """Where built extensions live; one folder per torch version and Python version."""
+    import torch
+
+    root = Path(os.environ.get("MEMFIT_CACHE_DIR", Path.home() / ".cache" / "memfit"))
+    tag = f"torch-{torch.__version__}-py{sys.version_info.major}{sys.version_info.minor}".replace("+", "_")
+    return root / "native" / tag
+
+
+def _missing_toolchain() -> str | None:
+    from torch.utils import cpp_extension
+
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None and shutil.which("g++") is None:
+        return f"no C++ compiler found ({compiler!r} or 'g++' on PATH); install one, e.g. 'apt-get install g++'"
+    try:
+        cpp_extension.verify_ninja_availability()
+    except RuntimeError:
+        return "ninja is not installed; 'pip install ninja'"
+    return None
+
+
+@functools.cache
+def load_extension(name: str, sources: tuple[str | os.PathLike[str], ...]) -> ModuleType:
+    """Compile (once, cached) and import a C++ torch extension.
+
+    The module name carries a hash of the sources, so an edited source is rebuilt instead of
+    loading a stale cached build.
+
+    Args:
+        name: base name of the extension module.
+        sources: C++ source files.
+
+    Raises:
+        NativeBuildError: no compiler or ninja, or the compilation failed; the message says which and what to install.
+    """
+    from torch.utils import cpp_extension
+
+    paths = [Path(s) for s in sources]
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in paths)).hexdigest()[:12]
+    module_name = f"{name}_{digest}"
+    problem = _missing_toolchain()
+    if problem:
+        raise NativeBuildError(f"cannot build memfit's native extension {name!r}: {problem}")
+    build_dir = cache_dir() / module_name
+    build_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        return cpp_extension.load(
+            name=module_name,
+            sources=[str(p) for p in paths],
+            build_directory=str(build_dir),
+            extra_cflags=["-O2"],
+            verbose=os.environ.get("MEMFIT_NATIVE_VERBOSE") == "1",
+        )
+    except Exception as exc:  # compilation errors surface as RuntimeError/CalledProcessError
+        raise NativeBuildError(
+            f"building memfit's native extension {name!r} failed: {exc}. "
+            f"Set MEMFIT_NATIVE_VERBOSE=1 to see the compiler output; the build folder is {build_dir}."
+        ) from exc
+
+
+def cpu_sim_allocator() -> ModuleType:
+    """The counting CPU allocator behind the cpu-sim backend."""
+    return load_extension("memfit_cpu_sim_allocator", (NATIVE_SOURCE_DIR / "cpu_sim_allocator.cpp",))

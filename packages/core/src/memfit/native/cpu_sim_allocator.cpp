@@ -1,0 +1,132 @@
+// cpu-sim's counting CPU allocator.
+//
+// Installed once as the process's CPU allocator (c10::SetCPUAllocator). While counting is
+// enabled it adds every allocation's size to a live-bytes counter, tracks the peak, and throws
+// c10::OutOfMemoryError (torch.OutOfMemoryError in Python) past the capacity. Counting at the
+// allocator sees what a dispatch-level tracker cannot: the temporaries an operator allocates
+// inside its kernel. Allocations made while counting is off, or from a thread that marked
+// itself exempt (host-side swap buffers), are not counted, and neither is their free.
+//
+// Each block carries a 64-byte header (keeps c10's 64-byte alignment) recording its size and
+// whether it was counted, so the deleter needs no lookup table and no lock.
+#include <torch/extension.h>
+
+#include <c10/core/CPUAllocator.h>
+#include <c10/core/impl/alloc_cpu.h>
+#include <c10/util/Exception.h>
+
+#include <atomic>
+#include <cstdint>
+#include <limits>
+#include <string>
+
+namespace {
+
+constexpr size_t kHeader = 64;
+
+struct Header {
+  uint64_t nbytes;
+  uint64_t counted;
+};
+
+std::atomic<int64_t> g_current{0};
+std::atomic<int64_t> g_peak{0};
+std::atomic<int64_t> g_capacity{std::numeric_limits<int64_t>::max()};
+std::atomic<int64_t> g_num_allocs{0};
+std::atomic<int64_t> g_num_ooms{0};
+std::atomic<int64_t> g_last_oom_request{0};
+std::atomic<bool> g_counting{false};
+thread_local bool t_exempt = false;
+
+void update_peak(int64_t now) {
+  int64_t peak = g_peak.load(std::memory_order_relaxed);
+  while (now > peak && !g_peak.compare_exchange_weak(peak, now, std::memory_order_relaxed)) {
+  }
+}
+
+std::string human(int64_t bytes) {
+  char buf[64];
+  const double gib = 1024.0 * 1024.0 * 1024.0, mib = 1024.0 * 1024.0;
+  if (bytes >= gib) {
+    snprintf(buf, sizeof(buf), "%.2f GiB", bytes / gib);
+  } else {
+    snprintf(buf, sizeof(buf), "%.2f MiB", bytes / mib);
+  }
+  return buf;
+}
+
+void delete_block(void* data) {
+  if (data == nullptr) return;
+  char* base = static_cast<char*>(data) - kHeader;
+  auto* header = reinterpret_cast<Header*>(base);
+  if (header->counted) {
+    g_current.fetch_sub(static_cast<int64_t>(header->nbytes), std::memory_order_relaxed);
+  }
+  c10::free_cpu(base);
+}
+
+class CountingCPUAllocator final : public c10::Allocator {
+ public:
+  c10::DataPtr allocate(size_t nbytes) override {
+    const bool count = g_counting.load(std::memory_order_relaxed) && !t_exempt;
+    const auto n = static_cast<int64_t>(nbytes);
+    if (count) {
+      const int64_t now = g_current.fetch_add(n, std::memory_order_relaxed) + n;
+      const int64_t capacity = g_capacity.load(std::memory_order_relaxed);
+      if (now > capacity) {
+        g_current.fetch_sub(n, std::memory_order_relaxed);
+        g_num_ooms.fetch_add(1, std::memory_order_relaxed);
+        g_last_oom_request.store(n, std::memory_order_relaxed);
+        TORCH_CHECK_WITH(OutOfMemoryError, false,
+                         "cpu-sim out of memory: tried to allocate ", human(n), " (", n, " bytes) with ",
+                         human(now - n), " in use of a ", human(capacity), " capacity (", capacity,
+                         " bytes). Lower the batch size or sequence length, raise the cpu-sim capacity, "
+                         "or run under memfit's swap executor.");
+      }
+      update_peak(now);
+      g_num_allocs.fetch_add(1, std::memory_order_relaxed);
+    }
+    char* base = static_cast<char*>(c10::alloc_cpu(nbytes + kHeader));
+    auto* header = reinterpret_cast<Header*>(base);
+    header->nbytes = nbytes;
+    header->counted = count ? 1 : 0;
+    void* data = base + kHeader;
+    return {data, data, &delete_block, c10::Device(c10::DeviceType::CPU)};
+  }
+
+  c10::DeleterFnPtr raw_deleter() const override { return &delete_block; }
+
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
+};
+
+CountingCPUAllocator g_allocator;
+bool g_installed = false;
+
+void install() {
+  if (!g_installed) {
+    // Highest priority, so nothing installed later silently replaces it.
+    c10::SetCPUAllocator(&g_allocator, /*priority=*/255);
+    g_installed = true;
+  }
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "memfit cpu-sim counting CPU allocator";
+  m.def("install", &install, "Make the counting allocator the process's CPU allocator (idempotent).");
+  m.def("is_installed", []() { return g_installed && c10::GetCPUAllocator() == &g_allocator; });
+  m.def("set_counting", [](bool on) { return g_counting.exchange(on); }, "Enable or disable counting; returns the previous state.");
+  m.def("set_thread_exempt", [](bool on) { bool prev = t_exempt; t_exempt = on; return prev; },
+        "Exempt the calling thread's allocations from counting; returns the previous state.");
+  m.def("set_capacity", [](int64_t capacity) { g_capacity.store(capacity); });
+  m.def("capacity", []() { return g_capacity.load(); });
+  m.def("current", []() { return g_current.load(); });
+  m.def("peak", []() { return g_peak.load(); });
+  m.def("reset_peak", []() { g_peak.store(g_current.load()); });
+  m.def("num_allocs", []() { return g_num_allocs.load(); });
+  m.def("num_ooms", []() { return g_num_ooms.load(); });
+  m.def("last_oom_request", []() { return g_last_oom_request.load(); });
+}

@@ -1,0 +1,168 @@
+"""The memory plan: what a planner decided, in a form an executor can apply elsewhere.
+
+Plans are pydantic models, versioned by ``schema_version`` and round-tripped through JSON, so a
+plan made on a laptop from a simulated trace can be applied on the cluster. Actions form a
+discriminated union on ``kind``.
+
+Example:
+    ```python
+    from memfit.plan import MemoryPlan, PlanPrediction, PlanSource, Swap, TensorMatch
+
+    plan = MemoryPlan(
+        planner="swap",
+        budget_bytes=2**30,
+        source=PlanSource(kind="simulated", ops=1200, peak_bytes=3 * 2**30),
+        actions=(
+            Swap(tensor=TensorMatch(nbytes=2**20, dtype="bfloat16", op_count=2, op_tag=5, op_call_stack=0x0102),
+                 swap_out_after_op=10, release_at_op=12, swap_in_layer=7),
+        ),
+        predicted=PlanPrediction(peak_bytes=2**30 - 4096, swap_bytes=2 * 2**20),
+    )
+    assert MemoryPlan.from_json(plan.to_json()) == plan
+    ```
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Literal
+
+from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveInt, ValidationError, model_validator
+
+from memfit.config import MemfitModel, describe_validation_error
+from memfit.errors import MemfitError
+
+if TYPE_CHECKING:
+    from memfit.trace import Trace
+
+PLAN_SCHEMA_VERSION = 1
+
+
+class InvalidPlanError(MemfitError, ValueError):
+    """A plan file or JSON document does not describe a valid plan."""
+
+
+class TensorMatch(MemfitModel):
+    """Integer features that find "the same" tensor in a later iteration (Chameleon, Appendix A)."""
+
+    nbytes: PositiveInt
+    dtype: str
+    op_count: NonNegativeInt = 0
+    """How many operators used the tensor up to its last forward use."""
+    op_tag: NonNegativeInt = 0
+    """OR of the one-hot codes of those operators."""
+    op_call_stack: NonNegativeInt = 0
+    """The last 8 operator indices, 8 bits each."""
+    shape: tuple[NonNegativeInt, ...] = ()
+
+
+class Swap(MemfitModel):
+    """Move an activation to host memory after its last forward use and back before backward needs it."""
+
+    kind: Literal["swap"] = "swap"
+    tensor: TensorMatch
+    swap_out_after_op: NonNegativeInt
+    """Issue the device-to-host copy right after this operator (its last forward use)."""
+    release_at_op: NonNegativeInt
+    """Free the device block after this operator, once the copy has completed."""
+    swap_in_layer: NonNegativeInt
+    """Start the host-to-device copy at the beginning of this logical layer."""
+    predicted_stall_s: NonNegativeFloat = 0.0
+    """Time backward is predicted to wait for this swap-in."""
+
+    @model_validator(mode="after")
+    def _release_after_swap_out(self) -> Swap:
+        if self.release_at_op < self.swap_out_after_op:
+            raise ValueError(
+                f"release_at_op ({self.release_at_op}) must not precede swap_out_after_op ({self.swap_out_after_op})"
+            )
+        return self
+
+
+class Recompute(MemfitModel):
+    """Drop a module's activations after forward and recompute them in backward."""
+
+    kind: Literal["recompute"] = "recompute"
+    module: str
+    """Fully qualified module name, e.g. ``layers.3.mlp``."""
+    saved_bytes: NonNegativeInt = 0
+    recompute_seconds: NonNegativeFloat = 0.0
+
+
+Action = Annotated[Swap | Recompute, Field(discriminator="kind")]
+
+
+class PlanSource(MemfitModel):
+    """What the plan was made from."""
+
+    kind: Literal["measured", "simulated", "synthetic"]
+    ops: NonNegativeInt = 0
+    """Operators in the trace."""
+    peak_bytes: int = 0
+    """Peak device bytes of the trace, before the plan."""
+    description: str = ""
+
+    @classmethod
+    def from_trace(cls, trace: Trace, description: str = "") -> PlanSource:
+        """Describe a :class:`~memfit.trace.Trace` as a plan source."""
+        return cls(kind=trace.source, ops=trace.n_ops, peak_bytes=trace.peak_bytes(), description=description)
+
+
+class PlanPrediction(MemfitModel):
+    """What the planner predicts for a step under the plan."""
+
+    peak_bytes: NonNegativeInt
+    swap_bytes: NonNegativeInt = 0
+    """Bytes moved between device and host per step (both directions)."""
+    stall_seconds: NonNegativeFloat = 0.0
+    """Time compute waits for copies per step."""
+    overhead_seconds: NonNegativeFloat = 0.0
+    """Extra step time against the unplanned step (stalls, recomputation)."""
+    memory_curve: tuple[NonNegativeInt, ...] = ()
+    """Predicted device bytes after each operator (may be empty)."""
+
+
+class MemoryPlan(MemfitModel):
+    """A versioned, validated plan: actions plus the budget and what it was planned from."""
+
+    schema_version: Literal[1] = PLAN_SCHEMA_VERSION
+    planner: str
+    budget_bytes: PositiveInt
+    source: PlanSource
+    actions: tuple[Action, ...] = ()
+    predicted: PlanPrediction
+
+    def is_feasible(self) -> bool:
+        """The predicted peak fits the budget."""
+        return self.predicted.peak_bytes <= self.budget_bytes
+
+    def to_json(self) -> str:
+        return self.model_dump_json(indent=2)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> MemoryPlan:
+        """Parse and validate a plan.
+
+        Raises:
+            InvalidPlanError: naming each invalid field by its path (e.g. ``actions.0.swap.release_at_op``).
+        """
+        try:
+            return cls.model_validate_json(text)
+        except ValidationError as exc:
+            raise InvalidPlanError(f"invalid memfit plan:\n{describe_validation_error(exc)}") from exc
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        Path(path).write_text(self.to_json(), encoding="utf-8")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> MemoryPlan:
+        """Read a plan written by :meth:`save`; errors name the file and the field."""
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise InvalidPlanError(f"cannot read plan {os.fspath(path)}: {exc}") from exc
+        try:
+            return cls.from_json(text)
+        except InvalidPlanError as exc:
+            raise InvalidPlanError(f"{os.fspath(path)}: {exc}") from exc

@@ -1,0 +1,205 @@
+"""Typed events, responses and registration records exchanged through memfit's hooks.
+
+These are plain frozen, slotted dataclasses rather than pydantic models: several of them travel
+on per-operator hot paths, where validation would cost more than the work itself. pydantic is
+used at the boundaries instead (plans, configs, the CLI).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    import click
+
+    from memfit.backends.base import Backend
+    from memfit.plan import MemoryPlan
+    from memfit.trace import Trace
+
+
+class Phase(enum.IntEnum):
+    """Which part of a training iteration an operator belongs to."""
+
+    FWD = 0
+    BWD = 1
+    OPT = 2
+
+
+@dataclass(frozen=True, slots=True)
+class OpDispatchEvent:
+    """One operator as it is dispatched.
+
+    Attributes:
+        op_index: position of the operator in the current iteration (0-based).
+        token: integer token of the operator name (stable within a process).
+        name: the operator's name, e.g. ``"aten::mm"``.
+        phase: forward, backward or optimizer.
+        inputs: storage ids of the input tensors.
+        outputs: storage ids of the output tensors.
+        device_bytes: device bytes in use right after the operator, or -1 when unknown.
+    """
+
+    op_index: int
+    token: int
+    name: str
+    phase: Phase
+    inputs: tuple[int, ...] = ()
+    outputs: tuple[int, ...] = ()
+    device_bytes: int = -1
+
+
+@dataclass(frozen=True, slots=True)
+class OOMEvent:
+    """An allocation failed on the device.
+
+    Attributes:
+        requested_bytes: size of the allocation that failed (0 when the backend did not say).
+        capacity_bytes: the device (or emulated) capacity.
+        in_use_bytes: device bytes in use when it failed.
+        attempt: how many handlers already answered ``retry`` for this same failure.
+        backend: the active backend, so a handler can free or synchronise.
+        error: the exception raised by the allocator.
+    """
+
+    requested_bytes: int
+    capacity_bytes: int
+    in_use_bytes: int
+    attempt: int
+    backend: Backend
+    error: BaseException
+
+
+@dataclass(frozen=True, slots=True)
+class OOMResponse:
+    """A handler's answer to an :class:`OOMEvent`.
+
+    Attributes:
+        action: ``"retry"`` when the handler freed memory and the allocation should be tried again;
+            ``"abort"`` to stop handling and re-raise.
+        freed_bytes: bytes the handler released (informational).
+        note: one line for logs and reports.
+    """
+
+    action: Literal["retry", "abort"]
+    freed_bytes: int = 0
+    note: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class FaultEvent:
+    """A fault in a (possibly distributed) training job.
+
+    Attributes:
+        kind: what failed, e.g. ``"node_lost"``, ``"device_error"``, ``"link_down"``.
+        ranks: the ranks affected.
+        step: the training step at which it was detected, when known.
+        detail: free text from the detector.
+    """
+
+    kind: str
+    ranks: tuple[int, ...] = ()
+    step: int | None = None
+    detail: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class FaultResponse:
+    """The recovery chosen by the handler that claimed a :class:`FaultEvent`.
+
+    Attributes:
+        action: the recovery, e.g. ``"reroute"``, ``"reparallelize"``, ``"restart"``.
+        handler: name of the plugin that decided.
+        note: why, in one line.
+    """
+
+    action: str
+    handler: str
+    note: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class PlanningProblem:
+    """What a planner is asked to solve in ``plan_memory``.
+
+    Attributes:
+        trace: the step trace to plan from (measured or simulated).
+        budget_bytes: device bytes the plan must stay under.
+        host_to_device_bytes_per_s: copy bandwidth to assume for swaps, or ``None`` for the
+            planner's default.
+        options: planner-specific options keyed by planner name.
+    """
+
+    trace: Trace
+    budget_bytes: int
+    host_to_device_bytes_per_s: float | None = None
+    options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class BackendSpec:
+    """Registration record of a device backend (yielded from ``register_backends``).
+
+    Attributes:
+        name: short unique name, e.g. ``"cpu-sim"`` or ``"cuda"``; what ``--backend`` takes.
+        device_type: the torch device type the backend places tensors on.
+        priority: higher wins when choosing a backend automatically (npu > cuda > cpu-sim).
+        is_available: cheap, side-effect-free check.
+        factory: builds the backend; keyword arguments are backend options (e.g. ``capacity``).
+        description: one line for ``memfit plugins``.
+    """
+
+    name: str
+    device_type: str
+    priority: int
+    is_available: Callable[[], bool]
+    factory: Callable[..., Backend]
+    description: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class PlannerSpec:
+    """Registration record of a planner (yielded from ``register_planners``).
+
+    The planner itself answers ``plan_memory``; this record names it, so users can list and
+    select planners and plans can say which planner made them.
+
+    Attributes:
+        name: short unique name, e.g. ``"swap"``.
+        description: one line for ``memfit plugins``.
+    """
+
+    name: str
+    description: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class CommandSpec:
+    """Registration record of a ``memfit`` subcommand (yielded from ``register_commands``).
+
+    Attributes:
+        name: the subcommand, e.g. ``"profile"``.
+        command: a :class:`click.Command`; its name is replaced by ``name``.
+    """
+
+    name: str
+    command: click.Command
+
+
+@dataclass(frozen=True, slots=True)
+class PluginInfo:
+    """One registered plugin, as ``memfit plugins`` shows it.
+
+    Attributes:
+        name: the plugin name (the entry-point name; what ``MEMFIT_DISABLE_PLUGINS`` takes).
+        kind: what it contributes, e.g. ``"backend:cpu-sim"``; ``"hooks"`` when it only implements runtime hooks.
+        distribution: the installed distribution that provides it.
+        version: that distribution's version.
+    """
+
+    name: str
+    kind: str
+    distribution: str
+    version: str
