@@ -19,3 +19,51 @@ def on_oom(event: OOMEvent) -> OOMResponse | None:
     if freed <= 0:
         return None
     return OOMResponse(action="retry", freed_bytes=freed, note=f"emptied the allocator cache ({freed} B)")
+
+
+def call_with_oom_handling(fn, /, *args, backend, hooks=None, max_attempts: int = 3, **kwargs):
+    """Call ``fn(*args, **kwargs)``; on a device OOM ask the ``on_oom`` handlers and retry.
+
+    Args:
+        fn: the work to run (e.g. one training step).
+        backend: the active backend, which classifies the error and is handed to handlers.
+        hooks: the :class:`memfit.plugins.Hooks` to ask (default: the process-wide one).
+        max_attempts: how many times a handler may ask for a retry of the same failure.
+
+    Raises:
+        the original OOM error, when no handler answers ``retry`` or the attempts run out.
+
+    Example:
+        ```python
+        from memfit.oom import call_with_oom_handling
+
+        loss = call_with_oom_handling(run.step, backend=backend)
+        ```
+    """
+    from memfit.plugins import get_hooks
+
+    hooks = hooks or get_hooks()
+    attempt = 0
+    while True:
+        try:
+            return fn(*args, **kwargs)
+        except Exception as exc:
+            if not backend.is_oom(exc) or attempt >= max_attempts:
+                raise
+            event = OOMEvent(
+                requested_bytes=_requested_bytes(backend),
+                capacity_bytes=backend.capacity_bytes,
+                in_use_bytes=backend.memory_allocated(),
+                attempt=attempt,
+                backend=backend,
+                error=exc,
+            )
+            response = hooks.handle_oom(event)
+            if response is None or response.action != "retry":
+                raise
+            attempt += 1
+
+
+def _requested_bytes(backend) -> int:
+    last = getattr(getattr(backend, "_native", None), "last_oom_request", None)
+    return int(last()) if last else 0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from rich.console import Console
@@ -9,6 +11,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from memfit.config import format_size
+from memfit.errors import MemfitError
 
 
 @dataclass(frozen=True)
@@ -17,6 +20,16 @@ class DemoResult:
     step_seconds: list[float]
     peak_device_bytes: int
     capacity_bytes: int
+
+
+@contextlib.contextmanager
+def _oom_as_error(backend) -> Iterator[None]:
+    try:
+        yield
+    except Exception as exc:
+        if backend.is_oom(exc):
+            raise MemfitError(f"{exc}\nThe demo needs more than --capacity allows; raise it or shrink the batch.") from exc
+        raise
 
 
 def run_demo(console: Console, *, model: str, steps: int, batch_size: int, seq_len: int, capacity: str) -> DemoResult:
@@ -28,7 +41,7 @@ def run_demo(console: Console, *, model: str, steps: int, batch_size: int, seq_l
     console.print(f"[bold]memfit demo[/]: {model} model, batch {batch_size} x {seq_len} tokens, "
                   f"on cpu-sim with {format_size(backend.capacity_bytes)}")
     table = Table("step", "loss", "step time", "peak device memory")
-    with backend.activate():
+    with backend.activate(), _oom_as_error(backend):
         run = build_training(model, batch_size=batch_size, seq_len=seq_len, device=backend.device)
         losses: list[float] = []
         step_peaks: list[int] = []

@@ -1,0 +1,177 @@
+"""pytest helpers for memfit and its plugins (opt in with ``-p memfit.testing``).
+
+Fixtures:
+    plugin_manager: a fresh plugin manager with core's built-ins only (no entry points).
+    hooks: :class:`memfit.plugins.Hooks` over ``plugin_manager``.
+    register_plugin: ``register_plugin(obj, name)`` registers a plugin for the test only.
+    cpu_sim: a :class:`~memfit.backends.cpu_sim.CpuSimBackend` with a 1 GiB capacity.
+
+Contract suites: subclass :class:`BackendContract` to check a backend the way memfit's own are
+checked::
+
+    from memfit.testing import BackendContract
+
+    class TestMyBackend(BackendContract):
+        def make_backend(self, capacity):
+            return MyBackend(capacity=capacity)
+
+Tests marked ``gpu`` are skipped unless ``torch.accelerator`` has a device; ``npu`` unless
+``torch_npu`` imports. This module imports torch only inside tests that need it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+from collections.abc import Iterator
+
+import pytest
+
+from memfit.plugins import Hooks, build_plugin_manager
+
+MiB = 2**20
+
+
+def _accelerator_available() -> bool:
+    if importlib.util.find_spec("torch") is None:
+        return False
+    import torch
+
+    return torch.accelerator.is_available()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    needs_gpu = [item for item in items if item.get_closest_marker("gpu")]
+    if needs_gpu and not _accelerator_available():
+        skip = pytest.mark.skip(reason="no accelerator (torch.accelerator.is_available() is False)")
+        for item in needs_gpu:
+            item.add_marker(skip)
+    if importlib.util.find_spec("torch_npu") is None:
+        skip_npu = pytest.mark.skip(reason="torch_npu is not installed")
+        for item in items:
+            if item.get_closest_marker("npu"):
+                item.add_marker(skip_npu)
+
+
+@pytest.fixture
+def plugin_manager():
+    """A fresh plugin manager: core's hookspecs and built-ins, no entry points."""
+    return build_plugin_manager(load_entrypoints=False)
+
+
+@pytest.fixture
+def hooks(plugin_manager) -> Hooks:
+    return Hooks(plugin_manager)
+
+
+@pytest.fixture
+def register_plugin(plugin_manager):
+    """Register a plugin object for the duration of the test (or of a ``with`` block)."""
+    registered: list[str] = []
+
+    @contextlib.contextmanager
+    def _scoped(obj, name: str) -> Iterator[None]:
+        plugin_manager.register(obj, name=name)
+        try:
+            yield
+        finally:
+            plugin_manager.unregister(name=name)
+
+    class _Register:
+        def __call__(self, obj, name: str) -> None:
+            plugin_manager.register(obj, name=name)
+            registered.append(name)
+
+        scoped = staticmethod(_scoped)
+
+    yield _Register()
+    for name in registered:
+        if plugin_manager.has_plugin(name):
+            plugin_manager.unregister(name=name)
+
+
+@pytest.fixture
+def cpu_sim():
+    from memfit.backends.cpu_sim import CpuSimBackend
+
+    backend = CpuSimBackend(capacity="1GiB")
+    yield backend
+    backend.close()
+
+
+class BackendContract:
+    """What every memfit backend must do. Subclass and implement :meth:`make_backend`."""
+
+    capacity = 64 * MiB
+
+    def make_backend(self, capacity: int):
+        raise NotImplementedError("BackendContract subclasses implement make_backend(capacity)")
+
+    @pytest.fixture
+    def backend(self):
+        backend = self.make_backend(self.capacity)
+        with backend.activate():
+            backend.synchronize()
+            yield backend
+        backend.close()
+
+    def test_allocation_is_counted_and_released(self, backend):
+        import torch
+
+        before = backend.memory_allocated()
+        x = torch.empty(MiB, dtype=torch.uint8, device=backend.device)
+        assert backend.memory_allocated() - before == backend.round_size(MiB)
+        del x
+        assert backend.memory_allocated() == before
+
+    def test_peak_and_reset(self, backend):
+        import torch
+
+        backend.reset_peak_memory_stats()
+        base = backend.memory_allocated()
+        x = torch.empty(4 * MiB, dtype=torch.uint8, device=backend.device)
+        del x
+        assert backend.max_memory_allocated() >= base + 4 * MiB
+        backend.reset_peak_memory_stats()
+        assert backend.max_memory_allocated() == backend.memory_allocated()
+
+    def test_oom_past_capacity(self, backend):
+        import torch
+
+        with pytest.raises(Exception) as info:
+            torch.empty(backend.capacity_bytes + MiB, dtype=torch.uint8, device=backend.device)
+        assert backend.is_oom(info.value)
+        assert not backend.is_oom(ValueError("not an oom"))
+        assert backend.memory_allocated() < backend.capacity_bytes  # the failed allocation left nothing behind
+
+    def test_host_buffers_are_not_counted(self, backend):
+        before = backend.memory_allocated()
+        import torch
+
+        host = backend.host_empty((4 * MiB,), torch.uint8)
+        assert host.device.type == "cpu" and host.numel() == 4 * MiB
+        assert backend.memory_allocated() == before
+
+    def test_copy_round_trip_is_bit_identical(self, backend):
+        import torch
+
+        gen = torch.Generator().manual_seed(0)
+        raw = torch.randint(0, 256, (MiB,), dtype=torch.uint8, generator=gen)
+        device_tensor = raw.view(torch.float32).to(backend.device)  # arbitrary bit patterns, NaNs included
+        host = backend.host_empty(device_tensor.shape, device_tensor.dtype)
+        stream = backend.copy_stream()
+        stream.wait_event(backend.current_stream().record_event())
+        out_event = backend.copy_async(host, device_tensor, stream)
+        out_event.synchronize()
+        assert out_event.query()
+        back = torch.empty_like(device_tensor)
+        in_event = backend.copy_async(back, host, stream)
+        backend.current_stream().wait_event(in_event)
+        backend.synchronize()
+        assert torch.equal(back.cpu().view(torch.uint8), raw)
+
+    def test_memory_stats(self, backend):
+        stats = backend.memory_stats()
+        assert stats.capacity == backend.capacity_bytes
+        assert 0 <= stats.allocated <= stats.peak_allocated
+        assert stats.reserved >= stats.allocated

@@ -1,0 +1,149 @@
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from memfit.config import MemfitConfig, format_size, parse_size
+from memfit.errors import MemfitError, TraceFormatError
+from memfit.plan import InvalidPlanError, MemoryPlan, PlanPrediction, PlanSource, Recompute, Swap, TensorMatch
+from memfit.trace import Trace, TraceBuilder
+from memfit.types import Phase
+
+
+def small_trace():
+    b = TraceBuilder(capacity_bytes=1 << 20, source="synthetic", backend="cpu-sim", iteration=3)
+    w = b.add_tensor(nbytes=400, dtype="float32", shape=(10, 10), is_param=True)
+    x = b.add_tensor(nbytes=400, dtype="float32", shape=(10, 10))
+    a = b.add_tensor(nbytes=800, dtype="bfloat16", shape=(20, 20), op_count=2, op_tag=5, op_call_stack=2**63 + 7)
+    g = b.add_tensor(nbytes=400, dtype="float32", shape=(10, 10))
+    b.add_op("aten::mm", Phase.FWD, inputs=(x, w), outputs=(a,), device_bytes=1600, duration_s=1e-4)
+    b.add_op("aten::relu", Phase.FWD, inputs=(a,), outputs=(), device_bytes=1600)
+    b.add_op("aten::add", Phase.FWD, inputs=(), outputs=(), device_bytes=800)  # a swapped out after op 1
+    b.add_op("aten::mm", Phase.BWD, inputs=(a, w), outputs=(g,), device_bytes=2000)
+    b.add_op("aten::add_", Phase.OPT, inputs=(w, g), device_bytes=1200)
+    b.add_swap(op_index=1, tensor=a, swap_in=False)
+    b.add_swap(op_index=2, tensor=a, swap_in=True, passive=True)
+    return b.build(step_seconds=0.25)
+
+
+def test_trace_round_trips_through_a_file(tmp_path):
+    trace = small_trace()
+    path = tmp_path / "step.npz"
+    trace.save(path)
+    loaded = Trace.load(path)
+    assert loaded == trace
+    assert loaded.op_name(3) == "aten::mm" and loaded.tensor_shape(2) == (20, 20)
+    assert loaded.tensor_dtype(2) == "bfloat16"
+    assert int(loaded.tensors.op_call_stack[2]) == 2**63 + 7
+    assert np.isnan(loaded.ops.duration_s[1]) and loaded.ops.duration_s[0] == 1e-4
+
+
+def test_no_swap_memory_curve_adds_back_swapped_tensors():
+    trace = small_trace()
+    # a (800 B) is out from after op 1 until its swap-in at op 2
+    assert trace.no_swap_memory_curve().tolist() == [1600, 2400, 800, 2000, 1200]
+    assert trace.peak_bytes() == 2000
+
+
+@given(st.lists(st.tuples(st.integers(1, 10**6), st.sampled_from(list(Phase))), min_size=1, max_size=50))
+@settings(max_examples=30, deadline=None)
+def test_trace_round_trip_property(tmp_path_factory, rows):
+    b = TraceBuilder(capacity_bytes=10**9, source="synthetic")
+    prev = None
+    for nbytes, phase in rows:
+        t = b.add_tensor(nbytes=nbytes, dtype="float16", shape=(nbytes,))
+        b.add_op(f"op{nbytes % 7}", phase, inputs=() if prev is None else (prev,), outputs=(t,), device_bytes=nbytes)
+        prev = t
+    trace = b.build(step_seconds=1.0)
+    path = tmp_path_factory.mktemp("t") / "x.npz"
+    trace.save(path)
+    assert Trace.load(path) == trace
+
+
+def test_invalid_traces_name_the_column(tmp_path):
+    trace = small_trace()
+    with pytest.raises(TraceFormatError, match="ops.inputs_values refers to tensor rows"):
+        Trace(ops=trace.ops, tensors=type(trace.tensors)(**{**{f: getattr(trace.tensors, f) for f in (
+            "storage_id", "nbytes", "dtype", "is_param", "op_count", "op_tag", "op_call_stack")},
+            "storage_id": trace.tensors.storage_id[:1], "nbytes": trace.tensors.nbytes[:1],
+            "dtype": trace.tensors.dtype[:1], "is_param": trace.tensors.is_param[:1],
+            "op_count": trace.tensors.op_count[:1], "op_tag": trace.tensors.op_tag[:1],
+            "op_call_stack": trace.tensors.op_call_stack[:1],
+            "shape_offsets": np.array([0, 2]), "shape_values": np.array([10, 10])}),
+            swaps=trace.swaps.__class__(op_index=[], tensor=[], swap_in=[], passive=[]),
+            op_names=trace.op_names, dtype_names=trace.dtype_names, step_seconds=1.0, capacity_bytes=0)
+    with pytest.raises(TraceFormatError, match="tensors.nbytes has 1 rows, expected 2"):
+        type(trace.tensors)(storage_id=[1, 2], nbytes=[1], dtype=[0, 0], is_param=[0, 0], op_count=[0, 0],
+                            op_tag=[0, 0], op_call_stack=[0, 0], shape_offsets=[0, 0, 0], shape_values=[])
+    (tmp_path / "bad.npz").write_bytes(b"not a zip")
+    with pytest.raises(TraceFormatError, match="not a readable memfit trace"):
+        Trace.load(tmp_path / "bad.npz")
+    np.savez(tmp_path / "other.npz", x=np.zeros(3))
+    with pytest.raises(TraceFormatError, match="not a memfit trace"):
+        Trace.load(tmp_path / "other.npz")
+
+
+def a_plan():
+    return MemoryPlan(
+        planner="swap",
+        budget_bytes=2**30,
+        source=PlanSource(kind="measured", ops=10, peak_bytes=2**31),
+        actions=(
+            Swap(tensor=TensorMatch(nbytes=1024, dtype="float32", op_count=2, op_tag=6, op_call_stack=2**64 - 1,
+                                    shape=(16, 16)),
+                 swap_out_after_op=3, release_at_op=4, swap_in_layer=7, predicted_stall_s=0.001),
+            Recompute(module="layers.0.feed_forward", saved_bytes=4096, recompute_seconds=0.01),
+        ),
+        predicted=PlanPrediction(peak_bytes=2**30 - 1, swap_bytes=2048, memory_curve=(1, 2, 3)),
+    )
+
+
+def test_plan_round_trips(tmp_path):
+    plan = a_plan()
+    assert MemoryPlan.from_json(plan.to_json()) == plan
+    plan.save(tmp_path / "plan.json")
+    assert MemoryPlan.load(tmp_path / "plan.json") == plan
+    assert plan.is_feasible()
+
+
+def test_invalid_plan_names_the_field(tmp_path):
+    doc = json.loads(a_plan().to_json())
+    doc["actions"][0]["release_at_op"] = 1
+    with pytest.raises(InvalidPlanError, match=r"actions\.0\.swap: Value error, release_at_op \(1\) must not precede"):
+        MemoryPlan.from_json(json.dumps(doc))
+    doc = json.loads(a_plan().to_json())
+    doc["budget_bytes"] = -5
+    with pytest.raises(InvalidPlanError, match="budget_bytes: Input should be greater than 0"):
+        MemoryPlan.from_json(json.dumps(doc))
+    doc = json.loads(a_plan().to_json())
+    doc["actions"][1]["kind"] = "teleport"
+    with pytest.raises(InvalidPlanError, match="actions.1: Input tag 'teleport' found using 'kind' does not match"):
+        MemoryPlan.from_json(json.dumps(doc))
+    doc = json.loads(a_plan().to_json())
+    doc["schema_version"] = 2
+    with pytest.raises(InvalidPlanError, match="schema_version"):
+        MemoryPlan.from_json(json.dumps(doc))
+    (tmp_path / "p.json").write_text("{")
+    with pytest.raises(InvalidPlanError, match="p.json"):
+        MemoryPlan.load(tmp_path / "p.json")
+
+
+@pytest.mark.parametrize(("text", "expected"), [("12GiB", 12 * 2**30), ("512MB", 512 * 10**6), ("1.5 GiB", 3 * 2**29),
+                                                (1024, 1024), ("0", 0)])
+def test_human_sizes(text, expected):
+    assert parse_size(text) == expected
+
+
+def test_bad_sizes_and_configs_name_the_problem():
+    with pytest.raises(MemfitError, match="invalid budget '12 potatoes'"):
+        parse_size("12 potatoes", what="budget")
+    config = MemfitConfig.from_mapping({"budget": "12GiB", "backend": {"name": "cpu-sim", "capacity": "16GiB"}})
+    assert config.budget == 12 * 2**30 and config.backend.capacity == 16 * 2**30
+    with pytest.raises(MemfitError, match=r"backend\.capacity: .*\(got 'huge'\)"):
+        MemfitConfig.from_mapping({"backend": {"capacity": "huge"}})
+    with pytest.raises(MemfitError, match="budgett: Extra inputs are not permitted"):
+        MemfitConfig.from_mapping({"budgett": "1GiB"})
+    assert MemfitConfig.model_fields["budget"].description.startswith("Device bytes")
+    assert format_size(3 * 2**30) == "3.00 GiB"

@@ -1,0 +1,256 @@
+import textwrap
+
+import click
+import pytest
+
+from memfit import hookimpl
+from memfit.errors import MemfitError
+from memfit.oom import call_with_oom_handling
+from memfit.plan import MemoryPlan, PlanPrediction, PlanSource
+from memfit.plugins import PluginConflictError, PluginLoadError, build_plugin_manager, Hooks
+from memfit.trace import TraceBuilder
+from memfit.types import (
+    BackendSpec,
+    CommandSpec,
+    FaultEvent,
+    FaultResponse,
+    OOMResponse,
+    OpDispatchEvent,
+    Phase,
+    PlannerSpec,
+    PlanningProblem,
+)
+
+
+def install_fake_distribution(root, dist, version, entry_points, modules):
+    """Make ``dist`` importable and discoverable through entry points, as pip would."""
+    info = root / f"{dist.replace('-', '_')}-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
+    lines = "\n".join(f"{name} = {target}" for name, target in entry_points.items())
+    (info / "entry_points.txt").write_text(f"[memfit]\n{lines}\n")
+    for module, source in modules.items():
+        (root / f"{module}.py").write_text(textwrap.dedent(source))
+
+
+@pytest.fixture
+def site(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return tmp_path
+
+
+def test_builtins_are_registered(hooks):
+    assert {"cpu-sim", "cuda"} <= set(hooks.backends())
+    infos = {i.name: i for i in hooks.plugin_infos()}
+    assert infos["memfit.backends.cpu_sim"].distribution == "memfit"
+    assert infos["memfit.backends.cpu_sim"].kind == "backend:cpu-sim"
+
+
+def test_third_party_plugin_loads_through_entry_points(site):
+    install_fake_distribution(
+        site, "memfit-hello", "1.2.3", {"hello": "memfit_hello_plugin"},
+        {"memfit_hello_plugin": """
+            from memfit import hookimpl
+            from memfit.types import PlannerSpec
+
+            @hookimpl
+            def register_planners():
+                yield PlannerSpec(name="hello", description="greets")
+        """},
+    )
+    hooks = Hooks(build_plugin_manager())
+    assert "hello" in hooks.planners()
+    info = next(i for i in hooks.plugin_infos() if i.name == "hello")
+    assert (info.distribution, info.version, info.kind) == ("memfit-hello", "1.2.3", "planner:hello")
+
+
+def test_broken_plugin_fails_loudly_naming_its_distribution(site):
+    install_fake_distribution(site, "memfit-broken", "0.1", {"broken": "memfit_broken_plugin"},
+                              {"memfit_broken_plugin": "raise ImportError('missing dependency foo')\n"})
+    with pytest.raises(PluginLoadError, match=r"memfit-broken 0.1 failed to load.*missing dependency foo"):
+        build_plugin_manager()
+
+
+def test_disable_plugins_skips_a_broken_plugin(site, monkeypatch):
+    install_fake_distribution(site, "memfit-broken", "0.1", {"broken": "memfit_broken_plugin"},
+                              {"memfit_broken_plugin": "raise ImportError('nope')\n"})
+    monkeypatch.setenv("MEMFIT_DISABLE_PLUGINS", "broken")
+    pm = build_plugin_manager()
+    assert pm.is_blocked("broken")
+
+
+def test_autoload_off_loads_no_entry_points(site, monkeypatch):
+    install_fake_distribution(site, "memfit-broken", "0.1", {"broken": "memfit_broken_plugin"},
+                              {"memfit_broken_plugin": "raise ImportError('nope')\n"})
+    monkeypatch.setenv("MEMFIT_PLUGIN_AUTOLOAD", "0")
+    build_plugin_manager()
+
+
+def test_two_distributions_claiming_one_plugin_name_conflict(site):
+    install_fake_distribution(site, "memfit-one", "1", {"same": "memfit_one_plugin"}, {"memfit_one_plugin": ""})
+    install_fake_distribution(site, "memfit-two", "2", {"same": "memfit_two_plugin"}, {"memfit_two_plugin": ""})
+    with pytest.raises(PluginConflictError, match=r"'same' is registered by both memfit-(one|two) .* and memfit-(one|two)"):
+        build_plugin_manager()
+
+
+def test_duplicate_backend_names_conflict(hooks, register_plugin):
+    class Impostor:
+        @hookimpl
+        def register_backends(self):
+            yield BackendSpec(name="CPU-SIM", device_type="cpu", priority=99, is_available=lambda: True, factory=object)
+
+    register_plugin(Impostor(), "impostor")
+    with pytest.raises(PluginConflictError, match="backend name 'CPU-SIM' is registered twice.*impostor"):
+        hooks.backends()
+
+
+def test_hook_register_backends(hooks, register_plugin):
+    made = []
+
+    class Plugin:
+        @hookimpl
+        def register_backends(self):
+            yield BackendSpec(name="toy", device_type="cpu", priority=1000, is_available=lambda: True,
+                              factory=lambda **kw: made.append(kw) or "toy-backend")
+
+    register_plugin(Plugin(), "toy")
+    assert hooks.create_backend() == "toy-backend"  # highest priority available wins
+    assert hooks.create_backend("toy", capacity=5) == "toy-backend" and made[-1] == {"capacity": 5}
+    with pytest.raises(MemfitError, match="unknown backend 'nope'; installed backends: .*cpu-sim"):
+        hooks.create_backend("nope")
+
+
+def test_unavailable_backend_is_a_clear_error(hooks, register_plugin):
+    class Plugin:
+        @hookimpl
+        def register_backends(self):
+            yield BackendSpec(name="ghost", device_type="ghost", priority=1, is_available=lambda: False,
+                              factory=object, description="a device this machine lacks")
+
+    register_plugin(Plugin(), "ghost")
+    with pytest.raises(MemfitError, match="'ghost' is not available on this machine"):
+        hooks.create_backend("ghost")
+
+
+def test_hook_register_planners(hooks, register_plugin):
+    class Plugin:
+        @hookimpl
+        def register_planners(self):
+            yield PlannerSpec(name="p1", description="first")
+
+    register_plugin(Plugin(), "p1")
+    assert hooks.planners()["p1"].description == "first"
+
+
+def test_hook_register_commands(hooks, register_plugin):
+    @click.command()
+    def hello():
+        click.echo("hi")
+
+    class Plugin:
+        @hookimpl
+        def register_commands(self):
+            yield CommandSpec(name="hello", command=hello)
+
+    register_plugin(Plugin(), "hello")
+    assert hooks.commands()["hello"].command is hello
+
+
+def test_hook_on_op_dispatch(hooks, register_plugin):
+    seen = []
+
+    class Plugin:
+        @hookimpl
+        def on_op_dispatch(self, event):
+            seen.append(event.name)
+
+    class Quiet:
+        @hookimpl
+        def on_op_dispatch(self):
+            seen.append("quiet")
+
+    assert hooks.op_dispatch_callbacks() == ()
+    register_plugin(Plugin(), "a")
+    register_plugin(Quiet(), "b")
+    callbacks = hooks.op_dispatch_callbacks()
+    for cb in callbacks:
+        cb(OpDispatchEvent(op_index=0, token=3, name="aten::mm", phase=Phase.FWD))
+    assert sorted(seen) == ["aten::mm", "quiet"]
+
+
+def test_hook_on_oom(hooks, register_plugin, cpu_sim):
+    import torch
+
+    cache = []
+
+    class FreesItsCache:
+        @hookimpl(tryfirst=True)
+        def on_oom(self, event):
+            if not cache:
+                return None
+            freed = sum(t.numel() for t in cache)
+            cache.clear()
+            return OOMResponse(action="retry", freed_bytes=freed, note="dropped my cache")
+
+    register_plugin(FreesItsCache(), "frees-cache")
+    with cpu_sim.activate():
+        cpu_sim.set_capacity(8 * 2**20)
+        cache.append(torch.empty(6 * 2**20, dtype=torch.uint8))
+        out = call_with_oom_handling(lambda: torch.empty(4 * 2**20, dtype=torch.uint8), backend=cpu_sim, hooks=hooks)
+        assert out.numel() == 4 * 2**20 and not cache
+        with pytest.raises(torch.OutOfMemoryError):  # nothing left to free: the error propagates
+            call_with_oom_handling(lambda: torch.empty(6 * 2**20, dtype=torch.uint8), backend=cpu_sim, hooks=hooks)
+
+
+def test_hook_on_fault(hooks, register_plugin):
+    assert hooks.handle_fault(FaultEvent(kind="node_lost")) is None
+
+    class Restarter:
+        @hookimpl
+        def on_fault(self, event):
+            if event.kind == "node_lost":
+                return FaultResponse(action="restart", handler="restarter")
+            return None
+
+    register_plugin(Restarter(), "restarter")
+    assert hooks.handle_fault(FaultEvent(kind="node_lost", ranks=(3,))).action == "restart"
+    assert hooks.handle_fault(FaultEvent(kind="link_down")) is None
+
+
+def _trace(peak):
+    b = TraceBuilder(capacity_bytes=10**9, source="synthetic")
+    t = b.add_tensor(nbytes=peak, dtype="float32", shape=(peak // 4,))
+    b.add_op("aten::empty", Phase.FWD, outputs=(t,), device_bytes=peak)
+    return b.build(step_seconds=1.0)
+
+
+def test_hook_plan_memory(hooks, register_plugin):
+    def plan(name, peak, overhead):
+        return MemoryPlan(planner=name, budget_bytes=1000, source=PlanSource(kind="synthetic"),
+                          predicted=PlanPrediction(peak_bytes=peak, overhead_seconds=overhead))
+
+    class Planners:
+        @hookimpl
+        def plan_memory(self, problem):
+            return plan("slow", 900, 2.0)
+
+    class Better:
+        @hookimpl
+        def plan_memory(self, problem):
+            return plan("fast", 950, 0.5)
+
+    class TooBig:
+        @hookimpl
+        def plan_memory(self, problem):
+            return plan("too-big", 2000, 0.0)
+
+    for obj, name in ((Planners(), "slow"), (Better(), "fast"), (TooBig(), "too-big")):
+        register_plugin(obj, name)
+    problem = PlanningProblem(trace=_trace(4000), budget_bytes=1000)
+    assert {p.planner for p in hooks.plan_memory(problem)} == {"slow", "fast", "too-big"}
+    assert hooks.choose_plan(problem).planner == "fast"
+
+
+def test_choose_plan_without_feasible_plan_explains(hooks):
+    with pytest.raises(MemfitError, match="no plan fits a budget of 1000 B"):
+        hooks.choose_plan(PlanningProblem(trace=_trace(4000), budget_bytes=1000))
