@@ -1,7 +1,6 @@
 """The torch.accelerator backend: the full contract on a real GPU (marked gpu), and its pure logic here."""
 
 import pytest
-
 from memfit.backends.accelerator import AcceleratorBackend, accelerator_type
 from memfit.errors import MemfitError
 from memfit.testing import BackendContract

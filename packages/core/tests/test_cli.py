@@ -1,5 +1,4 @@
 from click.testing import CliRunner
-
 from memfit.__about__ import __version__
 from memfit.cli.main import cli
 

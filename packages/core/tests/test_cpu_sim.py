@@ -3,7 +3,6 @@ import time
 
 import pytest
 import torch
-
 from memfit.backends.cpu_sim import CpuSimBackend
 from memfit.errors import MemfitError
 from memfit.models import build_training

@@ -4,7 +4,6 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from memfit.config import MemfitConfig, format_size, parse_size
 from memfit.errors import MemfitError, TraceFormatError
 from memfit.plan import InvalidPlanError, MemoryPlan, PlanPrediction, PlanSource, Recompute, Swap, TensorMatch
@@ -65,18 +64,43 @@ def test_trace_round_trip_property(tmp_path_factory, rows):
 def test_invalid_traces_name_the_column(tmp_path):
     trace = small_trace()
     with pytest.raises(TraceFormatError, match="ops.inputs_values refers to tensor rows"):
-        Trace(ops=trace.ops, tensors=type(trace.tensors)(**{**{f: getattr(trace.tensors, f) for f in (
-            "storage_id", "nbytes", "dtype", "is_param", "op_count", "op_tag", "op_call_stack")},
-            "storage_id": trace.tensors.storage_id[:1], "nbytes": trace.tensors.nbytes[:1],
-            "dtype": trace.tensors.dtype[:1], "is_param": trace.tensors.is_param[:1],
-            "op_count": trace.tensors.op_count[:1], "op_tag": trace.tensors.op_tag[:1],
-            "op_call_stack": trace.tensors.op_call_stack[:1],
-            "shape_offsets": np.array([0, 2]), "shape_values": np.array([10, 10])}),
+        Trace(
+            ops=trace.ops,
+            tensors=type(trace.tensors)(
+                **{
+                    **{
+                        f: getattr(trace.tensors, f)
+                        for f in ("storage_id", "nbytes", "dtype", "is_param", "op_count", "op_tag", "op_call_stack")
+                    },
+                    "storage_id": trace.tensors.storage_id[:1],
+                    "nbytes": trace.tensors.nbytes[:1],
+                    "dtype": trace.tensors.dtype[:1],
+                    "is_param": trace.tensors.is_param[:1],
+                    "op_count": trace.tensors.op_count[:1],
+                    "op_tag": trace.tensors.op_tag[:1],
+                    "op_call_stack": trace.tensors.op_call_stack[:1],
+                    "shape_offsets": np.array([0, 2]),
+                    "shape_values": np.array([10, 10]),
+                }
+            ),
             swaps=trace.swaps.__class__(op_index=[], tensor=[], swap_in=[], passive=[]),
-            op_names=trace.op_names, dtype_names=trace.dtype_names, step_seconds=1.0, capacity_bytes=0)
+            op_names=trace.op_names,
+            dtype_names=trace.dtype_names,
+            step_seconds=1.0,
+            capacity_bytes=0,
+        )
     with pytest.raises(TraceFormatError, match="tensors.nbytes has 1 rows, expected 2"):
-        type(trace.tensors)(storage_id=[1, 2], nbytes=[1], dtype=[0, 0], is_param=[0, 0], op_count=[0, 0],
-                            op_tag=[0, 0], op_call_stack=[0, 0], shape_offsets=[0, 0, 0], shape_values=[])
+        type(trace.tensors)(
+            storage_id=[1, 2],
+            nbytes=[1],
+            dtype=[0, 0],
+            is_param=[0, 0],
+            op_count=[0, 0],
+            op_tag=[0, 0],
+            op_call_stack=[0, 0],
+            shape_offsets=[0, 0, 0],
+            shape_values=[],
+        )
     (tmp_path / "bad.npz").write_bytes(b"not a zip")
     with pytest.raises(TraceFormatError, match="not a readable memfit trace"):
         Trace.load(tmp_path / "bad.npz")
@@ -91,9 +115,15 @@ def a_plan():
         budget_bytes=2**30,
         source=PlanSource(kind="measured", ops=10, peak_bytes=2**31),
         actions=(
-            Swap(tensor=TensorMatch(nbytes=1024, dtype="float32", op_count=2, op_tag=6, op_call_stack=2**64 - 1,
-                                    shape=(16, 16)),
-                 swap_out_after_op=3, release_at_op=4, swap_in_layer=7, predicted_stall_s=0.001),
+            Swap(
+                tensor=TensorMatch(
+                    nbytes=1024, dtype="float32", op_count=2, op_tag=6, op_call_stack=2**64 - 1, shape=(16, 16)
+                ),
+                swap_out_after_op=3,
+                release_at_op=4,
+                swap_in_layer=7,
+                predicted_stall_s=0.001,
+            ),
             Recompute(module="layers.0.feed_forward", saved_bytes=4096, recompute_seconds=0.01),
         ),
         predicted=PlanPrediction(peak_bytes=2**30 - 1, swap_bytes=2048, memory_curve=(1, 2, 3)),
@@ -130,8 +160,10 @@ def test_invalid_plan_names_the_field(tmp_path):
         MemoryPlan.load(tmp_path / "p.json")
 
 
-@pytest.mark.parametrize(("text", "expected"), [("12GiB", 12 * 2**30), ("512MB", 512 * 10**6), ("1.5 GiB", 3 * 2**29),
-                                                (1024, 1024), ("0", 0)])
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("12GiB", 12 * 2**30), ("512MB", 512 * 10**6), ("1.5 GiB", 3 * 2**29), (1024, 1024), ("0", 0)],
+)
 def test_human_sizes(text, expected):
     assert parse_size(text) == expected
 

@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 from memfit.backends.cpu_sim import CpuSimBackend
 from memfit.models import build_training
 

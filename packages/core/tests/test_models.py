@@ -1,6 +1,5 @@
 import pytest
 import torch
-
 from memfit.errors import MemfitError
 from memfit.models import PRESETS, Llama, LlamaConfig, SyntheticTokens, build_training
 

@@ -2,12 +2,11 @@ import textwrap
 
 import click
 import pytest
-
 from memfit import hookimpl
 from memfit.errors import MemfitError
 from memfit.oom import call_with_oom_handling
 from memfit.plan import MemoryPlan, PlanPrediction, PlanSource
-from memfit.plugins import PluginConflictError, PluginLoadError, build_plugin_manager, Hooks
+from memfit.plugins import Hooks, PluginConflictError, PluginLoadError, build_plugin_manager
 from memfit.trace import TraceBuilder
 from memfit.types import (
     BackendSpec,
@@ -48,15 +47,20 @@ def test_builtins_are_registered(hooks):
 
 def test_third_party_plugin_loads_through_entry_points(site):
     install_fake_distribution(
-        site, "memfit-hello", "1.2.3", {"hello": "memfit_hello_plugin"},
-        {"memfit_hello_plugin": """
+        site,
+        "memfit-hello",
+        "1.2.3",
+        {"hello": "memfit_hello_plugin"},
+        {
+            "memfit_hello_plugin": """
             from memfit import hookimpl
             from memfit.types import PlannerSpec
 
             @hookimpl
             def register_planners():
                 yield PlannerSpec(name="hello", description="greets")
-        """},
+        """
+        },
     )
     hooks = Hooks(build_plugin_manager())
     assert "hello" in hooks.planners()
@@ -65,23 +69,38 @@ def test_third_party_plugin_loads_through_entry_points(site):
 
 
 def test_broken_plugin_fails_loudly_naming_its_distribution(site):
-    install_fake_distribution(site, "memfit-broken", "0.1", {"broken": "memfit_broken_plugin"},
-                              {"memfit_broken_plugin": "raise ImportError('missing dependency foo')\n"})
+    install_fake_distribution(
+        site,
+        "memfit-broken",
+        "0.1",
+        {"broken": "memfit_broken_plugin"},
+        {"memfit_broken_plugin": "raise ImportError('missing dependency foo')\n"},
+    )
     with pytest.raises(PluginLoadError, match=r"memfit-broken 0.1 failed to load.*missing dependency foo"):
         build_plugin_manager()
 
 
 def test_disable_plugins_skips_a_broken_plugin(site, monkeypatch):
-    install_fake_distribution(site, "memfit-broken", "0.1", {"broken": "memfit_broken_plugin"},
-                              {"memfit_broken_plugin": "raise ImportError('nope')\n"})
+    install_fake_distribution(
+        site,
+        "memfit-broken",
+        "0.1",
+        {"broken": "memfit_broken_plugin"},
+        {"memfit_broken_plugin": "raise ImportError('nope')\n"},
+    )
     monkeypatch.setenv("MEMFIT_DISABLE_PLUGINS", "broken")
     pm = build_plugin_manager()
     assert pm.is_blocked("broken")
 
 
 def test_autoload_off_loads_no_entry_points(site, monkeypatch):
-    install_fake_distribution(site, "memfit-broken", "0.1", {"broken": "memfit_broken_plugin"},
-                              {"memfit_broken_plugin": "raise ImportError('nope')\n"})
+    install_fake_distribution(
+        site,
+        "memfit-broken",
+        "0.1",
+        {"broken": "memfit_broken_plugin"},
+        {"memfit_broken_plugin": "raise ImportError('nope')\n"},
+    )
     monkeypatch.setenv("MEMFIT_PLUGIN_AUTOLOAD", "0")
     build_plugin_manager()
 
@@ -89,7 +108,9 @@ def test_autoload_off_loads_no_entry_points(site, monkeypatch):
 def test_two_distributions_claiming_one_plugin_name_conflict(site):
     install_fake_distribution(site, "memfit-one", "1", {"same": "memfit_one_plugin"}, {"memfit_one_plugin": ""})
     install_fake_distribution(site, "memfit-two", "2", {"same": "memfit_two_plugin"}, {"memfit_two_plugin": ""})
-    with pytest.raises(PluginConflictError, match=r"'same' is registered by both memfit-(one|two) .* and memfit-(one|two)"):
+    with pytest.raises(
+        PluginConflictError, match=r"'same' is registered by both memfit-(one|two) .* and memfit-(one|two)"
+    ):
         build_plugin_manager()
 
 
@@ -110,8 +131,13 @@ def test_hook_register_backends(hooks, register_plugin):
     class Plugin:
         @hookimpl
         def register_backends(self):
-            yield BackendSpec(name="toy", device_type="cpu", priority=1000, is_available=lambda: True,
-                              factory=lambda **kw: made.append(kw) or "toy-backend")
+            yield BackendSpec(
+                name="toy",
+                device_type="cpu",
+                priority=1000,
+                is_available=lambda: True,
+                factory=lambda **kw: made.append(kw) or "toy-backend",
+            )
 
     register_plugin(Plugin(), "toy")
     assert hooks.create_backend() == "toy-backend"  # highest priority available wins
@@ -124,8 +150,14 @@ def test_unavailable_backend_is_a_clear_error(hooks, register_plugin):
     class Plugin:
         @hookimpl
         def register_backends(self):
-            yield BackendSpec(name="ghost", device_type="ghost", priority=1, is_available=lambda: False,
-                              factory=object, description="a device this machine lacks")
+            yield BackendSpec(
+                name="ghost",
+                device_type="ghost",
+                priority=1,
+                is_available=lambda: False,
+                factory=object,
+                description="a device this machine lacks",
+            )
 
     register_plugin(Plugin(), "ghost")
     with pytest.raises(MemfitError, match="'ghost' is not available on this machine"):
@@ -226,8 +258,12 @@ def _trace(peak):
 
 def test_hook_plan_memory(hooks, register_plugin):
     def plan(name, peak, overhead):
-        return MemoryPlan(planner=name, budget_bytes=1000, source=PlanSource(kind="synthetic"),
-                          predicted=PlanPrediction(peak_bytes=peak, overhead_seconds=overhead))
+        return MemoryPlan(
+            planner=name,
+            budget_bytes=1000,
+            source=PlanSource(kind="synthetic"),
+            predicted=PlanPrediction(peak_bytes=peak, overhead_seconds=overhead),
+        )
 
     class Planners:
         @hookimpl

@@ -4,10 +4,9 @@ import importlib.machinery
 import sys
 import types
 
+import memfit_npu.plugin as npu_plugin
 import pytest
 import torch
-
-import memfit_npu.plugin as npu_plugin
 from memfit.plugins import Hooks, build_plugin_manager
 from memfit.testing import BackendContract
 
@@ -24,6 +23,7 @@ def fake_torch_npu(monkeypatch, *, devices: bool, import_error: Exception | None
     module.__spec__ = importlib.machinery.ModuleSpec("torch_npu", loader=None)
     monkeypatch.setitem(sys.modules, "torch_npu", module)
     if import_error is not None:
+
         def broken(name, *args, **kwargs):
             if name == "torch_npu":
                 raise import_error

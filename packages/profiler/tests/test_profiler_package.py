@@ -1,8 +1,7 @@
 import importlib.metadata
 
-from memfit.plugins import Hooks, build_plugin_manager
-
 import memfit_profiler
+from memfit.plugins import Hooks, build_plugin_manager
 
 
 def test_registers_through_the_memfit_entry_point_group():

@@ -6,8 +6,17 @@ unused device memory to the device, once per failure.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
 from memfit.plugins import hookimpl
 from memfit.types import OOMEvent, OOMResponse
+
+if TYPE_CHECKING:
+    from memfit.backends.base import Backend
+    from memfit.plugins import Hooks
+
+T = TypeVar("T")
 
 
 @hookimpl(trylast=True)
@@ -21,17 +30,27 @@ def on_oom(event: OOMEvent) -> OOMResponse | None:
     return OOMResponse(action="retry", freed_bytes=freed, note=f"emptied the allocator cache ({freed} B)")
 
 
-def call_with_oom_handling(fn, /, *args, backend, hooks=None, max_attempts: int = 3, **kwargs):
+def call_with_oom_handling(
+    fn: Callable[..., T],
+    /,
+    *args: Any,
+    backend: Backend,
+    hooks: Hooks | None = None,
+    max_attempts: int = 3,
+    **kwargs: Any,
+) -> T:
     """Call ``fn(*args, **kwargs)``; on a device OOM ask the ``on_oom`` handlers and retry.
 
     Args:
         fn: the work to run (e.g. one training step).
+        *args: positional arguments for ``fn``.
+        **kwargs: keyword arguments for ``fn``.
         backend: the active backend, which classifies the error and is handed to handlers.
         hooks: the :class:`memfit.plugins.Hooks` to ask (default: the process-wide one).
         max_attempts: how many times a handler may ask for a retry of the same failure.
 
     Raises:
-        the original OOM error, when no handler answers ``retry`` or the attempts run out.
+        Exception: the original OOM error, when no handler answers ``retry`` or the attempts run out.
 
     Example:
         ```python
@@ -51,7 +70,7 @@ def call_with_oom_handling(fn, /, *args, backend, hooks=None, max_attempts: int 
             if not backend.is_oom(exc) or attempt >= max_attempts:
                 raise
             event = OOMEvent(
-                requested_bytes=_requested_bytes(backend),
+                requested_bytes=backend.oom_request_bytes(exc),
                 capacity_bytes=backend.capacity_bytes,
                 in_use_bytes=backend.memory_allocated(),
                 attempt=attempt,
@@ -62,8 +81,3 @@ def call_with_oom_handling(fn, /, *args, backend, hooks=None, max_attempts: int 
             if response is None or response.action != "retry":
                 raise
             attempt += 1
-
-
-def _requested_bytes(backend) -> int:
-    last = getattr(getattr(backend, "_native", None), "last_oom_request", None)
-    return int(last()) if last else 0

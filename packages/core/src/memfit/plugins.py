@@ -210,9 +210,7 @@ class Hooks:
         else:
             spec = specs.get(name.lower())
             if spec is None:
-                raise MemfitError(
-                    f"unknown backend {name!r}; installed backends: {', '.join(sorted(specs)) or 'none'}"
-                )
+                raise MemfitError(f"unknown backend {name!r}; installed backends: {', '.join(sorted(specs)) or 'none'}")
             if not spec.is_available():
                 raise MemfitError(f"backend {spec.name!r} is not available on this machine ({spec.description})")
         return spec.factory(**options)
@@ -279,9 +277,7 @@ class Hooks:
         if not feasible:
             planners = ", ".join(sorted(self.planners())) or "none installed (pip install memfit-policies)"
             rejected = "; ".join(f"{p.planner}: peak {p.predicted.peak_bytes} B" for p in plans) or "no proposals"
-            raise MemfitError(
-                f"no plan fits a budget of {problem.budget_bytes} B (planners: {planners}; {rejected})"
-            )
+            raise MemfitError(f"no plan fits a budget of {problem.budget_bytes} B (planners: {planners}; {rejected})")
         return min(feasible, key=lambda p: (p.predicted.overhead_seconds, p.predicted.peak_bytes))
 
 
@@ -307,4 +303,3 @@ def get_hooks() -> Hooks:
 def reset_hooks() -> None:
     """Forget the process-wide plugin manager (tests; after installing a plugin at runtime)."""
     _default_hooks.cache_clear()
-

@@ -41,6 +41,7 @@ def _accelerator_available() -> bool:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip ``gpu`` tests without an accelerator and ``npu`` tests without torch_npu."""
     needs_gpu = [item for item in items if item.get_closest_marker("gpu")]
     if needs_gpu and not _accelerator_available():
         skip = pytest.mark.skip(reason="no accelerator (torch.accelerator.is_available() is False)")
@@ -61,6 +62,7 @@ def plugin_manager():
 
 @pytest.fixture
 def hooks(plugin_manager) -> Hooks:
+    """The typed facade over ``plugin_manager``."""
     return Hooks(plugin_manager)
 
 
@@ -92,6 +94,7 @@ def register_plugin(plugin_manager):
 
 @pytest.fixture
 def cpu_sim():
+    """A cpu-sim backend with a 1 GiB capacity, closed after the test."""
     from memfit.backends.cpu_sim import CpuSimBackend
 
     backend = CpuSimBackend(capacity="1GiB")

@@ -230,7 +230,9 @@ class Trace:
         """(op index, tensor row) for every input or output reference, sorted by op index."""
         counts_in = np.diff(self.ops.inputs_offsets)
         counts_out = np.diff(self.ops.outputs_offsets)
-        ops = np.concatenate([np.repeat(np.arange(self.n_ops), counts_in), np.repeat(np.arange(self.n_ops), counts_out)])
+        ops = np.concatenate(
+            [np.repeat(np.arange(self.n_ops), counts_in), np.repeat(np.arange(self.n_ops), counts_out)]
+        )
         tensors = np.concatenate([self.ops.inputs_values, self.ops.outputs_values])
         order = np.argsort(ops, kind="stable")
         return ops[order], tensors[order]
@@ -424,7 +426,10 @@ class TraceBuilder:
                 shape_values=shape_val,
             ),
             swaps=SwapTable(
-                op_index=swaps[:, 0], tensor=swaps[:, 1], swap_in=swaps[:, 2].astype(bool), passive=swaps[:, 3].astype(bool)
+                op_index=swaps[:, 0],
+                tensor=swaps[:, 1],
+                swap_in=swaps[:, 2].astype(bool),
+                passive=swaps[:, 3].astype(bool),
             ),
             op_names=tuple(self._op_tokens),
             dtype_names=tuple(self._dtypes),

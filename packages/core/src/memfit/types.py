@@ -16,7 +16,6 @@ if TYPE_CHECKING:
     import click
 
     from memfit.backends.base import Backend
-    from memfit.plan import MemoryPlan
     from memfit.trace import Trace
 
 

@@ -1,4 +1,4 @@
-"""memfit-executor: Applies memory plans in eager PyTorch: fuzzy tensor matching, a swap stream, deferred release, OOM handling with passive swap.
+"""memfit-executor: applies memory plans in eager PyTorch.
 
 Status: package scaffold; the implementation arrives with issue #5.
 """

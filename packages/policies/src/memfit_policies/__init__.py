@@ -1,4 +1,4 @@
-"""memfit-policies: Planners that turn a step trace into a memory plan: the swap policy generator (logical layers, memory reduction list, candidate list, swap simulator); needs no torch.
+"""memfit-policies: planners that turn a step trace into a memory plan, without torch.
 
 Status: package scaffold; the implementation arrives with issue #4.
 """

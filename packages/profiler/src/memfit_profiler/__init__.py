@@ -1,4 +1,4 @@
-"""memfit-profiler: Online operator profiler that can stay on for a whole run: Lightweight mode (operator-sequence tokens), Detailed mode (tensors, memory in use), and the WarmUp → GenPolicy → Stable stage machine.
+"""memfit-profiler: the online operator profiler.
 
 Status: package scaffold; the implementation arrives with issue #3.
 """

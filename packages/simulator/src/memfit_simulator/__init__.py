@@ -1,4 +1,4 @@
-"""memfit-simulator: Predicts a training step before it runs: fake-tensor capture, memory by category, compute/communication time models, pipeline schedules.
+"""memfit-simulator: predicts a training step before it runs.
 
 Status: package scaffold; the implementation arrives with issue #6.
 """

@@ -51,7 +51,12 @@ class AcceleratorBackend(Backend):
     """
 
     def __init__(
-        self, device_type: str | None = None, *, name: str | None = None, capacity: int | str | None = None, index=None
+        self,
+        device_type: str | None = None,
+        *,
+        name: str | None = None,
+        capacity: int | str | None = None,
+        index: int | None = None,
     ):
         import torch
 

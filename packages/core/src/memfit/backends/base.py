@@ -135,6 +135,10 @@ class Backend(abc.ABC):
     def is_oom(self, exc: BaseException) -> bool:
         """Whether ``exc`` is this device's out-of-memory error."""
 
+    def oom_request_bytes(self, exc: BaseException) -> int:
+        """Size of the allocation that failed with ``exc``; 0 when the backend cannot tell."""
+        return 0
+
     # -- execution --------------------------------------------------------------------------
     @abc.abstractmethod
     def synchronize(self) -> None:
@@ -164,7 +168,7 @@ class Backend(abc.ABC):
         """Make this backend the active device for the duration (cpu-sim starts counting)."""
         yield self
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional: most backends hold nothing to release
         """Release threads and resources held by the backend."""
 
     def __repr__(self) -> str:

@@ -166,7 +166,9 @@ class CpuSimBackend(Backend):
         self._capacity = parse_size(capacity, what="cpu-sim capacity")
         bandwidth = parse_size(copy_bandwidth, what="cpu-sim copy bandwidth")
         if self._capacity <= 0 or bandwidth <= 0:
-            raise MemfitError(f"cpu-sim capacity and copy bandwidth must be positive, got {capacity!r}, {copy_bandwidth!r}")
+            raise MemfitError(
+                f"cpu-sim capacity and copy bandwidth must be positive, got {capacity!r}, {copy_bandwidth!r}"
+            )
         self.copy_bandwidth = bandwidth
         self._native = cpu_sim_allocator()
         self._native.install()
@@ -204,6 +206,9 @@ class CpuSimBackend(Backend):
         import torch
 
         return isinstance(exc, torch.OutOfMemoryError)
+
+    def oom_request_bytes(self, exc: BaseException) -> int:
+        return int(self._native.last_oom_request()) if self.is_oom(exc) else 0
 
     @property
     def is_active(self) -> bool:

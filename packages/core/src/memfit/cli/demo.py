@@ -16,6 +16,8 @@ from memfit.errors import MemfitError
 
 @dataclass(frozen=True)
 class DemoResult:
+    """What the demo measured."""
+
     losses: list[float]
     step_seconds: list[float]
     peak_device_bytes: int
@@ -28,7 +30,9 @@ def _oom_as_error(backend) -> Iterator[None]:
         yield
     except Exception as exc:
         if backend.is_oom(exc):
-            raise MemfitError(f"{exc}\nThe demo needs more than --capacity allows; raise it or shrink the batch.") from exc
+            raise MemfitError(
+                f"{exc}\nThe demo needs more than --capacity allows; raise it or shrink the batch."
+            ) from exc
         raise
 
 
@@ -38,25 +42,36 @@ def run_demo(console: Console, *, model: str, steps: int, batch_size: int, seq_l
     from memfit.models import build_training
 
     backend = CpuSimBackend(capacity=capacity)
-    console.print(f"[bold]memfit demo[/]: {model} model, batch {batch_size} x {seq_len} tokens, "
-                  f"on cpu-sim with {format_size(backend.capacity_bytes)}")
+    console.print(
+        f"[bold]memfit demo[/]: {model} model, batch {batch_size} x {seq_len} tokens, "
+        f"on cpu-sim with {format_size(backend.capacity_bytes)}"
+    )
     table = Table("step", "loss", "step time", "peak device memory")
     with backend.activate(), _oom_as_error(backend):
         run = build_training(model, batch_size=batch_size, seq_len=seq_len, device=backend.device)
         losses: list[float] = []
         step_peaks: list[int] = []
-        with Progress(TextColumn("training"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                      TimeElapsedColumn(), console=console, transient=True) as progress:
+        with Progress(
+            TextColumn("training"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total}"),
+            TimeElapsedColumn(),
+            console=console,
+            transient=True,
+        ) as progress:
             task = progress.add_task("train", total=steps)
             for step in range(steps):
                 backend.reset_peak_memory_stats()
                 losses.append(run.step())
                 step_peaks.append(backend.max_memory_allocated())
-                table.add_row(str(step), f"{losses[-1]:.4f}", f"{run.step_seconds[-1] * 1e3:.1f} ms",
-                              format_size(step_peaks[-1]))
+                table.add_row(
+                    str(step), f"{losses[-1]:.4f}", f"{run.step_seconds[-1] * 1e3:.1f} ms", format_size(step_peaks[-1])
+                )
                 progress.advance(task)
     console.print(table)
     result = DemoResult(losses, run.step_seconds, max(step_peaks), backend.capacity_bytes)
-    console.print(f"final loss {losses[-1]:.4f}; peak device memory {format_size(result.peak_device_bytes)} "
-                  f"of {format_size(backend.capacity_bytes)}")
+    console.print(
+        f"final loss {losses[-1]:.4f}; peak device memory {format_size(result.peak_device_bytes)} "
+        f"of {format_size(backend.capacity_bytes)}"
+    )
     return result

@@ -84,7 +84,8 @@ PRESETS: dict[str, LlamaConfig] = {
     "tiny": LlamaConfig(),
     # benchmarks: a step of batch 8 x 256 takes ~0.1-0.5 s on 2 CPU cores
     "small": LlamaConfig(vocab_size=2048, dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=688, max_seq_len=1024),
-    "medium": LlamaConfig(vocab_size=8192, dim=512, n_layers=8, n_heads=8, n_kv_heads=4, ffn_dim=1376, max_seq_len=2048),
+    "medium": LlamaConfig(vocab_size=8192, dim=512, n_layers=8, n_heads=8, n_kv_heads=4, ffn_dim=1376,
+                          max_seq_len=2048),
     # published shapes, for simulation on fake tensors
     "llama2-7b": LlamaConfig(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, ffn_dim=11008,
                              max_seq_len=4096, norm_eps=1e-5),
@@ -94,6 +95,8 @@ PRESETS: dict[str, LlamaConfig] = {
 
 
 class RMSNorm(nn.Module):
+    """Root-mean-square layer norm with a learned scale."""
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
@@ -106,7 +109,7 @@ class RMSNorm(nn.Module):
 
 
 def rotary_tables(config: LlamaConfig, seq_len: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables of shape (seq_len, head_dim / 2)."""
+    """Cos and sin tables of shape (seq_len, head_dim / 2)."""
     half = config.head_dim // 2
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, half, device=device, dtype=torch.float32) / half))
     angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
@@ -122,6 +125,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class Attention(nn.Module):
+    """Causal grouped-query self-attention with rotary embeddings."""
+
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.config = config
@@ -147,6 +152,8 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
+    """SwiGLU feed-forward: w2(silu(w1 x) * w3 x)."""
+
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.w1 = nn.Linear(config.dim, config.ffn_dim, bias=False)  # gate
@@ -158,6 +165,8 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
+    """Pre-norm decoder block: attention then feed-forward, each residual."""
+
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(config.dim, config.norm_eps)

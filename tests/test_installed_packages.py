@@ -1,0 +1,41 @@
+"""Composition: every monorepo package installed together."""
+
+import importlib.metadata
+
+import pytest
+from memfit.plugins import Hooks, build_plugin_manager
+
+from .conftest import REPO, run_memfit
+
+PACKAGES = sorted(p.name for p in (REPO / "packages").iterdir() if (p / "pyproject.toml").exists())
+
+
+def test_all_packages_load_together_without_conflicts():
+    hooks = Hooks(build_plugin_manager())
+    hooks.pm.check_pending()
+    hooks.backends(), hooks.planners(), hooks.commands()  # duplicate names would raise
+
+
+@pytest.mark.parametrize("package", [p for p in PACKAGES if p != "core"])
+def test_each_package_is_a_plugin_of_its_own_distribution(package):
+    infos = {i.name: i for i in Hooks(build_plugin_manager()).plugin_infos()}
+    assert infos[package].distribution == f"memfit-{package}"
+    assert infos[package].version == importlib.metadata.version(f"memfit-{package}")
+
+
+def test_memfit_plugins_lists_every_builtin_plugin_with_its_distribution():
+    result = run_memfit("plugins", env_extra={"COLUMNS": "200"})
+    assert result.returncode == 0, result.stderr
+    rows = {line.split("│")[1].strip(): line for line in result.stdout.splitlines() if line.count("│") >= 4}
+    for builtin in ("memfit.backends.cpu_sim", "memfit.backends.accelerator", "memfit.oom"):
+        assert " memfit " in rows[builtin]
+    for package in PACKAGES:
+        if package != "core":
+            assert f"memfit-{package}" in rows[package]
+
+
+def test_memfit_version_and_demo_from_the_console_script():
+    assert run_memfit("--version").stdout.startswith("memfit, version")
+    result = run_memfit("demo", "--steps", "2", "--seq-len", "16")
+    assert result.returncode == 0, result.stderr
+    assert "final loss" in result.stdout

@@ -1,0 +1,36 @@
+"""Meta-tests: every hookspec is documented and tested; the README and CI agree."""
+
+import re
+
+import pytest
+from memfit.hookspecs import HOOKSPEC_CLASSES, hook_names
+
+from .conftest import REPO
+
+HOOKS_PAGE = REPO / "docs" / "plugins" / "hooks.md"
+
+
+def all_test_sources():
+    return "\n".join(p.read_text() for p in REPO.glob("**/test_*.py") if ".venv" not in p.parts)
+
+
+@pytest.mark.parametrize("hook", hook_names())
+def test_hookspec_is_documented(hook):
+    page = HOOKS_PAGE.read_text()
+    assert re.search(rf"^### `{hook}\(", page, re.M), f"docs/plugins/hooks.md needs a '### `{hook}(...)`' heading"
+    spec = next(getattr(cls, hook) for cls in HOOKSPEC_CLASSES if hasattr(cls, hook))
+    assert "@hookimpl" in spec.__doc__, f"{hook}'s docstring must carry a complete example plugin"
+
+
+@pytest.mark.parametrize("hook", hook_names())
+def test_hookspec_has_a_test(hook):
+    assert re.search(rf"def test_hook_{hook}\b", all_test_sources()), f"write a test named test_hook_{hook}"
+
+
+def test_ci_runs_the_readme_test_command_verbatim():
+    readme = (REPO / "README.md").read_text()
+    commands = re.findall(r"```bash\n(.*?)```", readme.split("## Quickstart", 1)[1].split("\n## ", 1)[0], re.S)
+    lines = [line for block in commands for line in block.strip().splitlines() if not line.startswith("#")]
+    assert len(lines) == 2, f"the quickstart must be exactly two commands, found {lines}"
+    ci = (REPO / ".ci" / "run").read_text()
+    assert lines[1] in ci.splitlines(), "the README's test command must appear verbatim as a line of .ci/run"

@@ -1,0 +1,29 @@
+"""Every recipe script in docs/recipes runs as a user would run it."""
+
+import pytest
+
+from .conftest import REPO, run_python
+
+RECIPES = sorted((REPO / "docs" / "recipes").glob("*.py"))
+EXPECTED_OUTPUT = {
+    "write_a_plugin.py": ["allocated 32 MiB after the plugin dropped the cache; cache entries left: 0"],
+}
+
+
+def test_every_recipe_is_checked():
+    assert RECIPES, "no recipe scripts found"
+    assert {r.name for r in RECIPES} == set(EXPECTED_OUTPUT)
+
+
+@pytest.mark.parametrize("script", RECIPES, ids=lambda p: p.name)
+def test_recipe_runs(script):
+    result = run_python(str(script))
+    assert result.returncode == 0, result.stderr
+    for line in EXPECTED_OUTPUT[script.name]:
+        assert line in result.stdout
+
+
+@pytest.mark.parametrize("script", RECIPES, ids=lambda p: p.name)
+def test_recipe_page_includes_its_script(script):
+    pages = "\n".join(p.read_text() for p in (REPO / "docs" / "recipes").glob("*.md"))
+    assert f'--8<-- "docs/recipes/{script.name}"' in pages
