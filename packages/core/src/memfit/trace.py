@@ -327,7 +327,8 @@ class Trace:
         )
 
 
-def _csr(rows: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
+def to_csr(rows: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Ragged integer rows as (offsets, values): row ``i`` is ``values[offsets[i]:offsets[i + 1]]``."""
     lengths = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
     offsets = np.zeros(len(rows) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
@@ -398,10 +399,10 @@ class TraceBuilder:
     def build(self, *, step_seconds: float) -> Trace:
         """Freeze the rows into a validated, columnar :class:`Trace`."""
         ops = np.array(self._ops, dtype=object).reshape(-1, 4)
-        in_off, in_val = _csr(self._op_inputs)
-        out_off, out_val = _csr(self._op_outputs)
+        in_off, in_val = to_csr(self._op_inputs)
+        out_off, out_val = to_csr(self._op_outputs)
         tens = np.array(self._tensors, dtype=np.int64).reshape(-1, 6)
-        shape_off, shape_val = _csr(self._shapes)
+        shape_off, shape_val = to_csr(self._shapes)
         swaps = np.array(self._swaps, dtype=np.int64).reshape(-1, 4)
         return Trace(
             ops=OpTable(

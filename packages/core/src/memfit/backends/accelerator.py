@@ -117,6 +117,9 @@ class AcceleratorBackend(Backend):
         self._mem.empty_cache()
         return max(0, before - self.memory_reserved())
 
+    def native_memory_source(self) -> tuple[str, int]:
+        return ("device", int(self._device.index or 0))
+
     def is_oom(self, exc: BaseException) -> bool:
         import torch
 

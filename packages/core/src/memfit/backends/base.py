@@ -131,6 +131,15 @@ class Backend(abc.ABC):
         g = self.allocation_granularity
         return -(-nbytes // g) * g if g > 1 else nbytes
 
+    def native_memory_source(self) -> tuple[str, int] | None:
+        """Where native code (the profiler's recorder) reads live device bytes without calling Python.
+
+        ``("counter", address)``: an ``std::atomic<int64_t>`` at ``address`` (cpu-sim);
+        ``("device", index)``: the device allocator's statistics for ``(device_type, index)``;
+        ``None``: not available.
+        """
+        return None
+
     @abc.abstractmethod
     def is_oom(self, exc: BaseException) -> bool:
         """Whether ``exc`` is this device's out-of-memory error."""

@@ -207,6 +207,9 @@ class CpuSimBackend(Backend):
 
         return isinstance(exc, torch.OutOfMemoryError)
 
+    def native_memory_source(self) -> tuple[str, int]:
+        return ("counter", int(self._native.counter_address()))
+
     def oom_request_bytes(self, exc: BaseException) -> int:
         return int(self._native.last_oom_request()) if self.is_oom(exc) else 0
 

@@ -71,7 +71,9 @@ def load_extension(name: str, sources: tuple[str | os.PathLike[str], ...]) -> Mo
             name=module_name,
             sources=[str(p) for p in paths],
             build_directory=str(build_dir),
-            extra_cflags=["-O2"],
+            # NDEBUG as in torch's own release build: its headers hold debug-only checks of state that
+            # only a debug build of torch maintains.
+            extra_cflags=["-O2", "-DNDEBUG"],
             verbose=os.environ.get("MEMFIT_NATIVE_VERBOSE") == "1",
         )
     except Exception as exc:  # compilation errors surface as RuntimeError/CalledProcessError

@@ -126,6 +126,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("current", []() { return g_current.load(); });
   m.def("peak", []() { return g_peak.load(); });
   m.def("reset_peak", []() { g_peak.store(g_current.load()); });
+  // Lets other native code (memfit-profiler) read live bytes without a Python call per operator.
+  m.def("counter_address", []() { return reinterpret_cast<int64_t>(&g_current); });
   m.def("num_allocs", []() { return g_num_allocs.load(); });
   m.def("num_ooms", []() { return g_num_ooms.load(); });
   m.def("last_oom_request", []() { return g_last_oom_request.load(); });

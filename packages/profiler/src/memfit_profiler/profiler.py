@@ -1,0 +1,353 @@
+"""The online profiler: watches every iteration of a training run, cheaply, and traces the ones that matter.
+
+It records each iteration's operator sequence as integer tokens (Lightweight mode) and runs the
+stage machine on it; while the stage is GenPolicy it records in Detailed mode and turns each
+iteration into a :class:`memfit.trace.Trace`. Iterations end at an optimizer step (global
+optimizer hooks, so unmodified scripts work), at an explicit :meth:`OnlineProfiler.step`, or at
+the first forward operator after a backward pass with no optimizer step in between (a
+loss-scaler skip).
+
+Example:
+    ```python
+    from memfit.backends.cpu_sim import CpuSimBackend
+    from memfit.models import build_training
+    from memfit_profiler import OnlineProfiler
+
+    backend = CpuSimBackend(capacity="1GiB")
+    with backend.activate(), OnlineProfiler(backend) as profiler:
+        run = build_training("tiny")
+        for _ in range(10):
+            run.step()                      # the optimizer step ends each iteration
+    print(profiler.stage, len(profiler.traces))
+    trace = profiler.traces[-1]             # a Detailed-mode iteration
+    ```
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+from memfit.errors import MemfitError
+from memfit.features import tensor_features
+from memfit.plugins import Hooks, get_hooks
+from memfit.trace import OpTable, SwapTable, TensorTable, Trace
+from memfit.types import OpDispatchEvent, Phase
+from memfit_profiler.recorder import DETAILED, LIGHTWEIGHT, OFF, RawIteration, make_recorder
+from memfit_profiler.stages import Observation, Similarity, Stage, StageMachine
+
+log = logging.getLogger("memfit.profiler")
+
+ModeChoice = Literal["auto", "lightweight", "detailed"]
+_active_lock = threading.Lock()
+_active: OnlineProfiler | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class IterationRecord:
+    """One profiled iteration."""
+
+    index: int
+    n_ops: int
+    seconds: float
+    """Wall time; split by operator count among iterations that ended without an optimizer step."""
+    stage: Stage
+    """The stage the iteration ran in."""
+    detailed: bool
+    phase_ops: tuple[int, int, int]
+    """Operators in forward, backward and optimizer phases."""
+    similarity: Similarity
+    next_stage: Stage
+    ended_by: Literal["optimizer", "explicit", "backward-to-forward"]
+
+
+class OnlineProfiler:
+    """Profile a training run online. Use as a context manager (or :meth:`start` / :meth:`stop`).
+
+    Args:
+        backend: the backend whose device memory is read after each operator in Detailed mode
+            (and whose device tensors are recorded); ``None`` records no memory.
+        m: stable iterations before GenPolicy (Algorithm 1; paper: 2).
+        n: stable iterations in GenPolicy before Stable (paper: 5).
+        mode: ``auto`` follows the stages (Detailed in GenPolicy only); ``lightweight`` or
+            ``detailed`` force one mode for every iteration.
+        length_tolerance: see :class:`~memfit_profiler.stages.StageMachine`.
+        cosine_threshold: see :class:`~memfit_profiler.stages.StageMachine`.
+        model: a module whose parameters and buffers are marked as such in traces (optimizer
+            parameters, gradients and states are marked without it).
+        hooks: plugin hooks to deliver ``on_op_dispatch`` to (default: the installed plugins).
+        keep_traces: how many Detailed traces to keep (oldest dropped first).
+        prefer_native: use the native recorder when it can be built.
+    """
+
+    def __init__(
+        self,
+        backend: Any = None,
+        *,
+        m: int = 2,
+        n: int = 5,
+        mode: ModeChoice = "auto",
+        length_tolerance: float = 0.05,
+        cosine_threshold: float = 0.95,
+        model: torch.nn.Module | None = None,
+        hooks: Hooks | None = None,
+        keep_traces: int = 16,
+        prefer_native: bool = True,
+    ) -> None:
+        if mode not in ("auto", "lightweight", "detailed"):
+            raise MemfitError(f"mode must be 'auto', 'lightweight' or 'detailed', got {mode!r}")
+        self.backend = backend
+        self.mode = mode
+        self.machine = StageMachine(m=m, n=n, length_tolerance=length_tolerance, cosine_threshold=cosine_threshold)
+        self.model = model
+        self.hooks = hooks
+        self.keep_traces = keep_traces
+        self.recorder = make_recorder(prefer_native)
+        self.iterations: list[IterationRecord] = []
+        self.observations: list[Observation] = []
+        self.traces: list[Trace] = []
+        self.peak_device_bytes = 0
+        self._listeners: list[Callable[[Observation], None]] = []
+        self._static_keys: set[int] = set()
+        self._handles: list[Any] = []
+        self._detailed = False
+        self._started_at = 0.0
+        self._running = False
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> OnlineProfiler:
+        """Install the recorder and the optimizer hooks; the first iteration starts now.
+
+        Raises:
+            MemfitError: another OnlineProfiler is running in this process.
+        """
+        global _active
+        with _active_lock:
+            if _active is not None:
+                raise MemfitError("an OnlineProfiler is already running in this process; stop it first")
+            _active = self
+        if self.model is not None:
+            self._static_keys.update(_storage_keys([*self.model.parameters(), *self.model.buffers()]))
+        self.recorder.set_memory_source(self.backend)
+        self.recorder.install()
+        self._handles = [
+            register_optimizer_step_pre_hook(self._before_optimizer_step),
+            register_optimizer_step_post_hook(self._after_optimizer_step),
+        ]
+        self._running = True
+        self._begin_iteration()
+        return self
+
+    def stop(self) -> None:
+        """Remove the hooks and the recorder. Operators after the last boundary are dropped."""
+        global _active
+        if not self._running:
+            return
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self.recorder.set_mode(OFF)
+        trailing = self.recorder.take()
+        if trailing.tokens.size:
+            log.debug("memfit-profiler: %d operators after the last iteration boundary not counted", trailing.tokens.size)
+        self.recorder.uninstall()
+        self._running = False
+        with _active_lock:
+            _active = None
+
+    def __enter__(self) -> OnlineProfiler:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- observation -------------------------------------------------------------------------
+    @property
+    def stage(self) -> Stage:
+        """The stage the current iteration runs in."""
+        return self.machine.stage
+
+    @property
+    def is_detailed(self) -> bool:
+        """Whether the current iteration is recorded in Detailed mode."""
+        return self._detailed
+
+    def add_stage_listener(self, listener: Callable[[Observation], None]) -> None:
+        """Call ``listener(observation)`` after every iteration whose stage differs from the one before."""
+        self._listeners.append(listener)
+
+    def step(self) -> None:
+        """End the current iteration explicitly (for loops without a torch optimizer)."""
+        self._end_iteration("explicit")
+
+    def record_swap(self, tensor: torch.Tensor, *, swap_in: bool, passive: bool) -> None:
+        """Log a swap that just happened, so the trace can rebuild the no-swap memory curve."""
+        self.recorder.record_swap(tensor, swap_in, passive)
+
+    # -- iteration boundaries ----------------------------------------------------------------
+    def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self.recorder.set_optimizer_phase(True)
+
+    def _after_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self.recorder.set_optimizer_phase(False)
+        self._static_keys.update(_optimizer_storage_keys(optimizer))
+        self._end_iteration("optimizer")
+
+    def _begin_iteration(self) -> None:
+        if self.mode == "auto":
+            self._detailed = self.machine.stage is Stage.GENPOLICY
+        else:
+            self._detailed = self.mode == "detailed"
+        self.recorder.set_mode(DETAILED if self._detailed else LIGHTWEIGHT)
+        if self.backend is not None and self._detailed:
+            self.backend.reset_peak_memory_stats()
+        self._started_at = time.perf_counter()
+
+    def _end_iteration(self, ended_by: Literal["optimizer", "explicit"]) -> None:
+        if not self._running:
+            raise MemfitError("the profiler is not running; use it as a context manager or call start()")
+        if self._detailed and self.backend is not None:
+            self.backend.synchronize()  # the step's wall time includes its device work
+        seconds = time.perf_counter() - self._started_at
+        self.recorder.set_mode(OFF)  # memfit's own bookkeeping below is not part of the program
+        raw = self.recorder.take()
+        if self.backend is not None:
+            self.peak_device_bytes = max(self.peak_device_bytes, self.backend.max_memory_allocated())
+        self._process(raw, seconds, ended_by)
+        self._begin_iteration()
+
+    def _process(self, raw: RawIteration, seconds: float, ended_by: Literal["optimizer", "explicit"]) -> None:
+        cuts = [0, *raw.boundaries.tolist(), raw.tokens.size]
+        segments = [(a, b) for a, b in zip(cuts, cuts[1:], strict=False) if b > a]
+        if not segments:
+            return
+        for i, (a, b) in enumerate(segments):
+            tokens, phases = raw.tokens[a:b], raw.phases[a:b]
+            ran_in, detailed = self.machine.stage, self._detailed
+            obs = self.machine.observe(tokens)
+            self.observations.append(obs)
+            last = i == len(segments) - 1
+            record = IterationRecord(
+                index=len(self.iterations),
+                n_ops=int(tokens.size),
+                seconds=seconds * tokens.size / raw.tokens.size,
+                stage=ran_in,
+                detailed=detailed,
+                phase_ops=tuple(int(np.count_nonzero(phases == p)) for p in (0, 1, 2)),  # type: ignore[arg-type]
+                similarity=obs.similarity,
+                next_stage=obs.stage,
+                ended_by=ended_by if last else "backward-to-forward",
+            )
+            self.iterations.append(record)
+            if detailed and raw.detail is not None and len(segments) == 1:
+                self._keep_trace(self._build_trace(raw, seconds, record.index))
+            elif detailed and raw.detail is not None and last:
+                log.info("memfit-profiler: iteration %d had no optimizer step; its detailed record is dropped", record.index)
+            if obs.changed:
+                for listener in self._listeners:
+                    listener(obs)
+
+    # -- traces ------------------------------------------------------------------------------
+    def _keep_trace(self, trace: Trace) -> None:
+        self.traces.append(trace)
+        del self.traces[: max(0, len(self.traces) - self.keep_traces)]
+        callbacks = (self.hooks or get_hooks()).op_dispatch_callbacks()
+        if callbacks:
+            _deliver(trace, callbacks)
+
+    def _build_trace(self, raw: RawIteration, seconds: float, iteration: int) -> Trace:
+        d = raw.detail
+        assert d is not None
+        n_ops = int(d["device_bytes"].size)
+        tokens = raw.tokens[raw.detail_base : raw.detail_base + n_ops]
+        phases = raw.phases[raw.detail_base : raw.detail_base + n_ops]
+        dtype_names, dtype_codes = np.unique(d["dtype_names"], return_inverse=True)
+        n_tensors = int(d["nbytes"].size)
+        ops = OpTable(
+            token=tokens,
+            phase=phases,
+            device_bytes=d["device_bytes"],
+            duration_s=np.full(n_ops, np.nan),
+            inputs_offsets=d["inputs_offsets"],
+            inputs_values=d["inputs_values"],
+            outputs_offsets=d["outputs_offsets"],
+            outputs_values=d["outputs_values"],
+        )
+        keep = (d["swap_op"] >= 0) & (d["swap_op"] < n_ops)
+        swaps = SwapTable(
+            op_index=d["swap_op"][keep],
+            tensor=d["swap_row"][keep],
+            swap_in=d["swap_in"][keep].astype(bool),
+            passive=d["swap_passive"][keep].astype(bool),
+        )
+        zeros = np.zeros(n_tensors, dtype=np.int64)
+        tensors = TensorTable(
+            storage_id=d["storage_keys"],
+            nbytes=d["nbytes"],
+            dtype=dtype_codes,
+            is_param=np.isin(d["storage_keys"], np.fromiter(self._static_keys, dtype=np.int64)),
+            op_count=zeros,
+            op_tag=zeros,
+            op_call_stack=zeros,
+            shape_offsets=d["shape_offsets"],
+            shape_values=d["shape_values"],
+        )
+        trace = Trace(
+            ops=ops,
+            tensors=tensors,
+            swaps=swaps,
+            op_names=tuple(self.recorder.names()),
+            dtype_names=tuple(str(n) for n in dtype_names),
+            step_seconds=seconds,
+            capacity_bytes=self.backend.capacity_bytes if self.backend is not None else 0,
+            source="measured",
+            backend=self.backend.name if self.backend is not None else "",
+            iteration=iteration,
+        )
+        use_ops, use_tensors = trace.tensor_uses()
+        count, tag, stack = tensor_features(tokens, phases, use_ops, use_tensors, n_tensors)
+        return dataclasses.replace(
+            trace, tensors=dataclasses.replace(tensors, op_count=count, op_tag=tag, op_call_stack=stack)
+        )
+
+
+def _deliver(trace: Trace, callbacks: tuple[Callable[[OpDispatchEvent], None], ...]) -> None:
+    """Hand a Detailed iteration's operators to ``on_op_dispatch`` plugins, in dispatch order."""
+    sid = trace.tensors.storage_id
+    for i in range(trace.n_ops):
+        event = OpDispatchEvent(
+            op_index=i,
+            token=int(trace.ops.token[i]),
+            name=trace.op_name(i),
+            phase=Phase(int(trace.ops.phase[i])),
+            inputs=tuple(int(s) for s in sid[trace.op_inputs(i)]),
+            outputs=tuple(int(s) for s in sid[trace.op_outputs(i)]),
+            device_bytes=int(trace.ops.device_bytes[i]),
+        )
+        for callback in callbacks:
+            callback(event)
+
+
+def _storage_keys(tensors: Iterable[torch.Tensor]) -> set[int]:
+    return {int(t.untyped_storage()._cdata) for t in tensors if t is not None}
+
+
+def _optimizer_storage_keys(optimizer: torch.optim.Optimizer) -> set[int]:
+    """Parameters, their gradients and optimizer states: static memory, never swap candidates."""
+    tensors: list[torch.Tensor] = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            tensors.append(p)
+            if p.grad is not None:
+                tensors.append(p.grad)
+            tensors.extend(v for v in optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor))
+    return _storage_keys(tensors)
