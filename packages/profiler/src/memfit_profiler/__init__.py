@@ -5,21 +5,30 @@
 (:mod:`memfit_profiler.stages`), and while in GenPolicy records operators, tensors and device
 memory in Detailed mode, producing :class:`memfit.trace.Trace` objects. Recording is native (an
 ``at::RecordFunction`` callback), with a Python fallback when no compiler is available.
+
+Names are imported on first use, so that ``memfit`` can list this package's command without
+importing torch.
 """
 
-from memfit_profiler.__about__ import __version__
-from memfit_profiler.profiler import IterationRecord, OnlineProfiler
-from memfit_profiler.recorder import storage_key
-from memfit_profiler.stages import Observation, Similarity, Stage, StageMachine, similarity
+import importlib
 
-__all__ = [
-    "IterationRecord",
-    "Observation",
-    "OnlineProfiler",
-    "Similarity",
-    "Stage",
-    "StageMachine",
-    "__version__",
-    "similarity",
-    "storage_key",
-]
+from memfit_profiler.__about__ import __version__
+
+_EXPORTS = {
+    "IterationRecord": "memfit_profiler.profiler",
+    "OnlineProfiler": "memfit_profiler.profiler",
+    "storage_key": "memfit_profiler.recorder",
+    "Observation": "memfit_profiler.stages",
+    "Similarity": "memfit_profiler.stages",
+    "Stage": "memfit_profiler.stages",
+    "StageMachine": "memfit_profiler.stages",
+    "similarity": "memfit_profiler.stages",
+}
+
+__all__ = ["__version__", *_EXPORTS]
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'memfit_profiler' has no attribute {name!r}")

@@ -35,13 +35,13 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
-
 from memfit.errors import MemfitError
 from memfit.features import tensor_features
 from memfit.plugins import Hooks, get_hooks
 from memfit.trace import OpTable, SwapTable, TensorTable, Trace
 from memfit.types import OpDispatchEvent, Phase
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
 from memfit_profiler.recorder import DETAILED, LIGHTWEIGHT, OFF, RawIteration, make_recorder
 from memfit_profiler.stages import Observation, Similarity, Stage, StageMachine
 
@@ -60,6 +60,9 @@ class IterationRecord:
     n_ops: int
     seconds: float
     """Wall time; split by operator count among iterations that ended without an optimizer step."""
+    peak_device_bytes: int
+    """The backend's peak over the iteration (shared by iterations split at a skipped optimizer step);
+    -1 without a backend."""
     stage: Stage
     """The stage the iteration ran in."""
     detailed: bool
@@ -75,7 +78,9 @@ class OnlineProfiler:
 
     Args:
         backend: the backend whose device memory is read after each operator in Detailed mode
-            (and whose device tensors are recorded); ``None`` records no memory.
+            (and whose device tensors are recorded); ``None`` records no memory. The profiler
+            resets the backend's peak statistic at every iteration boundary, to report
+            per-iteration peaks; the run's peak is :attr:`peak_device_bytes`.
         m: stable iterations before GenPolicy (Algorithm 1; paper: 2).
         n: stable iterations in GenPolicy before Stable (paper: 5).
         mode: ``auto`` follows the stages (Detailed in GenPolicy only); ``lightweight`` or
@@ -114,7 +119,7 @@ class OnlineProfiler:
         self.recorder = make_recorder(prefer_native)
         self.iterations: list[IterationRecord] = []
         self.observations: list[Observation] = []
-        self.traces: list[Trace] = []
+        self._traces: list[Trace | tuple[RawIteration, float, int, frozenset[int]]] = []
         self.peak_device_bytes = 0
         self._listeners: list[Callable[[Observation], None]] = []
         self._static_keys: set[int] = set()
@@ -158,7 +163,9 @@ class OnlineProfiler:
         self.recorder.set_mode(OFF)
         trailing = self.recorder.take()
         if trailing.tokens.size:
-            log.debug("memfit-profiler: %d operators after the last iteration boundary not counted", trailing.tokens.size)
+            log.debug(
+                "memfit-profiler: %d operators after the last iteration boundary not counted", trailing.tokens.size
+            )
         self.recorder.uninstall()
         self._running = False
         with _active_lock:
@@ -175,6 +182,17 @@ class OnlineProfiler:
     def stage(self) -> Stage:
         """The stage the current iteration runs in."""
         return self.machine.stage
+
+    @property
+    def traces(self) -> list[Trace]:
+        """The Detailed-mode iterations as traces, oldest first (at most ``keep_traces``).
+
+        Traces are assembled from the recorded columns when first asked for, not at the end of
+        the iteration, so that assembling them (matching features, validation) does not lengthen
+        the training step; ``on_op_dispatch`` plugins, when any are installed, get theirs at once.
+        """
+        self._traces = [t if isinstance(t, Trace) else self._build_trace(*t) for t in self._traces]
+        return list(self._traces)  # type: ignore[arg-type]
 
     @property
     def is_detailed(self) -> bool:
@@ -199,7 +217,8 @@ class OnlineProfiler:
 
     def _after_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.recorder.set_optimizer_phase(False)
-        self._static_keys.update(_optimizer_storage_keys(optimizer))
+        if self._detailed:  # only Detailed traces mark static storages; skip the walk otherwise
+            self._static_keys.update(_optimizer_storage_keys(optimizer))
         self._end_iteration("optimizer")
 
     def _begin_iteration(self) -> None:
@@ -208,7 +227,8 @@ class OnlineProfiler:
         else:
             self._detailed = self.mode == "detailed"
         self.recorder.set_mode(DETAILED if self._detailed else LIGHTWEIGHT)
-        if self.backend is not None and self._detailed:
+        if self.backend is not None:
+            # per-iteration peaks; the run's peak is kept in self.peak_device_bytes
             self.backend.reset_peak_memory_stats()
         self._started_at = time.perf_counter()
 
@@ -220,12 +240,14 @@ class OnlineProfiler:
         seconds = time.perf_counter() - self._started_at
         self.recorder.set_mode(OFF)  # memfit's own bookkeeping below is not part of the program
         raw = self.recorder.take()
-        if self.backend is not None:
-            self.peak_device_bytes = max(self.peak_device_bytes, self.backend.max_memory_allocated())
-        self._process(raw, seconds, ended_by)
+        peak = self.backend.max_memory_allocated() if self.backend is not None else -1
+        self.peak_device_bytes = max(self.peak_device_bytes, peak)
+        self._process(raw, seconds, peak, ended_by)
         self._begin_iteration()
 
-    def _process(self, raw: RawIteration, seconds: float, ended_by: Literal["optimizer", "explicit"]) -> None:
+    def _process(
+        self, raw: RawIteration, seconds: float, peak: int, ended_by: Literal["optimizer", "explicit"]
+    ) -> None:
         cuts = [0, *raw.boundaries.tolist(), raw.tokens.size]
         segments = [(a, b) for a, b in zip(cuts, cuts[1:], strict=False) if b > a]
         if not segments:
@@ -240,6 +262,7 @@ class OnlineProfiler:
                 index=len(self.iterations),
                 n_ops=int(tokens.size),
                 seconds=seconds * tokens.size / raw.tokens.size,
+                peak_device_bytes=peak,
                 stage=ran_in,
                 detailed=detailed,
                 phase_ops=tuple(int(np.count_nonzero(phases == p)) for p in (0, 1, 2)),  # type: ignore[arg-type]
@@ -249,22 +272,29 @@ class OnlineProfiler:
             )
             self.iterations.append(record)
             if detailed and raw.detail is not None and len(segments) == 1:
-                self._keep_trace(self._build_trace(raw, seconds, record.index))
+                self._keep_trace(raw, seconds, record.index)
             elif detailed and raw.detail is not None and last:
-                log.info("memfit-profiler: iteration %d had no optimizer step; its detailed record is dropped", record.index)
+                log.info(
+                    "memfit-profiler: iteration %d had no optimizer step; its detailed record is dropped", record.index
+                )
             if obs.changed:
                 for listener in self._listeners:
                     listener(obs)
 
     # -- traces ------------------------------------------------------------------------------
-    def _keep_trace(self, trace: Trace) -> None:
-        self.traces.append(trace)
-        del self.traces[: max(0, len(self.traces) - self.keep_traces)]
+    def _keep_trace(self, raw: RawIteration, seconds: float, iteration: int) -> None:
         callbacks = (self.hooks or get_hooks()).op_dispatch_callbacks()
+        # Static storages as of now: a later storage may reuse a freed activation's address.
+        pending = (raw, seconds, iteration, frozenset(self._static_keys))
         if callbacks:
+            trace = self._build_trace(*pending)
             _deliver(trace, callbacks)
+            self._traces.append(trace)
+        else:
+            self._traces.append(pending)
+        del self._traces[: max(0, len(self._traces) - self.keep_traces)]
 
-    def _build_trace(self, raw: RawIteration, seconds: float, iteration: int) -> Trace:
+    def _build_trace(self, raw: RawIteration, seconds: float, iteration: int, static_keys: frozenset[int]) -> Trace:
         d = raw.detail
         assert d is not None
         n_ops = int(d["device_bytes"].size)
@@ -294,7 +324,7 @@ class OnlineProfiler:
             storage_id=d["storage_keys"],
             nbytes=d["nbytes"],
             dtype=dtype_codes,
-            is_param=np.isin(d["storage_keys"], np.fromiter(self._static_keys, dtype=np.int64)),
+            is_param=np.isin(d["storage_keys"], np.fromiter(static_keys, dtype=np.int64)),
             op_count=zeros,
             op_tag=zeros,
             op_call_stack=zeros,

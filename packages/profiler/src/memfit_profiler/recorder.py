@@ -18,15 +18,16 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
-
 from memfit.errors import NativeBuildError
 from memfit.trace import to_csr
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 log = logging.getLogger("memfit.profiler")
 
 OFF, LIGHTWEIGHT, DETAILED = 0, 1, 2
+CALLBACK_FLOOR = 3
+"""Native only, for benchmarks: a callback that records nothing: the cost of RecordFunction itself."""
 FWD, BWD, OPT = 0, 1, 2
 
 # c10::ScalarType order, to name the dtype codes the native recorder returns.
@@ -70,13 +71,15 @@ class NativeRecorder:
     def __init__(self) -> None:
         from memfit.native import load_extension
 
-        self._ext = load_extension("memfit_profiler_op_recorder", (Path(__file__).parent / "native" / "op_recorder.cpp",))
+        self._ext = load_extension(
+            "memfit_profiler_op_recorder", (Path(__file__).parent / "native" / "op_recorder.cpp",)
+        )
 
     def install(self) -> None:
-        self._ext.install()
+        pass  # the callback is installed by set_mode, one per mode
 
     def uninstall(self) -> None:
-        self._ext.uninstall()
+        self._ext.set_mode(OFF)
 
     def set_mode(self, mode: int) -> None:
         self._ext.set_mode(mode)
@@ -213,6 +216,8 @@ class PythonRecorder:
         if mode == OFF:
             return func(*args, **kwargs)
         name = func.name()
+        if name.startswith("profiler::"):  # range bookkeeping (e.g. Optimizer.step#...), not computation
+            return func(*args, **kwargs)
         phase = OPT if self._optimizer else (BWD if torch._C._current_graph_task_id() >= 0 else FWD)
         with self._lock:
             index = len(self._tokens)

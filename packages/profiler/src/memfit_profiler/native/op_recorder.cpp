@@ -21,9 +21,11 @@
 #include <torch/csrc/autograd/graph_task.h>
 
 #include <atomic>
+#include <algorithm>
 #include <cstring>
 #include <cstdint>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -41,17 +43,6 @@ struct Row {
   std::vector<int64_t> shape;
 };
 
-struct OpRecord {
-  int64_t device_bytes = -1;
-  std::vector<int64_t> inputs;
-  std::vector<int64_t> outputs;
-};
-
-struct OpContext : public at::ObserverContext {
-  explicit OpContext(int64_t i) : index(i) {}
-  int64_t index;
-};
-
 std::atomic<int> g_mode{OFF};
 std::atomic<bool> g_optimizer{false};
 std::mutex g_lock;
@@ -66,8 +57,11 @@ std::vector<int32_t> g_tokens;
 std::vector<int8_t> g_phases;
 std::vector<int64_t> g_boundaries;
 int8_t g_last_phase = FWD;
-std::vector<OpRecord> g_ops;                          // detailed only; index = op index - g_detail_base
-int64_t g_detail_base = 0;
+// Detailed columns, flat (no allocation per operator). Slot = op index - g_detail_base.
+int64_t g_detail_base = -1;
+std::vector<int64_t> g_device_bytes;                    // per slot, filled when the operator ends
+std::vector<int64_t> g_in_offsets{0}, g_in_rows;        // inputs: recorded in slot order at start
+std::vector<std::pair<int64_t, int64_t>> g_out;         // (slot, row): ends arrive innermost first
 std::vector<Row> g_rows;
 std::unordered_map<c10::StorageImpl*, int64_t> g_row_by_storage;
 std::vector<int64_t> g_swap_op, g_swap_row;
@@ -78,7 +72,8 @@ std::atomic<const std::atomic<int64_t>*> g_counter{nullptr};
 c10::DeviceIndex g_mem_device_index = -1;
 int g_track_device_type = -1;  // record only tensors on this device type (-1: all)
 
-thread_local bool t_draining = false;  // take() builds tensors: its own operators are not the program's
+thread_local bool t_draining = false;
+thread_local std::vector<int64_t> t_open_slots;  // detailed operators running on this thread (LIFO)  // take() builds tensors: its own operators are not the program's
 
 int64_t device_bytes_now() {
   if (auto* counter = g_counter.load(std::memory_order_relaxed)) {
@@ -91,11 +86,24 @@ int64_t device_bytes_now() {
   return -1;
 }
 
+// Direct-mapped cache in front of the maps: the hot path is one array probe and one compare.
+constexpr size_t kCacheSize = 4096;
+struct CacheEntry {
+  const char* name = nullptr;
+  int32_t token = -1;
+};
+CacheEntry g_cache[kCacheSize];
+
 int32_t token_for(const char* name) {
+  CacheEntry& slot = g_cache[(reinterpret_cast<uintptr_t>(name) >> 4) % kCacheSize];
   // Operator names point into their schema and never move; other ranges may build their name in a
   // temporary, so a pointer hit is confirmed by comparing the text.
+  if (slot.name == name && std::strcmp(g_names[slot.token].c_str(), name) == 0) return slot.token;
   auto it = g_token_by_ptr.find(name);
-  if (it != g_token_by_ptr.end() && std::strcmp(g_names[it->second].c_str(), name) == 0) return it->second;
+  if (it != g_token_by_ptr.end() && std::strcmp(g_names[it->second].c_str(), name) == 0) {
+    slot = {name, it->second};
+    return it->second;
+  }
   std::string s(name);
   auto jt = g_token_by_name.find(s);
   int32_t token;
@@ -107,6 +115,7 @@ int32_t token_for(const char* name) {
     token = jt->second;
   }
   g_token_by_ptr[name] = token;
+  slot = {name, token};
   return token;
 }
 
@@ -144,46 +153,89 @@ void collect(const c10::IValue& v, std::vector<int64_t>& out) {
   }
 }
 
-std::unique_ptr<at::ObserverContext> on_enter(const at::RecordFunction& fn) {
-  const int mode = g_mode.load(std::memory_order_relaxed);
+// Shared by both modes: token and phase of an operator, or -1 when it is not recorded.
+int64_t record_operator(const at::RecordFunction& fn) {
   // Operators inside an intra-op parallel region are the internals of the operator that opened
   // it, run on worker threads in a schedule-dependent number: not part of the program's sequence.
-  if (mode == OFF || t_draining || at::in_parallel_region()) return nullptr;
+  if (t_draining || at::in_parallel_region()) return -1;
   // The autograd engine's own ranges ("autograd::engine::evaluate_function: MulBackward0") wrap
-  // the operators of a backward node; the operators are what we record.
+  // the operators of a backward node, and profiler:: operators open and close ranges such as
+  // "Optimizer.step#AdamW.step": bookkeeping, not computation. The operators are what we record.
   const char* name = fn.name();
-  if (std::strncmp(name, "autograd::engine::", 18) == 0) return nullptr;
+  if (std::strncmp(name, "autograd::engine::", 18) == 0 || std::strncmp(name, "profiler::", 10) == 0) return -1;
   const int8_t phase = g_optimizer.load(std::memory_order_relaxed)
                            ? OPT
                            : (torch::autograd::get_current_graph_task_id() >= 0 ? BWD : FWD);
-  std::lock_guard<std::mutex> guard(g_lock);
   const auto index = static_cast<int64_t>(g_tokens.size());
   if (phase == FWD && g_last_phase == BWD) g_boundaries.push_back(index);
   g_last_phase = phase;
   g_tokens.push_back(token_for(name));
   g_phases.push_back(phase);
-  if (mode != DETAILED) return nullptr;
-  if (g_ops.empty() && g_detail_base == 0 && index > 0) g_detail_base = index;
-  g_ops.resize(static_cast<size_t>(index - g_detail_base + 1));
-  OpRecord& op = g_ops.back();
-  for (const c10::IValue& v : fn.inputs()) collect(v, op.inputs);
-  return std::make_unique<OpContext>(index);
+  return index;
 }
 
-void on_exit(const at::RecordFunction& fn, at::ObserverContext* ctx) {
-  if (ctx == nullptr) return;
-  const int64_t index = static_cast<OpContext*>(ctx)->index;
+std::unique_ptr<at::ObserverContext> on_enter_lightweight(const at::RecordFunction& fn) {
+  std::lock_guard<std::mutex> guard(g_lock);
+  record_operator(fn);
+  return nullptr;
+}
+
+std::unique_ptr<at::ObserverContext> on_enter_detailed(const at::RecordFunction& fn) {
+  std::lock_guard<std::mutex> guard(g_lock);
+  const int64_t index = record_operator(fn);
+  if (index < 0) {
+    t_open_slots.push_back(-1);
+    return nullptr;
+  }
+  if (g_detail_base < 0) g_detail_base = index;
+  const int64_t slot = index - g_detail_base;
+  g_device_bytes.resize(static_cast<size_t>(slot + 1), -1);
+  while (static_cast<int64_t>(g_in_offsets.size()) <= slot) g_in_offsets.push_back(g_in_offsets.back());
+  for (const c10::IValue& v : fn.inputs()) collect(v, g_in_rows);
+  g_in_offsets.push_back(static_cast<int64_t>(g_in_rows.size()));
+  t_open_slots.push_back(slot);
+  return nullptr;
+}
+
+void on_exit_detailed(const at::RecordFunction& fn, at::ObserverContext*) {
+  if (t_open_slots.empty()) return;  // started before this callback was installed
+  const int64_t slot = t_open_slots.back();
+  t_open_slots.pop_back();
+  if (slot < 0) return;
   const int64_t bytes = device_bytes_now();
   std::lock_guard<std::mutex> guard(g_lock);
-  const int64_t slot = index - g_detail_base;
-  if (slot < 0 || slot >= static_cast<int64_t>(g_ops.size())) return;  // drained mid-operator
-  OpRecord& op = g_ops[static_cast<size_t>(slot)];
-  for (const c10::IValue& v : fn.outputs()) collect(v, op.outputs);
-  op.device_bytes = bytes;
+  if (slot >= static_cast<int64_t>(g_device_bytes.size())) return;  // drained while it ran
+  thread_local std::vector<int64_t> rows;
+  rows.clear();
+  for (const c10::IValue& v : fn.outputs()) collect(v, rows);
+  for (int64_t row : rows) g_out.emplace_back(slot, row);
+  g_device_bytes[static_cast<size_t>(slot)] = bytes;
 }
 
-at::CallbackHandle g_handle = 0;
-bool g_has_handle = false;
+std::optional<at::CallbackHandle> g_handle;
+
+// One callback per mode: Lightweight asks RecordFunction for nothing, so operators' arguments are
+// not boxed for it; only Detailed pays for inputs and outputs.
+void switch_mode(int mode) {
+  if (g_handle) {
+    at::removeCallback(*g_handle);
+    g_handle.reset();
+  }
+  g_mode.store(mode);
+  if (mode == LIGHTWEIGHT) {
+    g_handle = at::addGlobalCallback(
+        at::RecordFunctionCallback(&on_enter_lightweight).scopes({at::RecordScope::FUNCTION}));
+  } else if (mode == 3) {  // CALLBACK_FLOOR, for benchmarks: what RecordFunction costs with a callback that does nothing
+    g_handle = at::addGlobalCallback(at::RecordFunctionCallback(
+        [](const at::RecordFunction&) -> std::unique_ptr<at::ObserverContext> { return nullptr; })
+        .scopes({at::RecordScope::FUNCTION}));
+  } else if (mode == DETAILED) {
+    g_handle = at::addGlobalCallback(at::RecordFunctionCallback(&on_enter_detailed, &on_exit_detailed)
+                                         .needsInputs(true)
+                                         .needsOutputs(true)
+                                         .scopes({at::RecordScope::FUNCTION}));
+  }
+}
 
 at::Tensor to_tensor_i64(const std::vector<int64_t>& v) {
   return torch::tensor(c10::ArrayRef<int64_t>(v), torch::kInt64);
@@ -193,8 +245,9 @@ struct Drained {
   std::vector<int32_t> tokens;
   std::vector<int8_t> phases;
   std::vector<int64_t> boundaries;
-  int64_t detail_base = 0;
-  std::vector<OpRecord> ops;
+  int64_t detail_base = -1;
+  std::vector<int64_t> device_bytes, in_offsets, in_rows;
+  std::vector<std::pair<int64_t, int64_t>> out;
   std::vector<Row> rows;
   std::vector<int64_t> swap_op, swap_row;
   std::vector<uint8_t> swap_in, swap_passive;
@@ -210,8 +263,12 @@ py::dict take() {
     d.phases.swap(g_phases);
     d.boundaries.swap(g_boundaries);
     d.detail_base = g_detail_base;
-    g_detail_base = 0;
-    d.ops.swap(g_ops);
+    g_detail_base = -1;
+    d.device_bytes.swap(g_device_bytes);
+    d.in_offsets.swap(g_in_offsets);
+    g_in_offsets.assign(1, 0);
+    d.in_rows.swap(g_in_rows);
+    d.out.swap(g_out);
     d.rows.swap(g_rows);  // the weak references are released when d goes out of scope
     g_row_by_storage.clear();
     d.swap_op.swap(g_swap_op);
@@ -227,16 +284,22 @@ py::dict take() {
   out["tokens"] = torch::from_blob(d.tokens.data(), {static_cast<int64_t>(d.tokens.size())}, torch::kInt32).clone();
   out["phases"] = torch::from_blob(d.phases.data(), {static_cast<int64_t>(d.phases.size())}, torch::kInt8).clone();
   out["boundaries"] = to_tensor_i64(d.boundaries);
-  out["detail_base"] = d.detail_base;
-  if (!d.ops.empty()) {
-    std::vector<int64_t> bytes, in_off{0}, in_val, out_off{0}, out_val;
-    for (const OpRecord& op : d.ops) {
-      bytes.push_back(op.device_bytes);
-      in_val.insert(in_val.end(), op.inputs.begin(), op.inputs.end());
-      in_off.push_back(static_cast<int64_t>(in_val.size()));
-      out_val.insert(out_val.end(), op.outputs.begin(), op.outputs.end());
-      out_off.push_back(static_cast<int64_t>(out_val.size()));
+  out["detail_base"] = std::max<int64_t>(d.detail_base, 0);
+  if (!d.device_bytes.empty()) {
+    const auto n = static_cast<int64_t>(d.device_bytes.size());
+    d.in_offsets.resize(static_cast<size_t>(n + 1), d.in_offsets.back());
+    // outputs by slot; within a slot in the order they were returned
+    std::stable_sort(d.out.begin(), d.out.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+    std::vector<int64_t> out_off(static_cast<size_t>(n + 1), 0), out_val;
+    out_val.reserve(d.out.size());
+    for (const auto& [slot, row] : d.out) {
+      ++out_off[static_cast<size_t>(slot + 1)];
+      out_val.push_back(row);
     }
+    for (int64_t i = 0; i < n; ++i) out_off[static_cast<size_t>(i + 1)] += out_off[static_cast<size_t>(i)];
+    const std::vector<int64_t>& bytes = d.device_bytes;
+    const std::vector<int64_t>& in_off = d.in_offsets;
+    const std::vector<int64_t>& in_val = d.in_rows;
     std::vector<int64_t> keys, nbytes, dtypes, shape_off{0}, shape_val;
     for (const Row& row : d.rows) {
       keys.push_back(row.key);
@@ -267,23 +330,7 @@ py::dict take() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "memfit-profiler native operator recorder";
-  m.def("install", []() {
-    if (!g_has_handle) {
-      g_handle = at::addGlobalCallback(at::RecordFunctionCallback(&on_enter, &on_exit)
-                                           .needsInputs(true)
-                                           .needsOutputs(true)
-                                           .scopes({at::RecordScope::FUNCTION}));
-      g_has_handle = true;
-    }
-  });
-  m.def("uninstall", []() {
-    if (g_has_handle) {
-      at::removeCallback(g_handle);
-      g_has_handle = false;
-    }
-    g_mode.store(OFF);
-  });
-  m.def("set_mode", [](int mode) { g_mode.store(mode); });
+  m.def("set_mode", &switch_mode, "OFF (0) removes the callback; LIGHTWEIGHT (1) and DETAILED (2) install theirs.");
   m.def("mode", []() { return g_mode.load(); });
   m.def("set_optimizer_phase", [](bool on) { g_optimizer.store(on); });
   m.def("set_memory_counter", [](int64_t address) {
@@ -308,7 +355,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("record_swap", [](const at::Tensor& t, bool swap_in, bool passive) {
     std::lock_guard<std::mutex> guard(g_lock);
     if (g_mode.load() != DETAILED || g_tokens.empty()) return;
-    g_swap_op.push_back(static_cast<int64_t>(g_tokens.size()) - 1 - g_detail_base);
+    g_swap_op.push_back(static_cast<int64_t>(g_tokens.size()) - 1 - std::max<int64_t>(g_detail_base, 0));
     g_swap_row.push_back(row_for(t));
     g_swap_in.push_back(swap_in);
     g_swap_passive.push_back(passive);

@@ -1,0 +1,186 @@
+"""``memfit profile``: run an unmodified training script under the online profiler."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import runpy
+import sys
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import click
+import numpy as np
+from memfit.config import format_size
+from memfit.errors import MemfitError
+from memfit.trace import Trace
+from rich.console import Console
+from rich.table import Table
+
+if TYPE_CHECKING:
+    from memfit_profiler.profiler import OnlineProfiler
+
+console = Console()
+
+
+@contextlib.contextmanager
+def script_argv(argv: list[str]) -> Iterator[None]:
+    """Give the script the ``sys.argv`` it expects, and restore ours after."""
+    saved = sys.argv[:]
+    sys.argv = argv
+    try:
+        yield
+    finally:
+        sys.argv = saved
+
+
+def run_python_command(command: tuple[str, ...]) -> None:
+    """Run ``python script.py args`` or ``python -m module args`` in this process.
+
+    Raises:
+        MemfitError: the command is not a Python script or module invocation.
+    """
+    args = list(command)
+    if args and Path(args[0]).name.startswith("python"):
+        args = args[1:]
+    if not args:
+        raise MemfitError("give the training command after --, e.g. memfit profile -- python train.py")
+    if args[0] == "-m":
+        if len(args) < 2:
+            raise MemfitError("-m needs a module name, e.g. memfit profile -- python -m mypkg.train")
+        with script_argv(args[1:]):
+            runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+        return
+    script = Path(args[0])
+    if script.suffix != ".py" or not script.is_file():
+        raise MemfitError(
+            f"{args[0]!r} is not a Python script; memfit runs training in-process: "
+            "memfit profile -- python train.py ..."
+        )
+    with script_argv([str(script), *args[1:]]):
+        sys.path.insert(0, str(script.resolve().parent))
+        try:
+            runpy.run_path(str(script), run_name="__main__")
+        finally:
+            sys.path.pop(0)
+
+
+def summary_tables(profiler: OnlineProfiler) -> list[Table]:
+    """Iterations, stage transitions, operators per phase, peak memory and the largest activations."""
+    its = profiler.iterations
+    overview = Table(title="memfit profile", show_header=False)
+    overview.add_row("iterations", str(len(its)))
+    overview.add_row("recorder", "native" if profiler.recorder.native else "python (fallback)")
+    overview.add_row("final stage", profiler.stage.value)
+    if its:
+        fwd, bwd, opt = its[-1].phase_ops
+        overview.add_row("ops per phase (last iteration)", f"FWD {fwd}, BWD {bwd}, OPT {opt}")
+        overview.add_row("median iteration time", f"{np.median([i.seconds for i in its]) * 1e3:.1f} ms")
+    if profiler.backend is not None:
+        overview.add_row("peak device memory", format_size(profiler.peak_device_bytes))
+    overview.add_row("detailed traces", str(len(profiler.traces)))
+    tables = [overview]
+    changes = [o for o in profiler.observations if o.changed]
+    if changes:
+        t = Table("iteration", "from", "to", "length diff", "cosine", title="stage transitions")
+        for o in changes:
+            t.add_row(
+                str(o.iteration),
+                o.previous_stage.value,
+                o.stage.value,
+                f"{100 * o.similarity.length_diff:.1f}%",
+                f"{o.similarity.cosine:.4f}",
+            )
+        tables.append(t)
+    if profiler.traces:
+        tables.append(largest_activations(profiler.traces[-1]))
+    return tables
+
+
+def largest_activations(trace: Trace, top: int = 5) -> Table:
+    """The biggest non-parameter tensors of a trace, with the operator that produced them."""
+    producer = {}
+    for op in range(trace.n_ops):
+        for row in trace.op_outputs(op).tolist():
+            producer.setdefault(row, op)
+    rows = [r for r in np.argsort(-trace.tensors.nbytes, kind="stable").tolist() if not trace.tensors.is_param[r]]
+    table = Table("bytes", "shape", "dtype", "produced by", title=f"largest activations (iteration {trace.iteration})")
+    for r in rows[:top]:
+        op = producer.get(r)
+        table.add_row(
+            format_size(int(trace.tensors.nbytes[r])),
+            str(trace.tensor_shape(r)),
+            trace.tensor_dtype(r),
+            trace.op_name(op) if op is not None else "-",
+        )
+    return table
+
+
+@click.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.option("--backend", default=None, help="Backend to run on (cpu-sim, cuda, npu); default: the best available.")
+@click.option("--capacity", default=None, help="Device capacity to enforce or emulate, e.g. 8GiB.")
+@click.option(
+    "--out",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Write the last Detailed-mode trace here (.npz).",
+)
+@click.option("--mode", type=click.Choice(["auto", "lightweight", "detailed"]), default="auto", show_default=True)
+@click.option(
+    "-m",
+    "stable_before_genpolicy",
+    default=2,
+    show_default=True,
+    type=click.IntRange(0),
+    help="Stable iterations before GenPolicy.",
+)
+@click.option(
+    "-n",
+    "stable_before_stable",
+    default=5,
+    show_default=True,
+    type=click.IntRange(0),
+    help="Stable iterations in GenPolicy before Stable.",
+)
+@click.option("-v", "--verbose", is_flag=True, help="Log stage transitions as they happen.")
+@click.argument("command", nargs=-1, type=click.UNPROCESSED, required=True)
+def profile(backend, capacity, out, mode, stable_before_genpolicy, stable_before_stable, verbose, command):
+    """Run COMMAND (python train.py ...) under the online profiler and summarise it.
+
+    Iterations end at each optimizer step, so the script needs no change:
+
+        memfit profile --backend cpu-sim --out step.npz -- python train.py --epochs 1
+    """
+    from memfit.plugins import get_hooks
+
+    from memfit_profiler.profiler import OnlineProfiler  # imports torch: only when the command runs
+
+    if verbose:
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
+    options = {"capacity": capacity} if capacity else {}
+    try:
+        device = get_hooks().create_backend(backend, **options)
+    except MemfitError as exc:
+        raise click.ClickException(str(exc)) from exc
+    profiler = OnlineProfiler(device, m=stable_before_genpolicy, n=stable_before_stable, mode=mode)
+    try:
+        with device.activate(), profiler:
+            run_python_command(command)
+    except MemfitError as exc:
+        raise click.ClickException(str(exc)) from exc
+    finally:
+        device.close()
+    for table in summary_tables(profiler):
+        console.print(table)
+    if out is not None:
+        if not profiler.traces:
+            raise click.ClickException(
+                f"no Detailed-mode iteration to write to {out}: the run ended before GenPolicy "
+                f"({len(profiler.iterations)} iterations). Run longer, lower -m, or use --mode detailed."
+            )
+        profiler.traces[-1].save(out)
+        console.print(f"trace of iteration {profiler.traces[-1].iteration} written to {out}")
+    counts = Counter(i.stage.value for i in profiler.iterations)
+    console.print("iterations per stage: " + ", ".join(f"{k} {v}" for k, v in counts.items()))

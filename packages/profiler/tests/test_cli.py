@@ -1,0 +1,47 @@
+import textwrap
+
+from click.testing import CliRunner
+from memfit.cli.main import cli
+from memfit.trace import Trace
+
+SCRIPT = textwrap.dedent("""
+    import sys
+    from memfit.models import build_training
+
+    steps = int(sys.argv[1])
+    run = build_training("tiny", batch_size=2, seq_len=16)
+    for _ in range(steps):
+        run.step()
+    print(f"trained {steps} steps")
+""")
+
+
+def test_profile_an_unmodified_script(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    out = tmp_path / "step.npz"
+    result = CliRunner().invoke(
+        cli,
+        ["profile", "--backend", "cpu-sim", "--capacity", "1GiB", "--out", str(out), "--", "python", str(script), "8"],
+        terminal_width=200,
+    )
+    assert result.exit_code == 0, result.output
+    assert "trained 8 steps" in result.output
+    for expected in ("iterations", "8", "stage transitions", "GenPolicy", "peak device memory", "largest activations"):
+        assert expected in result.output
+    trace = Trace.load(out)
+    assert trace.source == "measured" and trace.n_ops > 100
+
+
+def test_profile_explains_what_it_needs(tmp_path):
+    runner = CliRunner()
+    result = runner.invoke(cli, ["profile", "--backend", "cpu-sim", "--", "bash", "train.sh"])
+    assert result.exit_code != 0 and "is not a Python script" in result.output
+    script = tmp_path / "short.py"
+    script.write_text(SCRIPT)
+    result = runner.invoke(
+        cli, ["profile", "--backend", "cpu-sim", "--out", str(tmp_path / "x.npz"), "--", "python", str(script), "1"]
+    )
+    assert result.exit_code != 0 and "no Detailed-mode iteration" in result.output
+    result = runner.invoke(cli, ["profile", "--backend", "warp-drive", "--", "python", str(script), "1"])
+    assert result.exit_code != 0 and "unknown backend 'warp-drive'" in result.output

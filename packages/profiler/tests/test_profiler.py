@@ -1,0 +1,197 @@
+"""The online profiler on the reference model, on cpu-sim."""
+
+import numpy as np
+import pytest
+import torch
+from memfit import hookimpl
+from memfit.backends.cpu_sim import CpuSimBackend
+from memfit.errors import MemfitError
+from memfit.models import build_training
+from memfit.trace import Trace
+from memfit_profiler import OnlineProfiler, Stage, storage_key
+from torch.autograd.graph import saved_tensors_hooks
+
+
+@pytest.fixture
+def backend():
+    sim = CpuSimBackend(capacity="1GiB")
+    with sim.activate():
+        yield sim
+    sim.close()
+
+
+def test_stages_follow_a_stable_run_and_genpolicy_iterations_are_traced(backend):
+    changes = []
+    run = build_training("tiny", batch_size=2, seq_len=16)
+    with OnlineProfiler(backend, m=2, n=5) as prof:
+        prof.add_stage_listener(changes.append)
+        for _ in range(12):
+            run.step()
+    assert prof.recorder.native
+    stages = [it.stage for it in prof.iterations]
+    # iteration 0 builds the optimizer states (more ops): the next one differs, so WarmUp restarts there
+    assert stages[0] is Stage.WARMUP and prof.iterations[1].similarity.length_diff > 0.05
+    assert Stage.GENPOLICY in stages and stages[-1] is Stage.STABLE
+    detailed = [it for it in prof.iterations if it.detailed]
+    assert detailed and all(it.stage is Stage.GENPOLICY for it in detailed)
+    assert len(prof.traces) == len(detailed)
+    assert [c.stage for c in changes] == [Stage.GENPOLICY, Stage.STABLE]
+    assert all(it.ended_by == "optimizer" for it in prof.iterations)
+    last = prof.iterations[-1]
+    assert last.phase_ops[0] > 0 and last.phase_ops[1] > 0 and last.phase_ops[2] > 0
+
+
+def test_skipped_optimizer_step_is_its_own_iteration_and_resets_to_warmup(backend):
+    run = build_training("tiny", batch_size=2, seq_len=16)
+    with OnlineProfiler(backend, m=1, n=1) as prof:
+        for _ in range(6):
+            run.step()
+        assert prof.stage is Stage.STABLE
+        inputs, targets = run.data.batch(99)
+        run.model.loss(inputs, targets).backward()  # loss-scaler style: gradients, but no optimizer step
+        run.optimizer.zero_grad(set_to_none=True)
+        run.step()
+    skipped, after = prof.iterations[-2], prof.iterations[-1]
+    assert skipped.ended_by == "backward-to-forward" and skipped.phase_ops[2] == 0
+    assert skipped.next_stage is Stage.WARMUP
+    assert after.ended_by == "optimizer"
+
+
+def test_validation_pass_appended_resets_to_warmup(backend):
+    run = build_training("tiny", batch_size=2, seq_len=16)
+    with OnlineProfiler(backend, m=1, n=1) as prof:
+        for _ in range(6):
+            run.step()
+        assert prof.stage is Stage.STABLE
+        with torch.no_grad():
+            for i in range(3):
+                run.model.loss(*run.data.batch(1000 + i))
+        run.step()
+    assert prof.iterations[-1].next_stage is Stage.WARMUP
+    assert prof.iterations[-1].n_ops > prof.iterations[-2].n_ops
+
+
+def test_every_saved_activation_appears_in_the_detailed_trace_with_its_size(backend):
+    run = build_training("tiny", batch_size=2, seq_len=16)
+    run.step()
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        saved[storage_key(t)] = t.untyped_storage().nbytes()
+        return t
+
+    with OnlineProfiler(backend, mode="detailed", model=run.model) as prof:
+        with saved_tensors_hooks(pack, lambda t: t):
+            run.step()
+    trace = prof.traces[-1]
+    row_of = {int(k): r for r, k in enumerate(trace.tensors.storage_id)}
+    params = {storage_key(p) for p in run.model.parameters()}
+    activations = {k: n for k, n in saved.items() if k not in params}
+    assert len(activations) > 20
+    missing = [k for k in activations if k not in row_of]
+    assert not missing, f"{len(missing)} saved activations are not in the trace"
+    for key, nbytes in activations.items():
+        row = row_of[key]
+        assert int(trace.tensors.nbytes[row]) == nbytes
+        assert not trace.tensors.is_param[row]
+        assert int(trace.tensors.op_count[row]) > 0
+    for key in params:
+        if key in row_of:
+            assert trace.tensors.is_param[row_of[key]]
+
+
+def test_trace_memory_curve_agrees_with_the_backend(backend):
+    run = build_training("tiny", batch_size=4, seq_len=32)
+    run.step()
+    with OnlineProfiler(backend, mode="detailed") as prof:
+        run.step()
+    trace = prof.traces[-1]
+    backend_peak = prof.iterations[-1].peak_device_bytes
+    curve = trace.ops.device_bytes
+    assert (curve > 0).all()
+    # after-op samples never exceed the true peak, and catch it within 2% (intra-op temporaries are the gap)
+    assert trace.peak_bytes() <= backend_peak
+    assert trace.peak_bytes() >= 0.98 * backend_peak
+    # the step allocates activations in forward and frees them in backward
+    fwd = curve[trace.ops.phase == 0]
+    assert fwd.max() > fwd[0]
+    assert trace.no_swap_memory_curve().tolist() == curve.tolist()  # nothing was swapped
+
+
+def test_trace_round_trips_and_carries_the_step(backend, tmp_path):
+    run = build_training("tiny", batch_size=2, seq_len=16)
+    with OnlineProfiler(backend, mode="detailed") as prof:
+        run.step()
+    trace = prof.traces[-1]
+    assert trace.source == "measured" and trace.backend == "cpu-sim" and trace.capacity_bytes == 2**30
+    assert trace.step_seconds > 0 and "float32" in trace.dtype_names
+    assert any(name.startswith("aten::") for name in trace.op_names)
+    trace.save(tmp_path / "t.npz")
+    assert Trace.load(tmp_path / "t.npz") == trace
+
+
+def test_recorded_swaps_land_in_the_trace(backend):
+    run = build_training("tiny", batch_size=2, seq_len=16)
+    with OnlineProfiler(backend, mode="detailed") as prof:
+        x = torch.ones(1024)
+        y = x * 2
+        prof.record_swap(y, swap_in=False, passive=True)
+        z = y + 1
+        prof.record_swap(y, swap_in=True, passive=True)
+        del z
+        run.step()
+    trace = prof.traces[-1]
+    assert len(trace.swaps) == 2
+    row = int(trace.swaps.tensor[0])
+    assert int(trace.tensors.nbytes[row]) == 4096 and trace.swaps.passive.all()
+    assert trace.swaps.swap_in.tolist() == [False, True]
+
+
+def test_dtypes_are_named_like_torch(backend):
+    with OnlineProfiler(backend, mode="detailed") as prof:
+        a = torch.ones(8, dtype=torch.bfloat16) * 2
+        b = torch.ones(8, dtype=torch.int64) + 1
+        del a, b
+        prof.step()
+    assert {"bfloat16", "int64", "float32"} & set(prof.traces[-1].dtype_names) >= {"bfloat16", "int64"}
+
+
+def test_on_op_dispatch_plugins_see_every_detailed_operator(backend, hooks, register_plugin):
+    seen = []
+
+    class Counter:
+        @hookimpl
+        def on_op_dispatch(self, event):
+            seen.append((event.op_index, event.name, event.phase))
+
+    register_plugin(Counter(), "counter")
+    run = build_training("tiny", batch_size=2, seq_len=16)
+    with OnlineProfiler(backend, mode="detailed", hooks=hooks) as prof:
+        run.step()
+    trace = prof.traces[-1]
+    assert len(seen) == trace.n_ops
+    assert [i for i, _, _ in seen] == list(range(trace.n_ops))
+    assert {int(p) for _, _, p in seen} == {0, 1, 2}
+
+
+def test_python_fallback_records_the_same_shape_of_data(backend):
+    run = build_training("tiny", batch_size=2, seq_len=16)
+    run.step()
+    with OnlineProfiler(backend, mode="detailed", prefer_native=False) as prof:
+        run.step()
+    assert not prof.recorder.native
+    trace = prof.traces[-1]
+    assert trace.n_ops > 100 and set(np.unique(trace.ops.phase).tolist()) == {0, 1, 2}
+    assert trace.peak_bytes() > 0 and len(trace.tensors) > 50
+
+
+def test_only_one_profiler_runs_at_a_time(backend):
+    with OnlineProfiler(backend), pytest.raises(MemfitError, match="already running"):
+        OnlineProfiler(backend).start()
+
+
+def test_step_outside_a_running_profiler_is_a_clear_error():
+    with pytest.raises(MemfitError, match="not running"):
+        OnlineProfiler().step()
+    with pytest.raises(MemfitError, match="mode must be"):
+        OnlineProfiler(mode="verbose")
