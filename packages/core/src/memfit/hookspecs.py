@@ -132,9 +132,10 @@ class RuntimeSpecs:
     def on_op_dispatch(self, event: OpDispatchEvent) -> None:
         """Observe one operator as it is dispatched.
 
-        This is a per-operator hot path. Whoever dispatches (the profiler's detailed mode)
-        resolves the implementations once with
-        :meth:`memfit.plugins.Hooks.op_dispatch_callbacks` and calls them directly, never
+        memfit-profiler delivers the operators of each Detailed-mode iteration, in dispatch
+        order, when that iteration ends: recording stays native, and nobody pays for Python
+        calls per operator unless a plugin listens. Callers resolve the implementations once
+        with :meth:`memfit.plugins.Hooks.op_dispatch_callbacks` and call them directly, never
         through ``pm.hook``; so ``wrapper=True`` implementations are not supported here and
         the set of implementations is fixed for an iteration. Keep the work small: aggregate,
         or sample.
