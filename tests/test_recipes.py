@@ -8,6 +8,7 @@ RECIPES = sorted((REPO / "docs" / "recipes").glob("*.py"))
 EXPECTED_OUTPUT = {
     "write_a_plugin.py": ["allocated 32 MiB after the plugin dropped the cache; cache entries left: 0"],
     "profile_a_run.py": ["-> GenPolicy", "-> Stable", "-> WarmUp", "trace saved and reloaded"],
+    "plan_swaps.py": ["activations swapped", "plan saved and reloaded"],
 }
 
 

@@ -9,7 +9,7 @@ def test_version():
 
 
 def test_plugins_lists_builtins_with_their_distribution():
-    result = CliRunner().invoke(cli, ["plugins"])
+    result = CliRunner().invoke(cli, ["plugins"], terminal_width=200)
     assert result.exit_code == 0, result.output
     assert "backend:cpu-sim" in result.output and "memfit.backends.cpu_sim" in result.output
 

@@ -67,7 +67,9 @@ class Swap(MemfitModel):
     release_at_op: NonNegativeInt
     """Free the device block after this operator, once the copy has completed."""
     swap_in_layer: NonNegativeInt
-    """Start the host-to-device copy at the beginning of this logical layer."""
+    """Start the host-to-device copy at the beginning of this logical layer (see ``MemoryPlan.layers``)."""
+    first_backward_use_op: NonNegativeInt | None = None
+    """The operator that must wait for the swap-in to complete (the tensor's first backward use)."""
     predicted_stall_s: NonNegativeFloat = 0.0
     """Time backward is predicted to wait for this swap-in."""
 
@@ -78,6 +80,16 @@ class Swap(MemfitModel):
                 f"release_at_op ({self.release_at_op}) must not precede swap_out_after_op ({self.swap_out_after_op})"
             )
         return self
+
+
+class LogicalLayer(MemfitModel):
+    """A run of consecutive operators of one phase that a planner treats as one scheduling slot."""
+
+    start_op: NonNegativeInt
+    """First operator of the layer (the layer runs until the next layer's start)."""
+    phase: Literal["FWD", "BWD", "OPT"]
+    seconds: NonNegativeFloat = 0.0
+    """Estimated duration."""
 
 
 class Recompute(MemfitModel):
@@ -131,7 +143,21 @@ class MemoryPlan(MemfitModel):
     budget_bytes: PositiveInt
     source: PlanSource
     actions: tuple[Action, ...] = ()
+    layers: tuple[LogicalLayer, ...] = ()
+    """Logical layers the actions refer to, in operator order (empty when no action needs them)."""
     predicted: PlanPrediction
+
+    @model_validator(mode="after")
+    def _layers_are_ordered_and_referenced(self) -> MemoryPlan:
+        starts = [layer.start_op for layer in self.layers]
+        if starts != sorted(set(starts)):
+            raise ValueError("layers must have strictly increasing start_op")
+        for i, action in enumerate(self.actions):
+            if isinstance(action, Swap) and self.layers and action.swap_in_layer >= len(self.layers):
+                raise ValueError(
+                    f"actions.{i}: swap_in_layer {action.swap_in_layer} but the plan has {len(self.layers)} layers"
+                )
+        return self
 
     def is_feasible(self) -> bool:
         """The predicted peak fits the budget."""

@@ -173,6 +173,9 @@ class BackendContract:
         backend.synchronize()
         assert torch.equal(back.cpu().view(torch.uint8), raw)
 
+    def test_copy_bandwidth_is_positive(self, backend):
+        assert backend.copy_bandwidth() > 0
+
     def test_memory_stats(self, backend):
         stats = backend.memory_stats()
         assert stats.capacity == backend.capacity_bytes

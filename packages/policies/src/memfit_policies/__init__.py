@@ -1,6 +1,7 @@
 """memfit-policies: planners that turn a step trace into a memory plan, without torch.
 
-Status: package scaffold; the implementation arrives with issue #4.
+The swap policy generator (:mod:`memfit_policies.swap`) implements Chameleon's Algorithm 2 and
+answers the ``plan_memory`` hook as the planner ``swap``.
 """
 
 from memfit_policies.__about__ import __version__

@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import json
+import os
+import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from memfit.backends.base import Backend
@@ -116,6 +120,34 @@ class AcceleratorBackend(Backend):
         before = self.memory_reserved()
         self._mem.empty_cache()
         return max(0, before - self.memory_reserved())
+
+    def copy_bandwidth(self) -> float:
+        """Pinned host-to-device bandwidth, measured once per device and torch version, then cached.
+
+        The cache is ``$MEMFIT_CACHE_DIR/bandwidth.json`` (default ``~/.cache/memfit``).
+        """
+        import torch
+
+        cache = Path(os.environ.get("MEMFIT_CACHE_DIR", Path.home() / ".cache" / "memfit")) / "bandwidth.json"
+        key = f"{self.module.get_device_name(self._device)}|{self._device}|torch-{torch.__version__}"
+        try:
+            known = json.loads(cache.read_text())
+        except (OSError, ValueError):
+            known = {}
+        if key not in known:
+            nbytes = 256 * 2**20
+            host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            device = torch.empty(nbytes, dtype=torch.uint8, device=self._device)
+            device.copy_(host, non_blocking=True)  # warm-up
+            self.synchronize()
+            start = time.perf_counter()
+            for _ in range(5):
+                device.copy_(host, non_blocking=True)
+            self.synchronize()
+            known[key] = 5 * nbytes / (time.perf_counter() - start)
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            cache.write_text(json.dumps(known, indent=1))
+        return float(known[key])
 
     def native_memory_source(self) -> tuple[str, int]:
         return ("device", int(self._device.index or 0))

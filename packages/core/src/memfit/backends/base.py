@@ -150,6 +150,10 @@ class Backend(abc.ABC):
 
     # -- execution --------------------------------------------------------------------------
     @abc.abstractmethod
+    def copy_bandwidth(self) -> float:
+        """Host-to-device copy bandwidth in bytes per second, as swap planners should assume."""
+
+    @abc.abstractmethod
     def synchronize(self) -> None:
         """Wait for all queued device work, including copies."""
 

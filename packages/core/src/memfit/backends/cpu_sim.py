@@ -169,7 +169,7 @@ class CpuSimBackend(Backend):
             raise MemfitError(
                 f"cpu-sim capacity and copy bandwidth must be positive, got {capacity!r}, {copy_bandwidth!r}"
             )
-        self.copy_bandwidth = bandwidth
+        self.copy_bandwidth_bytes_per_s = bandwidth
         self._native = cpu_sim_allocator()
         self._native.install()
         self._compute = HostStream()
@@ -206,6 +206,9 @@ class CpuSimBackend(Backend):
         import torch
 
         return isinstance(exc, torch.OutOfMemoryError)
+
+    def copy_bandwidth(self) -> float:
+        return float(self.copy_bandwidth_bytes_per_s)
 
     def native_memory_source(self) -> tuple[str, int]:
         return ("counter", int(self._native.counter_address()))
@@ -259,7 +262,7 @@ class CpuSimBackend(Backend):
 
     def copy_stream(self) -> SimCopyStream:
         if self._copy is None:
-            self._copy = SimCopyStream(self.copy_bandwidth)
+            self._copy = SimCopyStream(self.copy_bandwidth_bytes_per_s)
         return self._copy
 
     def copy_async(self, dst: torch.Tensor, src: torch.Tensor, stream) -> SimEvent:  # type: ignore[override]

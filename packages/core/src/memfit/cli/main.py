@@ -56,8 +56,10 @@ def plugins() -> None:
     except MemfitError as exc:
         raise click.ClickException(str(exc)) from exc
     table = Table(title="memfit plugins")
-    for column in ("name", "kind", "distribution", "version"):
-        table.add_column(column)
+    # The name is what MEMFIT_DISABLE_PLUGINS takes: never shorten it; let the others wrap.
+    table.add_column("name", no_wrap=True)
+    for column in ("kind", "distribution", "version"):
+        table.add_column(column, overflow="fold")
     for info in infos:
         table.add_row(info.name, info.kind, info.distribution, info.version)
     console.print(table)
