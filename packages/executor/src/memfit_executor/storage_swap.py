@@ -1,0 +1,221 @@
+"""Moving a tensor's storage to host memory and back, on the copy stream, without changing its data.
+
+This is the data path of the swap executor (Chameleon §6): everything is keyed by **storage**,
+not tensor, so every view of a swapped activation sees the same bytes when it comes back.
+
+* :meth:`StorageSwapper.swap_out` queues the device-to-host copy on the backend's copy stream
+  after the compute stream's pending work, into a pooled host buffer. The device block is **not**
+  freed yet: :meth:`SwapOut.release` frees it later (at the plan's release point), after making
+  the compute stream wait for the copy's event — a stream-to-stream wait, the paper's custom
+  recordStream, instead of ``Tensor.record_stream`` (kept as an option for the ablation), which
+  makes the allocator poll the event on later allocations.
+* :meth:`SwapOut.swap_in` re-allocates the device block (``storage.resize_``), queues the
+  host-to-device copy after the compute stream's pending work, and returns a :class:`SwapIn`;
+  :meth:`SwapIn.wait` makes the compute stream wait for it before an operator reads the tensor.
+
+Restoring writes through a fresh byte view of the storage, so the tensor's autograd version
+counter does not move and backward accepts the restored activation. Parameters, storages that
+cannot be resized (from ``from_blob`` or DLPack) and storages on another device are refused.
+
+Example:
+    ```python
+    swapper = StorageSwapper(backend)
+    out = swapper.swap_out(activation)          # copy queued; block still held
+    out.release()                               # block freed once the copy is done (stream wait)
+    back = out.swap_in()                        # block re-allocated, copy queued
+    back.wait()                                 # compute waits; activation holds its bytes again
+    ```
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from memfit.errors import MemfitError
+
+
+class SwapError(MemfitError):
+    """A tensor cannot be swapped (parameter, non-resizable storage, wrong device, wrong state)."""
+
+
+def storage_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A flat uint8 tensor over the whole storage, with a version counter of its own."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+class HostBufferPool:
+    """Reusable host buffers (pinned where the backend pins), bucketed by exact byte size.
+
+    Pinning host memory is expensive and swaps repeat every iteration with the same sizes, so
+    buffers are kept and handed out again instead of being freed.
+    """
+
+    def __init__(self, backend: Any) -> None:
+        self.backend = backend
+        self._free: dict[int, list[torch.Tensor]] = defaultdict(list)
+        self._in_use_until: list[tuple[Any, torch.Tensor]] = []  # (event, buffer) a copy still reads
+        self.allocated_bytes = 0
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        self._reclaim()
+        free = self._free[nbytes]
+        if free:
+            return free.pop()
+        self.allocated_bytes += nbytes
+        return self.backend.host_empty((nbytes,), torch.uint8)
+
+    def give_back(self, buffer: torch.Tensor, after: Any = None) -> None:
+        """Return a buffer; with ``after`` (an event), only once the work before it has finished."""
+        if after is None or after.query():
+            self._free[buffer.numel()].append(buffer)
+        else:
+            self._in_use_until.append((after, buffer))
+
+    def _reclaim(self) -> None:
+        still = []
+        for event, buffer in self._in_use_until:
+            if event.query():
+                self._free[buffer.numel()].append(buffer)
+            else:
+                still.append((event, buffer))
+        self._in_use_until = still
+
+
+@dataclass
+class SwapIn:
+    """A swap-in in flight: call :meth:`wait` before the tensor is read."""
+
+    storage: torch.UntypedStorage
+    event: Any
+    swapper: StorageSwapper
+    host: torch.Tensor
+    done: bool = False
+
+    def wait(self) -> None:
+        """Make the compute stream wait for the copy, then return the host buffer to the pool."""
+        if self.done:
+            return
+        self.swapper.backend.current_stream().wait_event(self.event)
+        self.swapper.pool.give_back(self.host, after=self.event)  # reused once the copy has read it
+        self.done = True
+
+
+@dataclass
+class SwapOut:
+    """A swapped-out storage: its bytes are (being) copied to ``host``."""
+
+    storage: torch.UntypedStorage
+    nbytes: int
+    host: torch.Tensor
+    event: Any
+    swapper: StorageSwapper
+    released: bool = False
+    _keepalive: list[Any] = field(default_factory=list)
+
+    def release(self) -> None:
+        """Free the device block once the copy out of it has completed.
+
+        With stream-event release (the default) the compute stream waits for the copy's event
+        and the block goes back to the allocator now; with ``record_stream`` release the block is
+        handed to the allocator, which frees it when it sees the copy stream's work done.
+        """
+        if self.released:
+            return
+        self.released = True
+        if self.swapper.release_mode == "event":
+            self.swapper.backend.current_stream().wait_event(self.event)
+            self.storage.resize_(0)
+        elif self._keepalive:  # a device stream recorded on the block: the allocator defers its reuse
+            self.storage.resize_(0)
+            self._keepalive.clear()
+        else:  # cpu-sim has no allocator-side stream tracking: free it when polling finds the copy done
+            self.swapper._pending_release.append(self)
+            self.swapper.poll()
+
+    def swap_in(self) -> SwapIn:
+        """Re-allocate the device block and queue the copy back (call :meth:`SwapIn.wait` before use)."""
+        if not self.released:
+            raise SwapError("swap_in before release: the device block still holds the data; nothing to bring back")
+        backend = self.swapper.backend
+        self.swapper.poll()
+        if self in self.swapper._pending_release:  # record_stream mode on cpu-sim, copy not yet polled done
+            self.event.synchronize()
+            self.swapper.poll()
+        # the copy back is queued on the same stream after the copy out: stream order makes it safe
+        self.storage.resize_(self.nbytes)
+        device_view = storage_bytes(self.storage)
+        stream = backend.copy_stream()
+        stream.wait_event(backend.current_stream().record_event())
+        event = backend.copy_async(device_view, self.host, stream)
+        self.swapper.swapped_in_bytes += self.nbytes
+        return SwapIn(self.storage, event, self.swapper, self.host)
+
+
+class StorageSwapper:
+    """Swaps storages out to pooled host buffers and back on a backend's copy stream.
+
+    Args:
+        backend: the memfit backend whose device holds the tensors.
+        release_mode: ``"event"`` (stream-to-stream wait, default) or ``"record_stream"`` (the
+            allocator polls the copy stream; the baseline of the paper's Fig. 8 ablation).
+        protected: storages never to swap (parameters, buffers, optimizer states).
+    """
+
+    def __init__(self, backend: Any, *, release_mode: str = "event", protected: set[int] | None = None) -> None:
+        if release_mode not in ("event", "record_stream"):
+            raise MemfitError(f"release_mode must be 'event' or 'record_stream', got {release_mode!r}")
+        self.backend = backend
+        self.release_mode = release_mode
+        self.protected: set[int] = protected if protected is not None else set()
+        self.pool = HostBufferPool(backend)
+        self.swapped_out_bytes = 0
+        self.swapped_in_bytes = 0
+        self._pending_release: list[SwapOut] = []
+
+    def poll(self) -> int:
+        """Free the blocks released in ``record_stream`` mode whose copy has finished; returns how many.
+
+        This is what the caching allocator does on every allocation when ``record_stream`` is used,
+        and why the paper replaces it: blocks come back only when someone polls.
+        """
+        done = [s for s in self._pending_release if s.event.query()]
+        for swap in done:
+            swap.storage.resize_(0)
+        self._pending_release = [s for s in self._pending_release if s not in done]
+        return len(done)
+
+    def protect(self, tensors: Any) -> None:
+        """Never swap these tensors' storages (e.g. ``model.parameters()``)."""
+        self.protected.update(int(t.untyped_storage()._cdata) for t in tensors)
+
+    def check(self, tensor: torch.Tensor) -> torch.UntypedStorage:
+        """The tensor's storage, if it may be swapped; otherwise :class:`SwapError` saying why."""
+        storage = tensor.untyped_storage()
+        if isinstance(tensor, torch.nn.Parameter) or int(storage._cdata) in self.protected:
+            raise SwapError("parameters, buffers and optimizer states are never swapped")
+        if tensor.device.type != self.backend.device_type:
+            raise SwapError(f"tensor is on {tensor.device}, the backend's device is {self.backend.device_type}")
+        if not storage.resizable():
+            raise SwapError("the tensor's storage cannot be resized (from_blob/DLPack): it cannot be swapped")
+        if storage.nbytes() == 0:
+            raise SwapError("the storage holds no bytes on the device (already swapped out?)")
+        return storage
+
+    def swap_out(self, tensor: torch.Tensor) -> SwapOut:
+        """Queue the copy of ``tensor``'s whole storage to host memory; the device block stays until release."""
+        storage = self.check(tensor)
+        nbytes = storage.nbytes()
+        host = self.pool.take(nbytes)
+        device_view = storage_bytes(storage)
+        stream = self.backend.copy_stream()
+        stream.wait_event(self.backend.current_stream().record_event())  # the producer has finished
+        event = self.backend.copy_async(host, device_view, stream)
+        keepalive: list[Any] = []
+        if self.release_mode == "record_stream" and isinstance(stream, torch.Stream):
+            device_view.record_stream(stream)  # the caching allocator will not reuse the block before
+            keepalive.append(device_view)
+        self.swapped_out_bytes += nbytes
+        return SwapOut(storage, nbytes, host, event, self, _keepalive=keepalive)
