@@ -93,3 +93,15 @@ def test_what_cannot_be_swapped_says_why(sim):
         swapper.swap_out(x)
     with pytest.raises(MemfitError, match="release_mode"):
         StorageSwapper(sim, release_mode="sometimes")
+
+
+def test_several_swaps_pending_at_once(sim):
+    # swap records are compared by identity: a list of pending ones must never compare tensors
+    swapper = StorageSwapper(sim, release_mode="record_stream")
+    tensors = [torch.full((MiB,), float(i)) for i in range(3)]
+    outs = [swapper.swap_out(t) for t in tensors]
+    for out in outs:
+        out.release()
+    for out in reversed(outs):
+        out.swap_in().wait()
+    assert [float(t[0]) for t in tensors] == [0.0, 1.0, 2.0]

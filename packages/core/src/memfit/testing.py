@@ -21,9 +21,7 @@ Tests marked ``gpu`` are skipped unless ``torch.accelerator`` has a device; ``np
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
-from collections.abc import Iterator
 
 import pytest
 
@@ -68,25 +66,14 @@ def hooks(plugin_manager) -> Hooks:
 
 @pytest.fixture
 def register_plugin(plugin_manager):
-    """Register a plugin object for the duration of the test (or of a ``with`` block)."""
+    """``register_plugin(obj, name)``: registered until the end of the test."""
     registered: list[str] = []
 
-    @contextlib.contextmanager
-    def _scoped(obj, name: str) -> Iterator[None]:
+    def register(obj, name: str) -> None:
         plugin_manager.register(obj, name=name)
-        try:
-            yield
-        finally:
-            plugin_manager.unregister(name=name)
+        registered.append(name)
 
-    class _Register:
-        def __call__(self, obj, name: str) -> None:
-            plugin_manager.register(obj, name=name)
-            registered.append(name)
-
-        scoped = staticmethod(_scoped)
-
-    yield _Register()
+    yield register
     for name in registered:
         if plugin_manager.has_plugin(name):
             plugin_manager.unregister(name=name)

@@ -84,7 +84,7 @@ class HostBufferPool:
         self._in_use_until = still
 
 
-@dataclass
+@dataclass(eq=False)  # identity: its fields are tensors, which do not compare to a bool
 class SwapIn:
     """A swap-in in flight: call :meth:`wait` before the tensor is read."""
 
@@ -103,7 +103,7 @@ class SwapIn:
         self.done = True
 
 
-@dataclass
+@dataclass(eq=False)  # identity: kept in lists searched with `in`
 class SwapOut:
     """A swapped-out storage: its bytes are (being) copied to ``host``."""
 

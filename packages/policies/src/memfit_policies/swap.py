@@ -254,7 +254,8 @@ def generate_swap_plan(
         cand.lo[i], cand.hi[i] = lo, hi
 
     while (need > 0).any():
-        over_before = np.concatenate(([0], np.cumsum(need > 0)))  # over_before[k]: over-limit ops < k
+        over = need > 0
+        over_before = np.concatenate(([0], np.cumsum(over)))  # over_before[k]: over-limit ops < k
         widest_cover = over_before[cand.widest_hi] - over_before[cand.widest_lo]
         chosen_cover = over_before[cand.hi] - over_before[cand.lo]
         gain = widest_cover - chosen_cover  # what choosing or widening would add
@@ -265,7 +266,7 @@ def generate_swap_plan(
         score = _minmax(gain[useful].astype(float)) + config.size_weight * _minmax(np.cbrt(cand.size[useful]))
         order = useful[np.argsort(-score, kind="stable")][: config.search_width]
         placed = False
-        over_ops = np.flatnonzero(need > 0)
+        over_ops = np.flatnonzero(over)
         for i in order:
             if cand.hi[i] > cand.lo[i]:
                 continue  # already chosen: only widening (below) can add to it

@@ -42,7 +42,7 @@ from memfit.trace import OpTable, SwapTable, TensorTable, Trace
 from memfit.types import OpDispatchEvent, Phase
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from memfit_profiler.recorder import DETAILED, LIGHTWEIGHT, OFF, RawIteration, make_recorder
+from memfit_profiler.recorder import DETAILED, LIGHTWEIGHT, OFF, RawIteration, make_recorder, storage_key
 from memfit_profiler.stages import Observation, Similarity, Stage, StageMachine
 
 log = logging.getLogger("memfit.profiler")
@@ -368,7 +368,7 @@ def _deliver(trace: Trace, callbacks: tuple[Callable[[OpDispatchEvent], None], .
 
 
 def _storage_keys(tensors: Iterable[torch.Tensor]) -> set[int]:
-    return {int(t.untyped_storage()._cdata) for t in tensors if t is not None}
+    return {storage_key(t) for t in tensors if t is not None}
 
 
 def _optimizer_storage_keys(optimizer: torch.optim.Optimizer) -> set[int]:

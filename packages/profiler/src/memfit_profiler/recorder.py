@@ -100,9 +100,6 @@ class NativeRecorder:
     def record_swap(self, tensor: torch.Tensor, swap_in: bool, passive: bool) -> None:
         self._ext.record_swap(tensor, swap_in, passive)
 
-    def op_count(self) -> int:
-        return int(self._ext.op_count())
-
     def names(self) -> list[str]:
         return list(self._ext.names())
 
@@ -177,9 +174,6 @@ class PythonRecorder:
 
     def set_memory_source(self, backend: Any) -> None:
         self._backend = backend
-
-    def op_count(self) -> int:
-        return len(self._tokens)
 
     def names(self) -> list[str]:
         return list(self._names)

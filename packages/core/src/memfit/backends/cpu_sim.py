@@ -84,7 +84,6 @@ class SimCopyStream:
         self._queue: queue.SimpleQueue[tuple[Callable[[], None], int, SimEvent] | None] = queue.SimpleQueue()
         self._pending = 0
         self._pending_lock = threading.Lock()
-        self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 

@@ -331,7 +331,6 @@ py::dict take() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "memfit-profiler native operator recorder";
   m.def("set_mode", &switch_mode, "OFF (0) removes the callback; LIGHTWEIGHT (1) and DETAILED (2) install theirs.");
-  m.def("mode", []() { return g_mode.load(); });
   m.def("set_optimizer_phase", [](bool on) { g_optimizer.store(on); });
   m.def("set_memory_counter", [](int64_t address) {
     g_counter.store(reinterpret_cast<const std::atomic<int64_t>*>(address));
@@ -347,10 +346,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   });
   m.def("track_device_type", [](const std::string& device_type) {
     g_track_device_type = device_type.empty() ? -1 : static_cast<int>(c10::Device(device_type).type());
-  });
-  m.def("op_count", []() {
-    std::lock_guard<std::mutex> guard(g_lock);
-    return static_cast<int64_t>(g_tokens.size());
   });
   m.def("record_swap", [](const at::Tensor& t, bool swap_in, bool passive) {
     std::lock_guard<std::mutex> guard(g_lock);
