@@ -34,8 +34,10 @@ def test_memfit_plugins_lists_every_builtin_plugin_with_its_distribution():
             assert f"memfit-{package}" in rows[package]
 
 
-def test_memfit_version_and_demo_from_the_console_script():
+def test_memfit_version_and_demo_from_the_console_script(tmp_path):
     assert run_memfit("--version").stdout.startswith("memfit, version")
-    result = run_memfit("demo", "--steps", "2", "--seq-len", "16")
+    plot = tmp_path / "demo.png"
+    result = run_memfit("demo", "--steps", "3", "--plot", str(plot))
     assert result.returncode == 0, result.stderr
-    assert "final loss" in result.stdout
+    assert "final loss" in result.stdout and "25%" in result.stdout
+    assert plot.stat().st_size > 0

@@ -14,18 +14,19 @@ def test_plugins_lists_builtins_with_their_distribution():
     assert "backend:cpu-sim" in result.output and "memfit.backends.cpu_sim" in result.output
 
 
-def test_demo_trains_and_reports():
-    result = CliRunner().invoke(cli, ["demo", "--steps", "3", "--seq-len", "16"])
+def test_demo_trains_and_reports(tmp_path):
+    args = ["demo", "--steps", "2", "--layers", "2", "--seq-len", "16", "--budget", "256MiB"]
+    result = CliRunner().invoke(cli, [*args, "--plot", str(tmp_path / "demo.png")])
     assert result.exit_code == 0, result.output
-    assert "final loss" in result.output and "peak device memory" in result.output
+    assert "Unswapped" in result.output and "final loss" in result.output
 
 
-def test_demo_rejects_a_bad_capacity():
-    result = CliRunner().invoke(cli, ["demo", "--capacity", "lots"])
-    assert result.exit_code != 0 and "invalid cpu-sim capacity 'lots'" in result.output
+def test_demo_rejects_a_bad_budget():
+    result = CliRunner().invoke(cli, ["demo", "--layers", "1", "--seq-len", "8", "--budget", "lots"])
+    assert result.exit_code != 0 and "invalid budget 'lots'" in result.output
 
 
-def test_demo_too_small_a_device_is_a_clear_error():
-    result = CliRunner().invoke(cli, ["demo", "--steps", "1", "--capacity", "64KiB"])
+def test_demo_too_small_a_budget_is_a_clear_error():
+    result = CliRunner().invoke(cli, ["demo", "--steps", "1", "--layers", "1", "--seq-len", "8", "--budget", "64KiB"])
     assert result.exit_code != 0
-    assert "cpu-sim out of memory" in result.output and "raise it or shrink the batch" in result.output
+    assert "out of memory" in result.output and "budget" in result.output

@@ -60,7 +60,8 @@ class OOMEvent:
         in_use_bytes: device bytes in use when it failed.
         attempt: how many handlers already answered ``retry`` for this same failure.
         backend: the active backend, so a handler can free or synchronise.
-        error: the exception raised by the allocator.
+        error: the exception raised by the allocator; ``None`` when the allocator asks before
+            raising (cpu-sim retries inside the allocation while a handler answers ``retry``).
     """
 
     requested_bytes: int
@@ -68,7 +69,7 @@ class OOMEvent:
     in_use_bytes: int
     attempt: int
     backend: Backend
-    error: BaseException
+    error: BaseException | None
 
 
 @dataclass(frozen=True, slots=True)

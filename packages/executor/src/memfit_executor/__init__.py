@@ -1,10 +1,17 @@
-"""memfit-executor: applies memory plans in eager PyTorch.
+"""memfit-executor: train models larger than the device, unmodified, by swapping activations.
 
-Status (issue #5, in progress): the swap data path is built — :mod:`memfit_executor.storage_swap`
-moves storages to pooled host buffers and back on the backend's copy stream, releases device
-blocks with a stream-to-stream wait (or ``record_stream``, for the ablation) and restores bytes
-bit-identically without disturbing autograd. Applying plans (fuzzy matching), the stages, OOM
-handling with passive swap and the ``memfit.swap`` / ``memfit run`` surfaces come next.
+* :func:`memfit.swap` / :class:`~memfit_executor.session.SwapSession` — the session over the
+  profiler's stages: OOM handling in WarmUp, plan candidates in GenPolicy, the fastest applied
+  in Stable;
+* :mod:`memfit_executor.runtime` — saved-tensor hooks, swap-out/release/swap-in by plan,
+  Algorithm 3 (passive swap) on OOM;
+* :mod:`memfit_executor.matching` — finding plan entries in later iterations (fuzzy features;
+  the Capuchin-style baseline);
+* :mod:`memfit_executor.storage_swap` — the data path: pooled host buffers, the copy stream,
+  stream-event (or ``record_stream``) release, bit-identical restore;
+* ``memfit run`` — the same for an unmodified script.
+
+Submodules import torch; this package module does not.
 """
 
 from memfit_executor.__about__ import __version__

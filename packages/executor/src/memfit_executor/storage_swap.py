@@ -46,6 +46,14 @@ def storage_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
+def sole_owner(storage: torch.UntypedStorage) -> bool:
+    """Whether nothing but this Python storage object holds the storage (no tensor, no view).
+
+    Only then may its block be freed in place: no operator can read a storage no tensor refers to.
+    """
+    return torch._C._storage_Use_Count(storage._cdata) == 1
+
+
 class HostBufferPool:
     """Reusable host buffers (pinned where the backend pins), bucketed by exact byte size.
 
@@ -206,7 +214,10 @@ class StorageSwapper:
 
     def swap_out(self, tensor: torch.Tensor) -> SwapOut:
         """Queue the copy of ``tensor``'s whole storage to host memory; the device block stays until release."""
-        storage = self.check(tensor)
+        return self.swap_out_storage(self.check(tensor))
+
+    def swap_out_storage(self, storage: torch.UntypedStorage) -> SwapOut:
+        """:meth:`swap_out` for a storage the caller has already checked (see :meth:`check`)."""
         nbytes = storage.nbytes()
         host = self.pool.take(nbytes)
         device_view = storage_bytes(storage)

@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import runpy
-import sys
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import click
 import numpy as np
+from memfit.cli.scripts import run_python_command
 from memfit.config import format_size
 from memfit.errors import MemfitError
 from memfit.trace import Trace
@@ -23,48 +20,6 @@ if TYPE_CHECKING:
     from memfit_profiler.profiler import OnlineProfiler
 
 console = Console()
-
-
-@contextlib.contextmanager
-def script_argv(argv: list[str]) -> Iterator[None]:
-    """Give the script the ``sys.argv`` it expects, and restore ours after."""
-    saved = sys.argv[:]
-    sys.argv = argv
-    try:
-        yield
-    finally:
-        sys.argv = saved
-
-
-def run_python_command(command: tuple[str, ...]) -> None:
-    """Run ``python script.py args`` or ``python -m module args`` in this process.
-
-    Raises:
-        MemfitError: the command is not a Python script or module invocation.
-    """
-    args = list(command)
-    if args and Path(args[0]).name.startswith("python"):
-        args = args[1:]
-    if not args:
-        raise MemfitError("give the training command after --, e.g. memfit profile -- python train.py")
-    if args[0] == "-m":
-        if len(args) < 2:
-            raise MemfitError("-m needs a module name, e.g. memfit profile -- python -m mypkg.train")
-        with script_argv(args[1:]):
-            runpy.run_module(args[1], run_name="__main__", alter_sys=True)
-        return
-    script = Path(args[0])
-    if script.suffix != ".py" or not script.is_file():
-        raise MemfitError(
-            f"{args[0]!r} is not a Python script; memfit runs training in-process: "
-            "memfit profile -- python train.py ..."
-        )
-    with script_argv([str(script), *args[1:]]):
-        sys.path.insert(0, str(script.resolve().parent))
-        try:
-            runpy.run_path(str(script), run_name="__main__")
-        finally:
-            sys.path.pop(0)
 
 
 def summary_tables(profiler: OnlineProfiler) -> list[Table]:
@@ -167,7 +122,7 @@ def profile(backend, capacity, out, mode, stable_before_genpolicy, stable_before
     profiler = OnlineProfiler(device, m=stable_before_genpolicy, n=stable_before_stable, mode=mode)
     try:
         with device.activate(), profiler:
-            run_python_command(command)
+            run_python_command(command, cli_name="memfit profile")
     except MemfitError as exc:
         raise click.ClickException(str(exc)) from exc
     finally:

@@ -25,6 +25,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -122,6 +123,7 @@ class OnlineProfiler:
         self._traces: list[Trace | tuple[RawIteration, float, int, frozenset[int]]] = []
         self.peak_device_bytes = 0
         self._listeners: list[Callable[[Observation], None]] = []
+        self._iteration_listeners: list[Callable[[IterationRecord], None]] = []
         self._static_keys: set[int] = set()
         self._handles: list[Any] = []
         self._detailed = False
@@ -161,7 +163,8 @@ class OnlineProfiler:
             handle.remove()
         self._handles.clear()
         self.recorder.set_mode(OFF)
-        trailing = self.recorder.take()
+        with self._uncounted():
+            trailing = self.recorder.take()
         if trailing.tokens.size:
             log.debug(
                 "memfit-profiler: %d operators after the last iteration boundary not counted", trailing.tokens.size
@@ -191,8 +194,12 @@ class OnlineProfiler:
         the iteration, so that assembling them (matching features, validation) does not lengthen
         the training step; ``on_op_dispatch`` plugins, when any are installed, get theirs at once.
         """
-        self._traces = [t if isinstance(t, Trace) else self._build_trace(*t) for t in self._traces]
+        with self._uncounted():
+            self._traces = [t if isinstance(t, Trace) else self._build_trace(*t) for t in self._traces]
         return list(self._traces)  # type: ignore[arg-type]
+
+    def _uncounted(self) -> Any:
+        return self.backend.uncounted() if self.backend is not None else contextlib.nullcontext()
 
     @property
     def is_detailed(self) -> bool:
@@ -202,6 +209,18 @@ class OnlineProfiler:
     def add_stage_listener(self, listener: Callable[[Observation], None]) -> None:
         """Call ``listener(observation)`` after every iteration whose stage differs from the one before."""
         self._listeners.append(listener)
+
+    def add_iteration_listener(self, listener: Callable[[IterationRecord], None]) -> None:
+        """Call ``listener(record)`` after every iteration, once its stage verdict is known."""
+        self._iteration_listeners.append(listener)
+
+    def position(self) -> tuple[int, int]:
+        """``(operators recorded so far in this iteration, token of the latest or -1)``.
+
+        One native call, no per-operator Python: the swap executor reads it at saved-tensor hooks
+        to know where the step is, in the same operator indices as the traces.
+        """
+        return self.recorder.position()
 
     def step(self) -> None:
         """End the current iteration explicitly (for loops without a torch optimizer)."""
@@ -239,10 +258,11 @@ class OnlineProfiler:
             self.backend.synchronize()  # the step's wall time includes its device work
         seconds = time.perf_counter() - self._started_at
         self.recorder.set_mode(OFF)  # memfit's own bookkeeping below is not part of the program
-        raw = self.recorder.take()
         peak = self.backend.max_memory_allocated() if self.backend is not None else -1
         self.peak_device_bytes = max(self.peak_device_bytes, peak)
-        self._process(raw, seconds, peak, ended_by)
+        with self._uncounted():  # the recorded columns are host bookkeeping, not device memory
+            raw = self.recorder.take()
+            self._process(raw, seconds, peak, ended_by)
         self._begin_iteration()
 
     def _process(
@@ -280,6 +300,8 @@ class OnlineProfiler:
             if obs.changed:
                 for listener in self._listeners:
                     listener(obs)
+            for iteration_listener in self._iteration_listeners:
+                iteration_listener(record)
 
     # -- traces ------------------------------------------------------------------------------
     def _keep_trace(self, raw: RawIteration, seconds: float, iteration: int) -> None:

@@ -103,6 +103,9 @@ class NativeRecorder:
     def names(self) -> list[str]:
         return list(self._ext.names())
 
+    def position(self) -> tuple[int, int]:
+        return self._ext.position()
+
     def take(self) -> RawIteration:
         raw = self._ext.take()
         detail = None
@@ -177,6 +180,10 @@ class PythonRecorder:
 
     def names(self) -> list[str]:
         return list(self._names)
+
+    def position(self) -> tuple[int, int]:
+        with self._lock:
+            return len(self._tokens), (self._tokens[-1] if self._tokens else -1)
 
     def _row(self, t: torch.Tensor) -> int:
         storage = t.untyped_storage()

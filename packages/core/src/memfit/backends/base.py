@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -81,6 +81,9 @@ class Backend(abc.ABC):
     visible_devices_env: str | None = None
     """Environment variable that restricts visible devices, if any."""
     allocation_granularity: int = 1
+    copy_holds_tensors: bool = False
+    """Whether a queued :meth:`copy_async` holds a reference to its tensors until it has run
+    (cpu-sim's worker does; CUDA copies do not), for code that counts a storage's owners."""
     """Allocations are rounded up to a multiple of this many bytes by the device allocator."""
 
     # -- device and memory ------------------------------------------------------------------
@@ -148,6 +151,15 @@ class Backend(abc.ABC):
         """Size of the allocation that failed with ``exc``; 0 when the backend cannot tell."""
         return 0
 
+    def set_oom_handler(self, handler: Callable[[int, int], bool] | None) -> bool:
+        """Have the allocator ask ``handler(request_bytes, attempt)`` before an allocation fails.
+
+        The allocation is retried while the handler returns ``True`` (it freed memory); ``None``
+        removes the handler. Returns whether the backend supports this: where it does not (the CUDA caching allocator
+        cannot retry after its out-of-memory observers), callers catch the OOM around operators.
+        """
+        return False
+
     # -- execution --------------------------------------------------------------------------
     @abc.abstractmethod
     def copy_bandwidth(self) -> float:
@@ -175,6 +187,15 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def host_empty(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised host tensor suitable as a copy destination (pinned where possible)."""
+
+    @contextlib.contextmanager
+    def uncounted(self) -> Iterator[None]:
+        """Allocations this thread makes inside the block are host bookkeeping, not device memory.
+
+        A no-op where device memory is separate (CUDA, NPU); on cpu-sim, where every CPU allocation
+        would count, it keeps memfit's own records (profiler columns, traces) out of the count.
+        """
+        yield
 
     @contextlib.contextmanager
     def activate(self) -> Iterator[Backend]:

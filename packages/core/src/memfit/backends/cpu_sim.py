@@ -88,8 +88,13 @@ class SimCopyStream:
         self._thread.start()
 
     def _run(self) -> None:
+        from memfit.native import cpu_sim_allocator
+
+        # The worker's copies are memfit's, not the program's: keep them out of the profiler.
+        cpu_sim_allocator().set_record_function_enabled(False)
         while (item := self._queue.get()) is not None:
             work, nbytes, event = item
+            del item  # hold the tensors the work captured no longer than the work itself
             error = None
             start = time.perf_counter()
             try:
@@ -100,6 +105,7 @@ class SimCopyStream:
                 remaining = nbytes / self.bytes_per_second - (time.perf_counter() - start)
                 if remaining > 0:
                     time.sleep(remaining)
+            del work  # its tensors may be freed (their storages checked for other owners) once done
             with self._pending_lock:
                 self._pending -= 1
             event._complete(error)
@@ -158,6 +164,7 @@ class CpuSimBackend(Backend):
     name = "cpu-sim"
     device_type = "cpu"
     comm_backend = "gloo"
+    copy_holds_tensors = True
 
     def __init__(self, capacity: int | str = DEFAULT_CAPACITY, copy_bandwidth: int | str = DEFAULT_COPY_BANDWIDTH):
         from memfit.native import cpu_sim_allocator
@@ -214,6 +221,10 @@ class CpuSimBackend(Backend):
 
     def oom_request_bytes(self, exc: BaseException) -> int:
         return int(self._native.last_oom_request()) if self.is_oom(exc) else 0
+
+    def set_oom_handler(self, handler: Callable[[int, int], bool] | None) -> bool:
+        self._native.set_oom_handler(handler)
+        return True
 
     @property
     def is_active(self) -> bool:

@@ -7,6 +7,7 @@ exactly when that package is installed: :class:`MemfitGroup` asks the plugin man
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import click
 from rich.console import Console
@@ -67,16 +68,31 @@ def plugins() -> None:
 
 @cli.command()
 @click.option("--model", default="tiny", show_default=True, help="Reference model preset.")
-@click.option("--steps", default=5, show_default=True, type=click.IntRange(1), help="Training steps.")
-@click.option("--batch-size", default=4, show_default=True, type=click.IntRange(1))
-@click.option("--seq-len", default=64, show_default=True, type=click.IntRange(2))
-@click.option("--capacity", default="16GiB", show_default=True, help="cpu-sim device capacity, e.g. 512MiB.")
-def demo(model: str, steps: int, batch_size: int, seq_len: int, capacity: str) -> None:
-    """Train the bundled Llama on the cpu-sim virtual device and report loss, time and peak memory."""
+@click.option(
+    "--layers", default=8, show_default=True, type=click.IntRange(1), help="Decoder layers (overrides the preset)."
+)
+@click.option("--steps", default=20, show_default=True, type=click.IntRange(1), help="Training steps.")
+@click.option("--batch-size", default=8, show_default=True, type=click.IntRange(1))
+@click.option("--seq-len", default=128, show_default=True, type=click.IntRange(2))
+@click.option(
+    "--budget", default=None, help="Device memory to train in, e.g. 16MiB; default: a quarter of the unswapped peak."
+)
+@click.option(
+    "--plot",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=Path("memfit-demo.png"),
+    show_default=True,
+    help="Where to draw the memory timeline (PNG).",
+)
+def demo(model: str, layers: int, steps: int, batch_size: int, seq_len: int, budget: str | None, plot: Path) -> None:
+    """Train the bundled Llama on cpu-sim in a quarter of the memory it needs, with memfit's swap executor."""
     from memfit.cli.demo import run_demo
 
     try:
-        run_demo(console, model=model, steps=steps, batch_size=batch_size, seq_len=seq_len, capacity=capacity)
+        run_demo(
+            console, model=model, layers=layers, steps=steps, batch_size=batch_size, seq_len=seq_len,
+            budget=budget, plot=plot,
+        )  # fmt: skip
     except MemfitError as exc:
         raise click.ClickException(str(exc)) from exc
 

@@ -7,11 +7,13 @@ them in well under a second. Building needs a C++ compiler and ``ninja`` (``pip 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
 import shutil
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -86,3 +88,18 @@ def load_extension(name: str, sources: tuple[str | os.PathLike[str], ...]) -> Mo
 def cpu_sim_allocator() -> ModuleType:
     """The counting CPU allocator behind the cpu-sim backend."""
     return load_extension("memfit_cpu_sim_allocator", (NATIVE_SOURCE_DIR / "cpu_sim_allocator.cpp",))
+
+
+@contextlib.contextmanager
+def hidden_from_profilers() -> Iterator[None]:
+    """Operators the calling thread runs inside the block are invisible to ``RecordFunction`` observers.
+
+    memfit's own copies and views (swap traffic, the copy stream's worker) are not the program's
+    operators; hiding them keeps the profiler's operator sequence the same with and without swaps.
+    """
+    ext = cpu_sim_allocator()
+    previous = ext.set_record_function_enabled(False)
+    try:
+        yield
+    finally:
+        ext.set_record_function_enabled(previous)

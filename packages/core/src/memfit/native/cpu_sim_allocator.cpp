@@ -7,6 +7,12 @@
 // inside its kernel. Allocations made while counting is off, or from a thread that marked
 // itself exempt (host-side swap buffers), are not counted, and neither is their free.
 //
+// Out of memory, the allocator first asks an optional Python handler (memfit-executor's Algorithm
+// 3: flush pending releases, passive swap) and retries while the handler says it freed memory: the
+// retry happens inside the allocation, so the operator that asked never sees the failure. The
+// handler runs with the GIL taken here and no allocator lock held (there is none: counters are
+// atomics), so it may free and allocate; a thread already inside the handler is not re-entered.
+//
 // Each block carries a 64-byte header (keeps c10's 64-byte alignment) recording its size and
 // whether it was counted, so the deleter needs no lookup table and no lock.
 #include <torch/extension.h>
@@ -14,6 +20,8 @@
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/impl/alloc_cpu.h>
 #include <c10/util/Exception.h>
+
+#include <ATen/record_function.h>
 
 #include <atomic>
 #include <cstdint>
@@ -37,6 +45,33 @@ std::atomic<int64_t> g_num_ooms{0};
 std::atomic<int64_t> g_last_oom_request{0};
 std::atomic<bool> g_counting{false};
 thread_local bool t_exempt = false;
+thread_local bool t_in_handler = false;
+// (request_bytes, attempt) -> bool: retry? Owned reference, changed and read under the GIL only,
+// and never released at exit (Python may be finalised by then).
+PyObject* g_oom_handler = nullptr;
+constexpr int kMaxHandlerAttempts = 256;
+
+// Ask the handler whether to retry an allocation of `n` bytes that failed `attempt` times.
+bool ask_handler(int64_t n, int attempt) {
+  if (t_in_handler || attempt >= kMaxHandlerAttempts || !Py_IsInitialized()) return false;
+  t_in_handler = true;
+  bool retry = false;
+  {
+    py::gil_scoped_acquire gil;
+    if (g_oom_handler != nullptr) {
+      py::object handler = py::reinterpret_borrow<py::object>(g_oom_handler);
+      try {
+        retry = handler(n, attempt).cast<bool>();
+      } catch (py::error_already_set& e) {
+        e.restore();  // an allocation cannot carry a Python error out: report it as unraisable
+        PyErr_WriteUnraisable(g_oom_handler);
+        retry = false;
+      }
+    }
+  }
+  t_in_handler = false;
+  return retry;
+}
 
 void update_peak(int64_t now) {
   int64_t peak = g_peak.load(std::memory_order_relaxed);
@@ -71,12 +106,17 @@ class CountingCPUAllocator final : public c10::Allocator {
     const bool count = g_counting.load(std::memory_order_relaxed) && !t_exempt;
     const auto n = static_cast<int64_t>(nbytes);
     if (count) {
-      const int64_t now = g_current.fetch_add(n, std::memory_order_relaxed) + n;
-      const int64_t capacity = g_capacity.load(std::memory_order_relaxed);
-      if (now > capacity) {
+      int64_t now = g_current.fetch_add(n, std::memory_order_relaxed) + n;
+      int64_t capacity = g_capacity.load(std::memory_order_relaxed);
+      for (int attempt = 0; now > capacity; ++attempt) {
         g_current.fetch_sub(n, std::memory_order_relaxed);
         g_num_ooms.fetch_add(1, std::memory_order_relaxed);
         g_last_oom_request.store(n, std::memory_order_relaxed);
+        if (ask_handler(n, attempt)) {
+          now = g_current.fetch_add(n, std::memory_order_relaxed) + n;
+          capacity = g_capacity.load(std::memory_order_relaxed);
+          continue;
+        }
         TORCH_CHECK_WITH(OutOfMemoryError, false,
                          "cpu-sim out of memory: tried to allocate ", human(n), " (", n, " bytes) with ",
                          human(now - n), " in use of a ", human(capacity), " capacity (", capacity,
@@ -128,6 +168,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("reset_peak", []() { g_peak.store(g_current.load()); });
   // Lets other native code (memfit-profiler) read live bytes without a Python call per operator.
   m.def("counter_address", []() { return reinterpret_cast<int64_t>(&g_current); });
+  m.def("set_oom_handler", [](py::object handler) {
+    PyObject* previous = g_oom_handler;
+    g_oom_handler = handler.is_none() ? nullptr : handler.inc_ref().ptr();
+    Py_XDECREF(previous);
+  }, "Call handler(request_bytes, attempt) -> bool on a failed allocation; retry while it returns True. None removes it.");
+  // memfit's own copies (the copy stream's worker, the executor's swaps) are not the program's
+  // operators: hide them from RecordFunction observers (the profiler) on this thread.
+  m.def("set_record_function_enabled", [](bool on) {
+    bool previous = at::isRecordFunctionEnabled();
+    at::enableRecordFunction(on);
+    return previous;
+  }, "Enable or disable RecordFunction callbacks on the calling thread; returns the previous state.");
   m.def("num_allocs", []() { return g_num_allocs.load(); });
   m.def("num_ooms", []() { return g_num_ooms.load(); });
   m.def("last_oom_request", []() { return g_last_oom_request.load(); });

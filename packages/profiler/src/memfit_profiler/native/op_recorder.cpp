@@ -355,6 +355,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     g_swap_in.push_back(swap_in);
     g_swap_passive.push_back(passive);
   });
+  // The executor's clock: where the iteration is, read at saved-tensor hooks (not per operator).
+  m.def("position", []() {
+    std::lock_guard<std::mutex> guard(g_lock);
+    const auto n = static_cast<int64_t>(g_tokens.size());
+    return py::make_tuple(n, n ? g_tokens.back() : -1);
+  }, "(operators recorded so far in this iteration, token of the latest)");
   m.def("names", []() {
     std::lock_guard<std::mutex> guard(g_lock);
     return g_names;

@@ -1,0 +1,91 @@
+"""``memfit run``: an unmodified training script under a device-memory budget."""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from pathlib import Path
+
+import click
+from memfit.cli.scripts import run_python_command
+from memfit.config import format_size
+from memfit.errors import MemfitError
+from rich.console import Console
+from rich.table import Table
+
+console = Console()
+
+
+@click.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.option("--backend", default=None, help="Backend to run on (cpu-sim, cuda, npu); default: the best available.")
+@click.option(
+    "--budget", default=None, help="Device memory the run may use, e.g. 12GiB; default: the device's capacity."
+)
+@click.option(
+    "--report",
+    "report_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Write a JSON report here (peak, budget, stages, plans, swap traffic, passive swaps, OOMs survived).",
+)
+@click.option(
+    "--matcher",
+    type=click.Choice(["fuzzy", "position"]),
+    default="fuzzy",
+    show_default=True,
+    help="How plan entries are found in later iterations; 'position' is the Capuchin-style baseline.",
+)
+@click.option(
+    "--release",
+    "release_mode",
+    type=click.Choice(["event", "record_stream"]),
+    default="event",
+    show_default=True,
+    help="How swapped-out blocks are freed: a stream-to-stream event wait, or record_stream.",
+)
+@click.option("-v", "--verbose", is_flag=True, help="Log stage transitions and plans as they happen.")
+@click.argument("command", nargs=-1, type=click.UNPROCESSED, required=True)
+def run(backend, budget, report_path, matcher, release_mode, verbose, command):
+    """Run COMMAND (python train.py ...) under memfit's swap executor, within BUDGET.
+
+    The script needs no change: iterations end at each optimizer step.
+
+        memfit run --backend cpu-sim --budget 4GiB --report run.json -- python train.py
+    """
+    from memfit_executor.session import SwapSession  # imports torch: only when the command runs
+
+    if verbose:
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
+    session = SwapSession(budget, backend, matcher=matcher, release_mode=release_mode)
+    failure: BaseException | None = None
+    try:
+        with session:
+            run_python_command(command, cli_name="memfit run")
+    except MemfitError as exc:
+        failure = exc
+    report = session.report() if session.runtime is not None else None
+    if report is not None:
+        console.print(summary(report))
+        if report_path is not None:
+            session.write_report(report_path)
+            console.print(f"report written to {report_path}")
+    if failure is not None:
+        raise click.ClickException(str(failure)) from failure
+
+
+def summary(report: dict) -> Table:
+    """The report as a table."""
+    table = Table(title="memfit run", show_header=False)
+    table.add_row("backend", report["backend"])
+    table.add_row("budget", format_size(report["budget_bytes"]))
+    table.add_row("peak device memory", format_size(report["peak_device_bytes"]))
+    table.add_row("iterations", str(report["iterations"]))
+    stages = Counter(report["stages"])
+    table.add_row("iterations per stage", ", ".join(f"{k} {v}" for k, v in stages.items()) or "-")
+    table.add_row("plans generated", str(report["plans_generated"]))
+    table.add_row("swapped out", format_size(report["swapped_out_bytes"]))
+    table.add_row("passive swaps", str(report["passive_swaps"]))
+    table.add_row("OOMs survived", str(report["ooms_survived"]))
+    for note in report["notes"]:
+        table.add_row("note", note)
+    return table

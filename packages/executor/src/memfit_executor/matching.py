@@ -1,0 +1,266 @@
+"""Finding a plan's tensors in later iterations (Chameleon §6.1, Appendix A).
+
+A plan names tensors by integer features (:class:`memfit.plan.TensorMatch`), not by address: in
+the next iteration "the same" activation lives elsewhere. The executor meets activations where
+autograd saves them for backward (``saved_tensors_hooks``), so it matches on what is known there
+without a Python call per operator:
+
+* a **signature** ``(nbytes, dtype, shape, token)``: the storage's size, the saved view's dtype
+  and shape, and the operator saving it (its token, from the profiler's native recorder) —
+  integers and a short tuple, compared by equality;
+* a **position**: the operator index of the first save, counted from the first save of the
+  forward pass (so a validation pass or a skipped step before it shifts nothing), compared within
+  a tolerance after correcting by the **drift** of the previous match (so an inserted branch
+  shifts the expectation of every later entry once, not forever).
+
+Binding a plan turns each :class:`~memfit.plan.Swap` into an :class:`Entry` with its reference
+signature and positions: the plan's features find the row of the trace it was made from, and the
+executor's own record of that iteration (:class:`SaveLog`) gives the row's first save.
+
+:class:`FuzzyMatcher` compares a save with the next few pending entries only (REF-CODE: 5, here
+``window`` = 8), in expected order. :class:`PositionMatcher` is the Capuchin-style baseline the
+paper compares against: ``(operator index, i-th tensor saved by it)``, exact, nothing else; it is
+shipped so the failure it causes on a changing sequence can be shown (``matcher="position"``).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from memfit.plan import MemoryPlan, Swap
+from memfit.trace import Trace
+
+log = logging.getLogger("memfit.executor")
+
+Signature = tuple[int, Any, tuple[int, ...], int]
+"""(storage nbytes, dtype, shape of the saved view, token of the saving operator)."""
+
+
+@dataclass(frozen=True, slots=True)
+class FirstSave:
+    """Where a storage was first saved for backward in an observed iteration."""
+
+    op_index: int
+    """Operator index in the iteration (the trace's coordinates)."""
+    ordinal: int
+    """How many tensors the same operator had saved before it (the Capuchin key's "i-th tensor")."""
+    signature: Signature
+
+
+@dataclass
+class SaveLog:
+    """The executor's record of one iteration: each storage's first save, keyed by storage id."""
+
+    first_save_op: int = -1
+    """Operator index of the iteration's first save (positions are counted from it)."""
+    saves: dict[int, FirstSave] = field(default_factory=dict)
+
+
+class FirstSaveObserver:
+    """Fills a :class:`SaveLog` from the runtime's first-save callback during a Detailed iteration."""
+
+    def __init__(self, save_log: SaveLog) -> None:
+        self.log = save_log
+
+    def __call__(self, key: int, op_index: int, ordinal: int, signature: Signature) -> None:
+        if self.log.first_save_op < 0:
+            self.log.first_save_op = op_index
+        self.log.saves.setdefault(key, FirstSave(op_index, ordinal, signature))
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """A plan's swap, bound to the signature and positions it should be found at."""
+
+    index: int
+    """The action's index in the plan."""
+    signature: Signature
+    position: int
+    """First save, relative to the forward pass's first save."""
+    release: int
+    """Free the device block once the iteration reaches this relative position."""
+    swap_in: int
+    """Start the copy back at this relative position (the plan's swap-in layer)."""
+    first_backward_use: int | None
+    op_index: int
+    ordinal: int
+    """The Capuchin key (absolute operator index, i-th saved tensor of that operator)."""
+
+    @property
+    def nbytes(self) -> int:
+        return self.signature[0]
+
+
+@dataclass(frozen=True)
+class Binding:
+    """A plan bound to an observed iteration: the entries the executor can apply, and why others cannot."""
+
+    plan: MemoryPlan
+    entries: tuple[Entry, ...]
+    unbound: dict[str, int]
+    """Reasons the remaining swaps could not be bound, with counts."""
+    forward_ops: int
+    """Operators from the first save to the first backward operator of the observed iteration."""
+
+
+def _last_forward_use(trace: Trace) -> np.ndarray:
+    use_ops, use_tensors = trace.tensor_uses()
+    last = np.full(len(trace.tensors), -1, dtype=np.int64)
+    forward = trace.ops.phase[use_ops] == 0
+    np.maximum.at(last, use_tensors[forward], use_ops[forward])
+    return last
+
+
+def bind_plan(plan: MemoryPlan, trace: Trace, log_: SaveLog) -> Binding:
+    """Bind ``plan``'s swaps (made from ``trace``) to the first saves ``log_`` recorded in the same iteration."""
+    t = trace.tensors
+    last_fwd = _last_forward_use(trace)
+    rows: dict[tuple[int, int, int, int, int], list[int]] = {}
+    for row in np.flatnonzero(~t.is_param & (last_fwd >= 0)).tolist():
+        key = (
+            int(last_fwd[row]),
+            int(t.nbytes[row]),
+            int(t.op_count[row]),
+            int(t.op_tag[row]),
+            int(t.op_call_stack[row]),
+        )
+        rows.setdefault(key, []).append(row)
+    base = log_.first_save_op
+    backward = np.flatnonzero(trace.ops.phase == 1)
+    forward_ops = int(backward[0]) - base if backward.size and base >= 0 else 0
+    entries: list[Entry] = []
+    unbound: dict[str, int] = {}
+    taken: set[int] = set()
+    for index, action in enumerate(plan.actions):
+        if not isinstance(action, Swap):
+            unbound["not a swap"] = unbound.get("not a swap", 0) + 1
+            continue
+        m = action.tensor
+        candidates = rows.get((action.swap_out_after_op, m.nbytes, m.op_count, m.op_tag, m.op_call_stack), [])
+        row = next((r for r in candidates if r not in taken and trace.tensor_dtype(r) == m.dtype), None)
+        if row is None:
+            unbound["no tensor of the trace has its features"] = (
+                unbound.get("no tensor of the trace has its features", 0) + 1
+            )
+            continue
+        taken.add(row)
+        first = log_.saves.get(int(t.storage_id[row]))
+        if first is None:
+            reason = "not saved for backward (held by the program, not by autograd)"
+            unbound[reason] = unbound.get(reason, 0) + 1
+            continue
+        swap_in_op = plan.layers[action.swap_in_layer].start_op if plan.layers else action.release_at_op
+        first_bwd = action.first_backward_use_op
+        entries.append(
+            Entry(
+                index=index,
+                signature=first.signature,
+                position=first.op_index - base,
+                release=max(action.release_at_op, first.op_index) - base,
+                swap_in=swap_in_op - base,
+                first_backward_use=None if first_bwd is None else first_bwd - base,
+                op_index=first.op_index,
+                ordinal=first.ordinal,
+            )
+        )
+    entries.sort(key=lambda e: e.position)
+    if unbound:
+        log.info("memfit-executor: %d of %d swaps bound; not bound: %s", len(entries), len(plan.actions), unbound)
+    return Binding(plan, tuple(entries), unbound, forward_ops)
+
+
+class FuzzyMatcher:
+    """Multi-feature matching: signature equality, position within a tolerance after drift correction.
+
+    Args:
+        binding: the bound plan.
+        window: pending entries compared per save (in expected order).
+        tolerance: largest position error accepted, in operators; default max(32, 5% of the
+            observed forward pass).
+    """
+
+    name = "fuzzy"
+
+    def __init__(self, binding: Binding, window: int = 8, tolerance: int | None = None) -> None:
+        self.entries = binding.entries
+        self.window = window
+        self.tolerance = tolerance if tolerance is not None else max(32, binding.forward_ops // 20)
+        self.min_nbytes = min((e.nbytes for e in self.entries), default=0)
+        self.drift = 0
+        self._next = 0
+        self._matched: set[int] = set()
+
+    def reset(self) -> None:
+        """A new forward pass: every entry is pending again."""
+        self.drift = 0
+        self._next = 0
+        self._matched.clear()
+
+    def match(self, signature: Signature, position: int, op_index: int, ordinal: int) -> Entry | None:
+        """The pending entry this first save is, or ``None``. ``position`` is relative to the forward's first save."""
+        entries, expected = self.entries, position - self.drift
+        # entries far behind the current position will not come any more: skip them for good
+        while self._next < len(entries) and (
+            self._next in self._matched or entries[self._next].position + self.tolerance < expected
+        ):
+            self._next += 1
+        seen = 0
+        i = self._next
+        while i < len(entries) and seen < self.window:
+            if i not in self._matched:
+                seen += 1
+                entry = entries[i]
+                if entry.position - self.tolerance > expected:
+                    break
+                if entry.signature == signature:
+                    self._matched.add(i)
+                    self.drift = position - entry.position
+                    return entry
+            i += 1
+        return None
+
+    def observe_backward(self, entry: Entry, position: int) -> None:
+        """A matched tensor's first backward use happened at ``position``: re-estimate the drift."""
+        if entry.first_backward_use is not None:
+            self.drift = position - entry.first_backward_use
+
+
+class PositionMatcher:
+    """The Capuchin-style baseline: a tensor is ``(operator index in the iteration, i-th saved tensor)``.
+
+    It checks nothing else, so when the sequence shifts it either finds nothing or swaps a
+    different tensor than the plan meant (a **mis-swap**: the plan's memory arithmetic no longer
+    holds). Kept as an option only to show that (Chameleon §7.4).
+    """
+
+    name = "position"
+
+    def __init__(self, binding: Binding) -> None:
+        self.entries = binding.entries
+        self.by_key = {(e.op_index, e.ordinal): e for e in binding.entries}
+        self.min_nbytes = 0
+        self.drift = 0
+
+    def reset(self) -> None:
+        pass
+
+    def match(self, signature: Signature, position: int, op_index: int, ordinal: int) -> Entry | None:
+        return self.by_key.get((op_index, ordinal))
+
+    def observe_backward(self, entry: Entry, position: int) -> None:
+        pass
+
+
+Matcher = FuzzyMatcher | PositionMatcher
+
+
+def make_matcher(kind: str, binding: Binding) -> Matcher:
+    """``fuzzy`` (default) or ``position`` (the Capuchin baseline)."""
+    if kind == "fuzzy":
+        return FuzzyMatcher(binding)
+    if kind == "position":
+        return PositionMatcher(binding)
+    raise ValueError(f"matcher must be 'fuzzy' or 'position', got {kind!r}")
