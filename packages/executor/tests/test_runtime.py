@@ -1,0 +1,198 @@
+"""The swap runtime with only core installed: passive swaps (Algorithm 3), planned swaps, views, safety."""
+
+import dataclasses
+
+import pytest
+import torch
+from memfit.backends.cpu_sim import CpuSimBackend
+from memfit.models import LlamaConfig, build_training
+from memfit.plan import MemoryPlan, PlanPrediction, PlanSource
+from memfit.plugins import Hooks, build_plugin_manager
+from memfit_executor.matching import Binding, Entry, FuzzyMatcher, PositionMatcher
+from memfit_executor.runtime import OUT, RESIDENT, SwapRuntime
+
+CONFIG = dataclasses.replace(LlamaConfig.preset("tiny"), n_layers=4)
+KiB = 1024
+
+
+def train(steps, backend=None):
+    """Losses and final parameters of the reference run (on ``backend``'s device when given)."""
+    run = build_training(CONFIG, batch_size=8, seq_len=64)
+    losses = [run.step() for _ in range(steps)]
+    return losses, [p.detach().clone() for p in run.model.parameters()]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    sim = CpuSimBackend(capacity="4GiB")
+    with sim.activate():
+        train(1)  # the first step creates the optimizer states
+        sim.reset_peak_memory_stats()
+        losses, params = train(4)
+        peak = sim.max_memory_allocated()
+    sim.close()
+    return losses, params, peak
+
+
+@pytest.fixture
+def hooks():
+    return Hooks(build_plugin_manager())
+
+
+def test_passive_swaps_keep_training_exact_under_half_the_peak(reference, hooks):
+    losses, params, peak = reference
+    budget = peak // 2
+    sim = CpuSimBackend(capacity=budget)
+    runtime = SwapRuntime(sim)  # no clock: no plans, Algorithm 3 only (what WarmUp does)
+    with sim.activate():
+        sim.reset_peak_memory_stats()
+        runtime.install(hooks)
+        try:
+            got_losses, got_params = train(4)
+        finally:
+            runtime.uninstall()
+        assert sim.max_memory_allocated() <= budget
+    sim.close()
+    assert got_losses == losses  # bit-identical, not approximately
+    assert all(torch.equal(a, b) for a, b in zip(got_params, params, strict=True))
+    assert runtime.stats.passive_swaps > 0 and runtime.stats.ooms_survived > 0
+    assert runtime.stats.passive_bytes > 0
+
+
+def test_without_an_oom_handler_the_same_budget_fails(reference):
+    *_, peak = reference
+    sim = CpuSimBackend(capacity=peak // 2)
+    with sim.activate(), pytest.raises(torch.OutOfMemoryError):
+        train(2)
+    sim.close()
+
+
+class Counter:
+    """A clock for tests: counts pack and unpack calls (the profiler's operator count stands in for it)."""
+
+    def __init__(self):
+        self.n = 0
+
+    def __call__(self):
+        self.n += 1
+        return self.n, 7
+
+
+def binding_for(entries, forward_ops=100):
+    plan = MemoryPlan(
+        planner="swap", budget_bytes=1, source=PlanSource(kind="synthetic"), predicted=PlanPrediction(peak_bytes=0)
+    )
+    return Binding(plan, tuple(entries), {}, forward_ops)
+
+
+def entry(nbytes, position, release, swap_in, shape, index=0, ordinal=0):
+    return Entry(
+        index=index,
+        signature=(nbytes, torch.float32, shape, 7),
+        position=position,
+        release=release,
+        swap_in=swap_in,
+        first_backward_use=None,
+        op_index=position,
+        ordinal=ordinal,
+    )
+
+
+def test_a_planned_swap_frees_the_activation_and_restores_views_bit_identically():
+    sim = CpuSimBackend(capacity="64MiB")
+    clock = Counter()
+    runtime = SwapRuntime(sim, clock=clock, min_swap_bytes=KiB)
+    with sim.activate():
+        torch.manual_seed(0)
+        x = torch.randn(256, 256, requires_grad=True)
+        runtime.install(Hooks(build_plugin_manager()))
+        try:
+            # sigmoid saves its output a; a[:, :128] and a.t() are views of the same storage
+            runtime.apply(binding_for([entry(256 * 256 * 4, position=0, release=1, swap_in=5, shape=(256, 256))]))
+            a = torch.sigmoid(x)
+            b = a[:, :128] * a.t()[:, :128]
+            loss = b.sum() + a.pow(2).sum()
+            expected_a = a.detach().clone()
+            del a, b  # the program lets go: only autograd (through memfit's handle) holds `a`
+            stored = next(iter(runtime._live.values()))
+            later = torch.sigmoid(x * 1.0)  # saves a new activation: the clock passes the release point
+            assert runtime.stats.swaps == 1 and runtime.stats.released == 1
+            assert stored.state == OUT and stored.storage.nbytes() == 0  # really freed on the device
+            loss.backward()
+            del later
+        finally:
+            runtime.uninstall()
+    sim.close()
+    # the reference gradient, without memfit
+    x2 = x.detach().clone().requires_grad_(True)
+    a2 = torch.sigmoid(x2)
+    ((a2[:, :128] * a2.t()[:, :128]).sum() + a2.pow(2).sum()).backward()
+    assert torch.equal(x.grad, x2.grad)
+    assert torch.equal(torch.sigmoid(x.detach()), expected_a)
+    assert stored.state == RESIDENT
+
+
+def test_a_tensor_the_program_still_holds_is_never_freed():
+    sim = CpuSimBackend(capacity="64MiB")
+    runtime = SwapRuntime(sim, clock=Counter(), min_swap_bytes=KiB)
+    with sim.activate():
+        x = torch.randn(128, 128, requires_grad=True)
+        runtime.install(Hooks(build_plugin_manager()))
+        try:
+            runtime.apply(binding_for([entry(128 * 128 * 4, position=0, release=0, swap_in=50, shape=(128, 128))]))
+            a = torch.exp(x)  # saves its output; the program keeps `a`
+            (a * 3).sum()  # ticks the clock past the release point
+            loss = a.sum()
+            stored = next(iter(runtime._live.values()))
+            assert stored.state != OUT and a.untyped_storage().nbytes() == 128 * 128 * 4
+            loss.backward()
+        finally:
+            runtime.uninstall()
+    sim.close()
+    assert torch.equal(x.grad, torch.exp(x.detach()))
+
+
+def test_oom_that_cannot_be_handled_names_the_request():
+    sim = CpuSimBackend(capacity="1MiB")
+    runtime = SwapRuntime(sim)
+    with sim.activate():
+        runtime.install(Hooks(build_plugin_manager()))
+        try:
+            with pytest.raises(torch.OutOfMemoryError, match="tried to allocate 4.00 MiB"):
+                torch.empty(2**20, dtype=torch.float32)
+        finally:
+            runtime.uninstall()
+    sim.close()
+
+
+def test_fuzzy_matching_absorbs_shifts_and_skips_missing_entries():
+    sig = (4096, torch.float32, (32, 32), 7)
+    other = (4096, torch.float32, (32, 32), 9)
+    entries = [
+        entry(4096, 10, 12, 90, (32, 32), index=0),
+        entry(4096, 20, 22, 80, (32, 32), index=1),
+        entry(4096, 30, 32, 70, (32, 32), index=2),
+    ]
+    matcher = FuzzyMatcher(binding_for(entries), tolerance=8)
+    assert matcher.match(sig, 15, 15, 0).index == 0  # shifted by +5: found, drift 5
+    assert matcher.drift == 5
+    assert matcher.match(other, 25, 25, 0) is None  # same size, other operator: not it
+    assert matcher.match(sig, 36, 36, 0).index == 2  # entry 1 never came; entry 2, drift 6
+    assert matcher.match(sig, 200, 200, 0) is None  # far beyond every entry
+    matcher.reset()
+    assert matcher.match(sig, 10, 10, 0).index == 0
+
+
+def test_the_position_matcher_takes_whatever_sits_at_the_index():
+    entries = [entry(4096, 10, 12, 90, (32, 32), index=0)]
+    matcher = PositionMatcher(binding_for(entries))
+    wrong = (999, torch.float16, (3,), 1)
+    assert matcher.match(wrong, 10, 10, 0).index == 0  # a mis-swap: a different tensor
+    assert matcher.match((4096, torch.float32, (32, 32), 7), 11, 11, 0) is None  # shifted by one: lost
+
+
+def test_bad_options_are_clear():
+    sim = CpuSimBackend(capacity="1MiB")
+    with pytest.raises(Exception, match="matcher must be 'fuzzy' or 'position'"):
+        SwapRuntime(sim, matcher="nearest")
+    sim.close()

@@ -1,0 +1,201 @@
+"""The swap executor end to end, with the profiler and the policy generator installed (issue: executor).
+
+* exactness: 20 iterations under a quarter of the unswapped peak, bit-identical to the run without memfit;
+* changing sequences: 300 iterations with skipped optimizer steps, validation passes and a
+  data-dependent branch; the Capuchin-style baseline on the same run fails or mis-swaps;
+* ``memfit run`` on an unmodified script writes the report.
+"""
+
+import dataclasses
+import json
+import sys
+import textwrap
+
+import memfit
+import pytest
+import torch
+from memfit.backends.cpu_sim import CpuSimBackend
+from memfit.errors import MemfitError
+from memfit.models import LlamaConfig, build_training
+
+from tests.conftest import run_memfit
+
+EXACT_CONFIG = dataclasses.replace(LlamaConfig.preset("tiny"), n_layers=8)
+
+
+def params_of(model):
+    return [p.detach().numpy().copy() for p in model.parameters()]  # numpy: not counted by cpu-sim
+
+
+def native_run(train, *args):
+    """``train(*args)`` on a roomy cpu-sim device; returns its result and the peak of its steps."""
+    sim = CpuSimBackend(capacity="4GiB")
+    with sim.activate():
+        sim.reset_peak_memory_stats()
+        result = train(*args)
+        peak = sim.max_memory_allocated()
+    sim.close()
+    return result, peak
+
+
+def train_reference(steps):
+    run = build_training(EXACT_CONFIG, batch_size=8, seq_len=128)
+    losses = [run.step() for _ in range(steps)]
+    return losses, params_of(run.model)
+
+
+def test_twenty_iterations_under_a_quarter_of_the_peak_are_bit_identical():
+    (losses, params), peak = native_run(train_reference, 20)
+    budget = peak // 4
+    with memfit.swap(budget=budget, backend="cpu-sim") as session:
+        got_losses, got_params = train_reference(20)
+    report = session.report()
+    assert got_losses == losses
+    assert all((a == b).all() for a, b in zip(got_params, params, strict=True))
+    assert report["peak_device_bytes"] <= budget == report["budget_bytes"]
+    assert report["iterations"] == 20
+    assert report["stages"][0] == "WarmUp" and report["stages"][-1] == "Stable"
+    assert report["plans_generated"] >= 1 and session.plan is not None
+    stable = [it for it in report["per_iteration"] if it["stage"] == "Stable"]
+    warmup = [it for it in report["per_iteration"] if it["stage"] == "WarmUp"]
+    # the plan does the work in Stable: far fewer passive swaps than with no plan
+    assert sum(it["passive_swaps"] for it in stable) / len(stable) < 0.2 * min(it["passive_swaps"] for it in warmup)
+    assert all(it["swaps"] > 0 for it in stable)
+    assert report["mismatched_swaps"] == 0
+
+
+# -- changing sequences -------------------------------------------------------------------
+CHANGING_CONFIG = dataclasses.replace(LlamaConfig.preset("tiny"), n_layers=6)
+VALIDATE_EVERY = 50
+SKIPPED_STEPS = (40, 140, 240)
+
+
+def train_changing(iterations):
+    """Loss-scaler-style skipped steps, validation every 50 iterations, and a data-dependent branch."""
+    run = build_training(CHANGING_CONFIG, batch_size=8, seq_len=64)
+    model = run.model
+    branch = {"on": False}
+
+    def extra_normalisation(module, args, out):  # a few more operators in layer 3, on some batches
+        return out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + 1e-5) if branch["on"] else out
+
+    model.layers[3].register_forward_hook(extra_normalisation)
+    losses = []
+    for i in range(iterations):
+        if i and i % VALIDATE_EVERY == 0:
+            with torch.no_grad():
+                model.loss(*run.data.batch(10_000 + i))
+        inputs, targets = run.data.batch(i)
+        branch["on"] = int(inputs[0, 0]) % 10 == 0
+        loss = model.loss(inputs, targets)
+        loss.backward()
+        if i not in SKIPPED_STEPS:  # an overflow skips the step, as a loss scaler does
+            run.optimizer.step()
+        run.optimizer.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+    return losses, params_of(model)
+
+
+@pytest.mark.slow
+def test_changing_sequences_for_300_iterations_and_the_capuchin_baseline():
+    (losses, params), peak = native_run(train_changing, 300)
+    budget = int(peak * 0.4)
+
+    with memfit.swap(budget=budget, backend="cpu-sim") as session:
+        got_losses, got_params = train_changing(300)
+    report = session.report()
+    assert got_losses == losses
+    assert all((a == b).all() for a, b in zip(got_params, params, strict=True))
+    assert report["peak_device_bytes"] <= budget
+    assert report["mismatched_swaps"] == 0
+    # plans are regenerated only after a large change sent the profiler back to WarmUp
+    its = report["per_iteration"]
+    planned = report["planning_iterations"]
+    assert len(planned) >= 2
+    for before, after in zip(planned, planned[1:], strict=False):
+        assert any(it["next_stage"] == "WarmUp" for it in its[before:after])
+    large_changes = sum(1 for o in session.profiler.observations if not o.same_sequence)
+    assert len(planned) <= large_changes + 1
+    assert "Stable" in report["stages"]
+
+    # The Capuchin-style matcher, (operator index, i-th saved tensor), on the same run: like
+    # Capuchin, it handles OOM while measuring and relies on the plan alone once Stable.
+    baseline = memfit.swap(budget=budget, backend="cpu-sim", matcher="position", oom_handler="until-stable")
+    crashed = False
+    try:
+        with baseline:
+            base_losses, _ = train_changing(300)
+    except torch.OutOfMemoryError:
+        crashed = True
+    base = baseline.report()
+    assert crashed or base["mismatched_swaps"] > 0
+    if not crashed:
+        assert base_losses == losses  # a mis-swap costs memory, never correctness
+
+
+def test_memfit_run_executes_an_unmodified_script_and_writes_the_report(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import dataclasses
+            from memfit.models import LlamaConfig, build_training
+
+            config = dataclasses.replace(LlamaConfig.preset("tiny"), n_layers=4)
+            run = build_training(config, batch_size=8, seq_len=64)
+            for _ in range(12):
+                run.step()
+            print("trained", run.step_index)
+            """
+        )
+    )
+    report_path = tmp_path / "report.json"
+    result = run_memfit(
+        "run",
+        "--backend",
+        "cpu-sim",
+        "--budget",
+        "6MiB",
+        "--report",
+        str(report_path),
+        "--",
+        sys.executable,
+        str(script),
+    )
+    assert result.returncode == 0, result.stderr
+    assert "trained 12" in result.stdout and "passive swaps" in result.stdout
+    report = json.loads(report_path.read_text())
+    for key in (
+        "peak_device_bytes",
+        "budget_bytes",
+        "iterations",
+        "stages",
+        "plans_generated",
+        "swapped_out_bytes",
+        "passive_swaps",
+        "ooms_survived",
+    ):
+        assert key in report
+    assert report["budget_bytes"] == 6 * 2**20 and report["peak_device_bytes"] <= report["budget_bytes"]
+    assert report["iterations"] == 12 and len(report["stages"]) == 12
+
+
+def test_memfit_run_with_an_impossible_budget_says_why(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(
+        "from memfit.models import build_training\nbuild_training('tiny', batch_size=8, seq_len=64).step()\n"
+    )
+    result = run_memfit("run", "--backend", "cpu-sim", "--budget", "256KiB", "--", "python", str(script))
+    assert result.returncode != 0
+    assert "out of memory under memfit's swap executor" in result.stderr and "budget of 256.00 KiB" in result.stderr
+
+
+def test_memfit_swap_explains_a_missing_executor(monkeypatch):
+    monkeypatch.setitem(sys.modules, "memfit_executor.session", None)
+    with pytest.raises(MemfitError, match="pip install memfit-executor"):
+        memfit.swap(budget="1GiB")
+
+
+def test_a_bad_budget_is_a_clear_error():
+    with pytest.raises(MemfitError, match="invalid swap budget"), memfit.swap(budget="lots", backend="cpu-sim"):
+        pass
