@@ -111,6 +111,9 @@ class RuntimeStats:
     mismatched: int = 0
     """Mis-swaps: matches whose size, dtype, shape or saving operator differ from the plan's entry
     (only the position matcher makes them)."""
+    reuse_intervals: list[int] = field(default_factory=list)
+    """Per planned release: operators between the release request and the block being free again
+    (0 with stream-event release; with ``record_stream``, until a poll finds the copy done)."""
     per_iteration: list[dict[str, int]] = field(default_factory=list)
 
 
@@ -159,6 +162,8 @@ class SwapRuntime:
         self._releases: list[tuple[int, int, weakref.ref[Stored]]] = []
         self._swap_ins: list[tuple[int, int, weakref.ref[Stored]]] = []
         self._held: list[weakref.ref[Stored]] = []  # due for release, but the program still held them
+        self._awaiting_free: list[tuple[int, Stored]] = []  # record_stream releases not yet freed
+        self._now = 0  # the latest relative position seen
         self._seq = itertools.count()
         self._base = 0
         self._in_backward = True  # the first save starts a forward pass
@@ -233,6 +238,8 @@ class SwapRuntime:
     def end_iteration(self) -> dict[str, int]:
         """The iteration is over: forget its pending work; returns its counters."""
         self._flush_releases()
+        self.swapper.poll()
+        self._note_freed()
         self._swap_ins.clear()
         self._in_backward = True
         self._last_op = -1
@@ -319,6 +326,10 @@ class SwapRuntime:
 
     def _tick(self, position: int, backward: bool = False) -> None:
         drift = self.matcher.drift if self.matcher is not None else 0
+        self._now = position
+        if self._awaiting_free:  # the allocator's event query, in record_stream mode
+            self.swapper.poll()
+            self._note_freed()
         if self._held and not backward:
             held, self._held = self._held, []
             for ref in held:
@@ -352,6 +363,11 @@ class SwapRuntime:
                 self.on_swap(_view(stored.storage), False, passive)
         with hidden_from_profilers():
             stored.swap_out.release()
+        if not passive:
+            if stored.storage.nbytes() == 0:
+                self.stats.reuse_intervals.append(0)
+            else:
+                self._awaiting_free.append((self._now, stored))
         stored.state = OUT
         for s in (self.stats, self._iteration):
             s.swapped_out_bytes += stored.nbytes
@@ -359,6 +375,15 @@ class SwapRuntime:
         if stored.entry is not None and not passive:
             heapq.heappush(self._swap_ins, (stored.entry.swap_in, next(self._seq), weakref.ref(stored)))
         return True
+
+    def _note_freed(self) -> None:
+        still = []
+        for requested, stored in self._awaiting_free:
+            if stored.storage.nbytes() == 0 or stored.state != OUT:
+                self.stats.reuse_intervals.append(max(0, self._now - requested))
+            else:
+                still.append((requested, stored))
+        self._awaiting_free = still
 
     def _sole_owner(self, storage: torch.UntypedStorage, swap: SwapOut) -> bool:
         """Whether only the record holds ``storage``, not counting a queued copy's own reference.
@@ -427,6 +452,11 @@ class SwapRuntime:
         """One step of Algorithm 3 for a failed allocation of ``request`` bytes; ``(freed, note)`` or ``None``."""
         if attempt == 0:
             freed = self._flush_releases()
+            for pending in list(self.swapper._pending_release):  # record_stream mode: wait, then free
+                pending.event.synchronize()
+                freed += pending.nbytes
+            self.swapper.poll()
+            self._note_freed()
             freed += self.backend.empty_cache()
             if freed > 0:
                 return freed, f"released {format_size(freed)} of swapped-out blocks pending release"
