@@ -1,8 +1,26 @@
-"""memfit-simulator: predicts a training step before it runs.
+"""memfit-simulator: predicts a training step's memory and time before it runs (TorchSim, thesis ch. 4).
 
-Status: package scaffold; the implementation arrives with issue #6.
+* :func:`simulate_training` — capture the reference model's step under fake tensors and predict
+  it on a device from the registry (:mod:`memfit_simulator.hardware`);
+* :mod:`memfit_simulator.capture` / :mod:`memfit_simulator.memory` — any step: operators, storage
+  lifetimes, memory by category and module, the steady-state peak;
+* :mod:`memfit_simulator.timing` — per-operator time by category, calibratable;
+* :mod:`memfit_simulator.comm` — collectives; :mod:`memfit_simulator.streams` — stream timelines
+  and pipeline schedules (1F1B, asymmetric pipelines);
+* ``memfit simulate`` and ``memfit plan --simulate``.
+
+Submodules import torch; this module does not.
 """
+
+from typing import Any
 
 from memfit_simulator.__about__ import __version__
 
-__all__ = ["__version__"]
+__all__ = ["__version__", "simulate_training"]
+
+
+def simulate_training(*args: Any, **kwargs: Any) -> Any:
+    """See :func:`memfit_simulator.simulate.simulate_training` (imported on first use: it needs torch)."""
+    from memfit_simulator.simulate import simulate_training as run
+
+    return run(*args, **kwargs)

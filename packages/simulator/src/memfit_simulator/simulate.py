@@ -1,0 +1,184 @@
+"""Simulate a training step of the reference model: memory by category and step time, before it runs.
+
+Example:
+    ```python
+    from memfit_simulator import simulate_training
+
+    result = simulate_training("llama2-7b", batch=1, seq=4096, dtype="bfloat16", device="h100")
+    print(result.memory.peak_bytes, result.step_seconds)
+    trace = result.trace()          # a memfit Trace: plan swaps from it like from a measured one
+    ```
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from memfit.errors import MemfitError
+from memfit.plan import MemoryPlan, Swap
+from memfit.trace import Trace
+
+from memfit_simulator.capture import CapturedStep, capture_step, to_trace
+from memfit_simulator.hardware import HardwareSpec, get_spec
+from memfit_simulator.memory import MemoryBreakdown, memory_breakdown
+from memfit_simulator.streams import StreamTimeline
+from memfit_simulator.timing import estimate, op_costs
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}  # fmt: skip
+OPTIMIZERS = ("adamw", "adam", "sgd", "none")
+
+
+@dataclass
+class SimulationResult:
+    """A simulated training step."""
+
+    settings: dict[str, Any]
+    spec: HardwareSpec
+    step: CapturedStep
+    memory: MemoryBreakdown
+    op_seconds: np.ndarray
+    """Predicted seconds per operator on ``spec``."""
+
+    @property
+    def step_seconds(self) -> float:
+        """Predicted step time: the operators back to back on one compute stream."""
+        return float(self.op_seconds.sum())
+
+    @property
+    def fits(self) -> bool:
+        """Whether the steady-state peak fits the device."""
+        return self.memory.peak_bytes <= self.spec.capacity_bytes
+
+    def trace(self) -> Trace:
+        """The step as a :class:`memfit.trace.Trace` (steady-state device bytes, predicted durations)."""
+        return to_trace(
+            self.step, self.memory.total, self.op_seconds, capacity_bytes=self.spec.capacity_bytes, seconds=self.step_seconds
+        )
+
+    def seconds_by_phase(self) -> dict[str, float]:
+        return {name: float(self.op_seconds[self.step.phases == code].sum()) for code, name in enumerate(("FWD", "BWD", "OPT"))}
+
+    def with_plan(self, plan: MemoryPlan) -> float:
+        """Step time with ``plan``'s swaps on a copy stream at the device's host bandwidth (stalls included)."""
+        return step_seconds_with_swaps(self.op_seconds, self.trace(), plan, self.spec.host_bandwidth)
+
+    def to_json(self) -> dict[str, Any]:
+        m = self.memory
+        return {
+            **self.settings,
+            "device": self.spec.name,
+            "ops": self.step.n_ops,
+            "peak_bytes": m.peak_bytes,
+            "first_iteration_peak_bytes": m.first_iteration_peak_bytes,
+            "peak_op": m.peak_op,
+            "peak_op_name": m.peak_op_name,
+            "peak_module": m.peak_module,
+            "peak_by_category": m.peak_by_category,
+            "activation_bytes_by_module": m.activation_bytes_by_module,
+            "allocation_granularity": m.granularity,
+            "capacity_bytes": self.spec.capacity_bytes,
+            "fits": self.fits,
+            "step_seconds": self.step_seconds,
+            "seconds_by_phase": self.seconds_by_phase(),
+            "capture_seconds": self.step.capture_seconds,
+        }
+
+
+def simulate_training(
+    model: str | Any = "tiny",
+    *,
+    batch: int,
+    seq: int,
+    dtype: str = "float32",
+    optimizer: str = "adamw",
+    device: str | HardwareSpec = "cpu",
+    layers: int | None = None,
+) -> SimulationResult:
+    """Capture one training step of the reference Llama under fake tensors and predict it on ``device``.
+
+    Args:
+        model: a preset name (``tiny``, ``small``, ``medium``, ``llama2-7b``, ``llama3-8b``) or a
+            :class:`memfit.models.LlamaConfig`.
+        batch: sequences per step.
+        seq: tokens per sequence.
+        dtype: parameter and activation dtype (``float32``, ``bfloat16``, ``float16``).
+        optimizer: ``adamw`` (as :func:`memfit.models.build_training`), ``adam``, ``sgd`` (momentum) or ``none``.
+        device: a hardware spec or its name (see :mod:`memfit_simulator.hardware`).
+        layers: override the preset's layer count.
+
+    Raises:
+        MemfitError: an unknown dtype, optimizer, device or preset, or a non-positive size.
+    """
+    from memfit.models import Llama, LlamaConfig
+
+    if dtype not in DTYPES:
+        raise MemfitError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+    if optimizer not in OPTIMIZERS:
+        raise MemfitError(f"unknown optimizer {optimizer!r}; use one of {', '.join(OPTIMIZERS)}")
+    if batch < 1 or seq < 1:
+        raise MemfitError(f"batch and seq must be positive, got {batch} and {seq}")
+    spec = device if isinstance(device, HardwareSpec) else get_spec(device)
+    config = LlamaConfig.preset(model) if isinstance(model, str) else model
+    config = dataclasses.replace(config, n_layers=layers or config.n_layers, max_seq_len=max(seq, config.max_seq_len))
+    torch_dtype = DTYPES[dtype]
+
+    def build():
+        # Created in the training dtype directly: Module.to() swaps fake parameters, which
+        # FakeTensorMode's weak references forbid. (The model has no buffers to convert.)
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(torch_dtype)
+        try:
+            net = Llama(config)
+        finally:
+            torch.set_default_dtype(previous)
+        params = list(net.parameters())
+        opt = {
+            "adamw": lambda: torch.optim.AdamW(params, lr=3e-3, foreach=False),
+            "adam": lambda: torch.optim.Adam(params, lr=3e-3, foreach=False),
+            "sgd": lambda: torch.optim.SGD(params, lr=1e-2, momentum=0.9, foreach=False),
+            "none": lambda: torch.optim.SGD(params, lr=0.0),
+        }[optimizer]()
+        tokens = torch.randint(0, config.vocab_size, (batch, seq + 1))
+        return net, opt, (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+
+    def step(net, opt, data):
+        loss = net.loss(*data)
+        loss.backward()
+        if optimizer != "none":
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    captured = capture_step(build, step)
+    memory = memory_breakdown(captured, spec.allocation_granularity)
+    seconds = estimate(op_costs(captured), spec)
+    settings = {"model": model if isinstance(model, str) else "custom", "layers": config.n_layers, "batch": batch,
+                "seq": seq, "dtype": dtype, "optimizer": optimizer}  # fmt: skip
+    return SimulationResult(settings, spec, captured, memory, seconds)
+
+
+def step_seconds_with_swaps(op_seconds: np.ndarray, trace: Trace, plan: MemoryPlan, bandwidth: float) -> float:
+    """Compute and copy streams: swap-outs after their operator, swap-ins from their layer's start,
+    the first backward use waiting for its swap-in. Returns the makespan."""
+    swaps = [a for a in plan.actions if isinstance(a, Swap)]
+    timeline = StreamTimeline()
+    outs: dict[int, list[Swap]] = {}
+    ins: dict[int, list[Swap]] = {}
+    for s in swaps:
+        outs.setdefault(s.swap_out_after_op, []).append(s)
+        start = plan.layers[s.swap_in_layer].start_op if plan.layers else s.release_at_op
+        ins.setdefault(max(start - 1, 0), []).append(s)
+    ready: dict[int, list[int]] = {}
+    for i in range(trace.n_ops):
+        op = timeline.add("compute", float(op_seconds[i]), tuple(ready.pop(i, ())))
+        for s in outs.get(i, ()):
+            timeline.add("copy", s.tensor.nbytes / bandwidth, (op,))
+        for s in ins.get(i, ()):
+            copy_in = timeline.add("copy", s.tensor.nbytes / bandwidth, (op,))
+            use = s.first_backward_use_op if s.first_backward_use_op is not None else i + 1
+            ready.setdefault(max(use, i + 1), []).append(copy_in)
+    return timeline.makespan()
