@@ -67,8 +67,18 @@ def summary(trace: Trace, plan: MemoryPlan) -> Table:
 
 
 @click.command()
-@click.argument("trace_path", metavar="TRACE", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.argument(
+    "trace_path", metavar="[TRACE]", required=False, type=click.Path(exists=True, dir_okay=False, path_type=Path)
+)
 @click.option("--budget", required=True, help="Device bytes the step must fit in, e.g. 12GiB.")
+@click.option(
+    "--simulate",
+    "simulate_spec",
+    default=None,
+    metavar="MODEL:BATCHxSEQ[:DTYPE[:OPTIMIZER[:LAYERS]]]",
+    help="Plan from a simulated step of the reference model instead of TRACE (needs memfit-simulator), "
+    "e.g. tiny:8x128 or llama2-7b:1x4096:bfloat16.",
+)
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), help="Write the plan here (JSON).")
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), help="Draw memory before/after (PNG).")
 @click.option("--margin", default=None, help="Bytes kept free below the budget (default: min(2GiB, 10%)).")
@@ -76,10 +86,10 @@ def summary(trace: Trace, plan: MemoryPlan) -> Table:
 @click.option("--layers-per-phase", type=click.IntRange(1), default=None, help="Logical layers per phase.")
 @click.option("--model-layers", type=click.IntRange(1), default=None, help="The model's layer count.")
 @click.option("--min-tensor", default=None, help="Smallest tensor to swap (default: min(20MiB, budget/256)).")
-def plan(trace_path, budget, out, plot, margin, bandwidth, layers_per_phase, model_layers, min_tensor):
-    """Plan swaps for the step in TRACE so that it fits in --budget."""
+def plan(trace_path, budget, simulate_spec, out, plot, margin, bandwidth, layers_per_phase, model_layers, min_tensor):
+    """Plan swaps for the step in TRACE (or a simulated one, --simulate) so that it fits in --budget."""
     try:
-        trace = Trace.load(trace_path)
+        trace = _simulated_trace(simulate_spec) if simulate_spec else _load(trace_path)
         config = SwapPlannerConfig(
             margin=margin, layers_per_phase=layers_per_phase, model_layers=model_layers, min_tensor_bytes=min_tensor
         )
@@ -102,3 +112,32 @@ def plan(trace_path, budget, out, plot, margin, bandwidth, layers_per_phase, mod
         except MemfitError as exc:
             raise click.ClickException(str(exc)) from exc
         console.print(f"memory curves drawn to {plot}")
+
+
+def _load(trace_path: Path | None) -> Trace:
+    if trace_path is None:
+        raise MemfitError(
+            "give a TRACE file (memfit profile --out, memfit simulate --out) or --simulate MODEL:BATCHxSEQ"
+        )
+    return Trace.load(trace_path)
+
+
+def _simulated_trace(spec: str) -> Trace:
+    """``MODEL:BATCHxSEQ[:DTYPE[:OPTIMIZER[:LAYERS]]]`` simulated on the host CPU's spec."""
+    parts = spec.split(":")
+    try:
+        model, shape = parts[0], parts[1]
+        batch, seq = (int(x) for x in shape.lower().split("x"))
+        dtype = parts[2] if len(parts) > 2 else "float32"
+        optimizer = parts[3] if len(parts) > 3 else "adamw"
+        layers = int(parts[4]) if len(parts) > 4 else None
+    except (IndexError, ValueError) as exc:
+        raise MemfitError(
+            f"--simulate {spec!r}: expected MODEL:BATCHxSEQ[:DTYPE[:OPTIMIZER[:LAYERS]]], e.g. tiny:8x128"
+        ) from exc
+    try:
+        from memfit_simulator import simulate_training
+    except ModuleNotFoundError as exc:
+        raise MemfitError("--simulate needs the simulator: pip install memfit-simulator") from exc
+    result = simulate_training(model, batch=batch, seq=seq, dtype=dtype, optimizer=optimizer, layers=layers)
+    return result.trace()

@@ -199,7 +199,12 @@ def capture_step(
 
         def pre_step(opt, args, kwargs):
             recorder.in_optimizer = True
-            grads.extend(recorder.track(p.grad, -1, int(Phase.BWD)) for g in opt.param_groups for p in g["params"] if p.grad is not None)
+            grads.extend(
+                recorder.track(p.grad, -1, int(Phase.BWD))
+                for g in opt.param_groups
+                for p in g["params"]
+                if p.grad is not None
+            )
 
         def post_step(opt, args, kwargs):
             recorder.in_optimizer = False
@@ -241,7 +246,11 @@ def capture_step(
             if s.category:
                 continue
             alive_into_backward = s.freed == -1 or s.freed >= end_of_forward
-            s.category = "activation" if s.phase == int(Phase.FWD) and s.created < end_of_forward and alive_into_backward else "temporary"
+            s.category = (
+                "activation"
+                if s.phase == int(Phase.FWD) and s.created < end_of_forward and alive_into_backward
+                else "temporary"
+            )
         # keep the model and optimizer alive until categories are final: their storages must not "free"
         del model, optimizer, batch
     return CapturedStep(
@@ -257,7 +266,9 @@ def capture_step(
     )
 
 
-def to_trace(step: CapturedStep, device_bytes: np.ndarray, durations: np.ndarray, *, capacity_bytes: int, seconds: float) -> Trace:
+def to_trace(
+    step: CapturedStep, device_bytes: np.ndarray, durations: np.ndarray, *, capacity_bytes: int, seconds: float
+) -> Trace:
     """The captured step as a :class:`memfit.trace.Trace` (source ``simulated``)."""
     names, tokens = np.unique(np.array(step.op_names, dtype=object).astype(str), return_inverse=True)
     dtype_names, dtype_codes = np.unique(np.array([s.dtype for s in step.storages] or ["float32"]), return_inverse=True)
@@ -266,7 +277,9 @@ def to_trace(step: CapturedStep, device_bytes: np.ndarray, durations: np.ndarray
     out_off, out_val = to_csr(step.outputs)
     shape_off, shape_val = to_csr([s.shape for s in step.storages])
     zeros = np.zeros(n, dtype=np.int64)
-    static = np.array([s.category in ("parameter", "buffer", "optimizer_state", "gradient") for s in step.storages], dtype=bool)
+    static = np.array(
+        [s.category in ("parameter", "buffer", "optimizer_state", "gradient") for s in step.storages], dtype=bool
+    )
     tensors = TensorTable(
         storage_id=np.arange(n, dtype=np.int64),
         nbytes=np.array([s.nbytes for s in step.storages], dtype=np.int64),
@@ -304,4 +317,6 @@ def to_trace(step: CapturedStep, device_bytes: np.ndarray, durations: np.ndarray
     count, tag, stack = tensor_features(trace.ops.token, trace.ops.phase, use_ops, use_tensors, n)
     import dataclasses
 
-    return dataclasses.replace(trace, tensors=dataclasses.replace(tensors, op_count=count, op_tag=tag, op_call_stack=stack))
+    return dataclasses.replace(
+        trace, tensors=dataclasses.replace(tensors, op_count=count, op_tag=tag, op_call_stack=stack)
+    )

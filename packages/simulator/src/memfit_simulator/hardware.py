@@ -83,26 +83,46 @@ _BUILTIN: dict[str, HardwareSpec] = {
     "h100": HardwareSpec(
         name="h100",
         description="NVIDIA H100 SXM5 80GB",
-        peak_flops={"float32": 66.9 * TERA, "tfloat32": 494.7 * TERA, "bfloat16": 989.4 * TERA, "float16": 989.4 * TERA},
+        peak_flops={
+            "float32": 66.9 * TERA,
+            "tfloat32": 494.7 * TERA,
+            "bfloat16": 989.4 * TERA,
+            "float16": 989.4 * TERA,
+        },
         memory_bandwidth=3350 * GB,
         host_bandwidth=55 * GB,
         capacity_bytes=80 * 2**30,
         intra_node=Link(bandwidth=450 * GB, latency_s=3e-6, source="NVLink 4: 900 GB/s bidirectional per GPU"),
         inter_node=Link(bandwidth=50 * GB, latency_s=5e-6, source=_IB400),
-        sources={"peak_flops": _NVIDIA_H100, "memory_bandwidth": _NVIDIA_H100, "capacity_bytes": _NVIDIA_H100,
-                 "host_bandwidth": _PCIE5, "allocation_granularity": "PyTorch CUDA caching allocator (kMinBlockSize)"},
+        sources={
+            "peak_flops": _NVIDIA_H100,
+            "memory_bandwidth": _NVIDIA_H100,
+            "capacity_bytes": _NVIDIA_H100,
+            "host_bandwidth": _PCIE5,
+            "allocation_granularity": "PyTorch CUDA caching allocator (kMinBlockSize)",
+        },
     ),  # fmt: skip
     "h200": HardwareSpec(
         name="h200",
         description="NVIDIA H200 SXM 141GB",
-        peak_flops={"float32": 66.9 * TERA, "tfloat32": 494.7 * TERA, "bfloat16": 989.4 * TERA, "float16": 989.4 * TERA},
+        peak_flops={
+            "float32": 66.9 * TERA,
+            "tfloat32": 494.7 * TERA,
+            "bfloat16": 989.4 * TERA,
+            "float16": 989.4 * TERA,
+        },
         memory_bandwidth=4800 * GB,
         host_bandwidth=55 * GB,
         capacity_bytes=141 * 10**9,
         intra_node=Link(bandwidth=450 * GB, latency_s=3e-6, source="NVLink 4: 900 GB/s bidirectional per GPU"),
         inter_node=Link(bandwidth=50 * GB, latency_s=5e-6, source=_IB400),
-        sources={"peak_flops": _NVIDIA_H200, "memory_bandwidth": _NVIDIA_H200, "capacity_bytes": _NVIDIA_H200,
-                 "host_bandwidth": _PCIE5, "allocation_granularity": "PyTorch CUDA caching allocator (kMinBlockSize)"},
+        sources={
+            "peak_flops": _NVIDIA_H200,
+            "memory_bandwidth": _NVIDIA_H200,
+            "capacity_bytes": _NVIDIA_H200,
+            "host_bandwidth": _PCIE5,
+            "allocation_granularity": "PyTorch CUDA caching allocator (kMinBlockSize)",
+        },
     ),  # fmt: skip
     "a100": HardwareSpec(
         name="a100",
@@ -113,8 +133,13 @@ _BUILTIN: dict[str, HardwareSpec] = {
         capacity_bytes=80 * 2**30,
         intra_node=Link(bandwidth=300 * GB, latency_s=3e-6, source="NVLink 3: 600 GB/s bidirectional per GPU"),
         inter_node=Link(bandwidth=25 * GB, latency_s=5e-6, source="200 Gb/s InfiniBand HDR per GPU (25 GB/s)"),
-        sources={"peak_flops": _NVIDIA_A100, "memory_bandwidth": _NVIDIA_A100, "capacity_bytes": _NVIDIA_A100,
-                 "host_bandwidth": _PCIE4, "allocation_granularity": "PyTorch CUDA caching allocator (kMinBlockSize)"},
+        sources={
+            "peak_flops": _NVIDIA_A100,
+            "memory_bandwidth": _NVIDIA_A100,
+            "capacity_bytes": _NVIDIA_A100,
+            "host_bandwidth": _PCIE4,
+            "allocation_granularity": "PyTorch CUDA caching allocator (kMinBlockSize)",
+        },
     ),  # fmt: skip
     "ascend-910b": HardwareSpec(
         name="ascend-910b",
@@ -125,8 +150,13 @@ _BUILTIN: dict[str, HardwareSpec] = {
         capacity_bytes=64 * 2**30,
         intra_node=Link(bandwidth=196 * GB, latency_s=5e-6, source="HCCS: 392 GB/s per NPU, as publicly reported"),
         inter_node=Link(bandwidth=25 * GB, latency_s=8e-6, source="200 Gb/s RoCE per NPU, as publicly reported"),
-        sources={"peak_flops": _ASCEND_910B, "memory_bandwidth": _ASCEND_910B, "capacity_bytes": _ASCEND_910B,
-                 "host_bandwidth": _PCIE4, "allocation_granularity": "torch_npu caching allocator (512 B blocks)"},
+        sources={
+            "peak_flops": _ASCEND_910B,
+            "memory_bandwidth": _ASCEND_910B,
+            "capacity_bytes": _ASCEND_910B,
+            "host_bandwidth": _PCIE4,
+            "allocation_granularity": "torch_npu caching allocator (512 B blocks)",
+        },
     ),  # fmt: skip
     "ascend-910c": HardwareSpec(
         name="ascend-910c",
@@ -137,8 +167,13 @@ _BUILTIN: dict[str, HardwareSpec] = {
         capacity_bytes=128 * 2**30,
         intra_node=Link(bandwidth=196 * GB, latency_s=5e-6, source="HCCS, as publicly reported"),
         inter_node=Link(bandwidth=50 * GB, latency_s=8e-6, source="400 Gb/s RoCE per NPU, as publicly reported"),
-        sources={"peak_flops": _ASCEND_910C, "memory_bandwidth": _ASCEND_910C, "capacity_bytes": _ASCEND_910C,
-                 "host_bandwidth": _PCIE5, "allocation_granularity": "torch_npu caching allocator (512 B blocks)"},
+        sources={
+            "peak_flops": _ASCEND_910C,
+            "memory_bandwidth": _ASCEND_910C,
+            "capacity_bytes": _ASCEND_910C,
+            "host_bandwidth": _PCIE5,
+            "allocation_granularity": "torch_npu caching allocator (512 B blocks)",
+        },
     ),  # fmt: skip
 }
 

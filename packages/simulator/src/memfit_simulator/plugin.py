@@ -1,4 +1,14 @@
-"""memfit-simulator's plugin module, registered through the ``memfit`` entry-point group.
+"""memfit-simulator's plugin module: the ``memfit simulate`` command. Importing it does not import torch."""
 
-It implements no hooks yet; installing the package already makes it visible in ``memfit plugins``.
-"""
+from __future__ import annotations
+
+from memfit import hookimpl
+from memfit.types import CommandSpec
+
+
+@hookimpl
+def register_commands():
+    """``memfit simulate``."""
+    from memfit_simulator.cli import simulate
+
+    yield CommandSpec(name="simulate", command=simulate)

@@ -57,11 +57,18 @@ class SimulationResult:
     def trace(self) -> Trace:
         """The step as a :class:`memfit.trace.Trace` (steady-state device bytes, predicted durations)."""
         return to_trace(
-            self.step, self.memory.total, self.op_seconds, capacity_bytes=self.spec.capacity_bytes, seconds=self.step_seconds
+            self.step,
+            self.memory.total,
+            self.op_seconds,
+            capacity_bytes=self.spec.capacity_bytes,
+            seconds=self.step_seconds,
         )
 
     def seconds_by_phase(self) -> dict[str, float]:
-        return {name: float(self.op_seconds[self.step.phases == code].sum()) for code, name in enumerate(("FWD", "BWD", "OPT"))}
+        return {
+            name: float(self.op_seconds[self.step.phases == code].sum())
+            for code, name in enumerate(("FWD", "BWD", "OPT"))
+        }
 
     def with_plan(self, plan: MemoryPlan) -> float:
         """Step time with ``plan``'s swaps on a copy stream at the device's host bandwidth (stalls included)."""
@@ -114,8 +121,6 @@ def simulate_training(
     Raises:
         MemfitError: an unknown dtype, optimizer, device or preset, or a non-positive size.
     """
-    from memfit.models import Llama, LlamaConfig
-
     if dtype not in DTYPES:
         raise MemfitError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
     if optimizer not in OPTIMIZERS:
@@ -123,28 +128,56 @@ def simulate_training(
     if batch < 1 or seq < 1:
         raise MemfitError(f"batch and seq must be positive, got {batch} and {seq}")
     spec = device if isinstance(device, HardwareSpec) else get_spec(device)
-    config = LlamaConfig.preset(model) if isinstance(model, str) else model
-    config = dataclasses.replace(config, n_layers=layers or config.n_layers, max_seq_len=max(seq, config.max_seq_len))
+    config = model_config(model, seq, layers)
     torch_dtype = DTYPES[dtype]
+    build, step = reference_step(config, batch, seq, torch_dtype, optimizer)
+    captured = capture_step(build, step)
+    memory = memory_breakdown(captured, spec.allocation_granularity)
+    seconds = estimate(op_costs(captured), spec)
+    settings = {"model": model if isinstance(model, str) else "custom", "layers": config.n_layers, "batch": batch,
+                "seq": seq, "dtype": str(torch_dtype).removeprefix("torch."), "optimizer": optimizer}  # fmt: skip
+    return SimulationResult(settings, spec, captured, memory, seconds)
+
+
+def model_config(model: str | Any, seq: int, layers: int | None = None) -> Any:
+    """The preset (or config) with ``layers`` and room for ``seq`` tokens."""
+    from memfit.models import LlamaConfig
+
+    config = LlamaConfig.preset(model) if isinstance(model, str) else model
+    return dataclasses.replace(config, n_layers=layers or config.n_layers, max_seq_len=max(seq, config.max_seq_len))
+
+
+def make_optimizer(name: str, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """The optimizers ``simulate_training`` knows, with the settings :func:`memfit.models.build_training` uses."""
+    if name not in OPTIMIZERS:
+        raise MemfitError(f"unknown optimizer {name!r}; use one of {', '.join(OPTIMIZERS)}")
+    return {
+        "adamw": lambda: torch.optim.AdamW(params, lr=3e-3, foreach=False),
+        "adam": lambda: torch.optim.Adam(params, lr=3e-3, foreach=False),
+        "sgd": lambda: torch.optim.SGD(params, lr=1e-2, momentum=0.9, foreach=False),
+        "none": lambda: torch.optim.SGD(params, lr=0.0),
+    }[name]()
+
+
+def reference_step(config: Any, batch: int, seq: int, dtype: torch.dtype, optimizer: str) -> tuple[Any, Any]:
+    """``(build, step)`` for :func:`memfit_simulator.capture.capture_step`: the reference Llama's training step."""
+    from memfit.models import Llama
 
     def build():
         # Created in the training dtype directly: Module.to() swaps fake parameters, which
         # FakeTensorMode's weak references forbid. (The model has no buffers to convert.)
         previous = torch.get_default_dtype()
-        torch.set_default_dtype(torch_dtype)
+        torch.set_default_dtype(dtype)
         try:
             net = Llama(config)
         finally:
             torch.set_default_dtype(previous)
-        params = list(net.parameters())
-        opt = {
-            "adamw": lambda: torch.optim.AdamW(params, lr=3e-3, foreach=False),
-            "adam": lambda: torch.optim.Adam(params, lr=3e-3, foreach=False),
-            "sgd": lambda: torch.optim.SGD(params, lr=1e-2, momentum=0.9, foreach=False),
-            "none": lambda: torch.optim.SGD(params, lr=0.0),
-        }[optimizer]()
         tokens = torch.randint(0, config.vocab_size, (batch, seq + 1))
-        return net, opt, (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+        return (
+            net,
+            make_optimizer(optimizer, list(net.parameters())),
+            (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()),
+        )
 
     def step(net, opt, data):
         loss = net.loss(*data)
@@ -153,17 +186,13 @@ def simulate_training(
             opt.step()
         opt.zero_grad(set_to_none=True)
 
-    captured = capture_step(build, step)
-    memory = memory_breakdown(captured, spec.allocation_granularity)
-    seconds = estimate(op_costs(captured), spec)
-    settings = {"model": model if isinstance(model, str) else "custom", "layers": config.n_layers, "batch": batch,
-                "seq": seq, "dtype": dtype, "optimizer": optimizer}  # fmt: skip
-    return SimulationResult(settings, spec, captured, memory, seconds)
+    return build, step
 
 
 def step_seconds_with_swaps(op_seconds: np.ndarray, trace: Trace, plan: MemoryPlan, bandwidth: float) -> float:
     """Compute and copy streams: swap-outs after their operator, swap-ins from their layer's start,
-    the first backward use waiting for its swap-in. Returns the makespan."""
+    the first backward use waiting for its swap-in. Returns the makespan.
+    """
     swaps = [a for a in plan.actions if isinstance(a, Swap)]
     timeline = StreamTimeline()
     outs: dict[int, list[Swap]] = {}

@@ -102,9 +102,7 @@ def one_f_one_b_seconds(stages: int, micro_batches: int, forward_s: float, backw
     return (stages + micro_batches - 1) * (forward_s + backward_s)
 
 
-def pipeline_seconds(
-    forward_s: list[float], backward_s: list[float], micro_batches: int, p2p_s: float = 0.0
-) -> float:
+def pipeline_seconds(forward_s: list[float], backward_s: list[float], micro_batches: int, p2p_s: float = 0.0) -> float:
     """Eq. 11: the 1F1B step of one pipeline whose stage ``i`` takes ``forward_s[i]`` / ``backward_s[i]``.
 
     ``t(i, j).start = max(t(i, j−1).end, t(f1(i), f2(j)).end + p2p)``: the j-th computation on stage
@@ -148,7 +146,9 @@ def asymmetric_step_seconds(pipelines: list[tuple[list[float], list[float], int]
     return max(pipeline_seconds(f, b, m, p2p_s) for f, b, m in pipelines)
 
 
-def pipeline_timeline(forward_s: list[float], backward_s: list[float], micro_batches: int, p2p_s: float = 0.0) -> StreamTimeline:
+def pipeline_timeline(
+    forward_s: list[float], backward_s: list[float], micro_batches: int, p2p_s: float = 0.0
+) -> StreamTimeline:
     """The same 1F1B schedule as a :class:`StreamTimeline` (one stream per stage; p2p as waits on a link)."""
     stages = len(forward_s)
     timeline = StreamTimeline()

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memfit_simulator.capture import _VIEW_OPS, CapturedStep

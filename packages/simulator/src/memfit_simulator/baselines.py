@@ -1,0 +1,73 @@
+"""What the simulator is compared against: PyTorch's MemTracker on the same fake step, and a real cpu-sim run."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from memfit_simulator.simulate import DTYPES, make_optimizer, model_config, reference_step
+
+
+def memtracker_peak(
+    model: str | Any,
+    *,
+    batch: int,
+    seq: int,
+    dtype: str = "float32",
+    optimizer: str = "adamw",
+    layers: int | None = None,
+    iterations: int = 2,
+) -> tuple[int, float]:
+    """Peak bytes that ``torch.distributed._tools.MemTracker`` predicts under fake tensors, and the seconds it took.
+
+    MemTracker sees optimizer states only once they exist, so it runs ``iterations`` steps (two
+    give the steady state), as its documentation does.
+    """  # fmt: skip
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    config = model_config(model, seq, layers)
+    build, step = reference_step(config, batch, seq, DTYPES[dtype], optimizer)
+    started = time.perf_counter()
+    with FakeTensorMode():
+        net, opt, data = build()
+        tracker = MemTracker()
+        tracker.track_external(net, opt)
+        with tracker:
+            for i in range(iterations):
+                if i:
+                    tracker.reset_mod_stats()  # MemTracker tracks modules one iteration at a time
+                step(net, opt, data)
+        peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    return int(peak), time.perf_counter() - started
+
+
+def measured_peak(
+    model: str | Any,
+    *,
+    batch: int,
+    seq: int,
+    dtype: str = "float32",
+    optimizer: str = "adamw",
+    layers: int | None = None,
+) -> int:
+    """Peak device bytes cpu-sim counts for the second (steady-state) step of a real run."""  # fmt: skip
+    from memfit.backends.cpu_sim import CpuSimBackend
+    from memfit.models import build_training
+
+    config = model_config(model, seq, layers)
+    backend = CpuSimBackend(capacity="64GiB")
+    try:
+        with backend.activate():
+            run = build_training(config, batch_size=batch, seq_len=seq, dtype=DTYPES[dtype])
+            run.optimizer = make_optimizer(optimizer, list(run.model.parameters()))
+            run.step()
+            backend.reset_peak_memory_stats()
+            run.step()
+            peak = backend.max_memory_allocated()
+            del run
+    finally:
+        backend.close()
+    return int(peak)
