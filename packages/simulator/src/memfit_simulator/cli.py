@@ -18,16 +18,18 @@ _PRESETS = ("tiny", "small", "medium", "llama2-7b", "llama3-8b")
 
 def simulation_options(function):
     """The options that describe a step, shared by ``memfit simulate`` and ``memfit plan --simulate``."""
+    dtypes = click.Choice(["float32", "bfloat16", "float16", "fp32", "bf16", "fp16"])
     options = [
-        click.option("--model", type=click.Choice(_PRESETS), default="tiny", show_default=True, help="Reference model."),
+        click.option("--model", type=click.Choice(_PRESETS), default="tiny", show_default=True),
         click.option("--layers", type=click.IntRange(1), default=None, help="Override the preset's layer count."),
-        click.option("--device", default="cpu", show_default=True, help="h100, h200, a100, ascend-910b, ascend-910c, cpu."),
+        click.option("--device", default="cpu", show_default=True, help="h100, h200, a100, ascend-910b/c, cpu."),
         click.option("--batch", type=click.IntRange(1), default=8, show_default=True),
         click.option("--seq", type=click.IntRange(1), default=128, show_default=True),
-        click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16", "fp32", "bf16", "fp16"]),
-                     default="float32", show_default=True),
-        click.option("--optimizer", type=click.Choice(["adamw", "adam", "sgd", "none"]), default="adamw", show_default=True),
-    ]  # fmt: skip
+        click.option("--dtype", type=dtypes, default="float32", show_default=True),
+        click.option(
+            "--optimizer", type=click.Choice(["adamw", "adam", "sgd", "none"]), default="adamw", show_default=True
+        ),
+    ]
     for option in reversed(options):
         function = option(function)
     return function
@@ -66,7 +68,10 @@ def simulate(model, layers, device, batch, seq, dtype, optimizer, as_json, plot,
         click.echo(json.dumps(result.to_json()))
         return
     m = result.memory
-    title = f"{model} ({result.settings['layers']} layers), batch {batch} x {seq}, {dtype}, {optimizer} on {result.spec.description}"
+    title = (
+        f"{model} ({result.settings['layers']} layers), batch {batch} x {seq}, {dtype}, {optimizer} "
+        f"on {result.spec.description}"
+    )
     table = Table("category", "at the peak", title=title)
     for name, nbytes in m.summary_rows():
         table.add_row(name, format_size(nbytes))

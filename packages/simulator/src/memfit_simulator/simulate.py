@@ -190,8 +190,10 @@ def reference_step(config: Any, batch: int, seq: int, dtype: torch.dtype, optimi
 
 
 def step_seconds_with_swaps(op_seconds: np.ndarray, trace: Trace, plan: MemoryPlan, bandwidth: float) -> float:
-    """Compute and copy streams: swap-outs after their operator, swap-ins from their layer's start,
-    the first backward use waiting for its swap-in. Returns the makespan.
+    """The step's makespan with ``plan``'s swaps on a copy stream.
+
+    Swap-outs follow their operator, swap-ins start at their layer, and the first backward use
+    waits for its swap-in.
     """
     swaps = [a for a in plan.actions if isinstance(a, Swap)]
     timeline = StreamTimeline()
