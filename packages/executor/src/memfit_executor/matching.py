@@ -172,6 +172,103 @@ def bind_plan(plan: MemoryPlan, trace: Trace, log_: SaveLog) -> Binding:
     return Binding(plan, tuple(entries), unbound, forward_ops)
 
 
+def bind_external(plan: MemoryPlan, trace: Trace, log_: SaveLog, phase_ops: tuple[int, int, int]) -> Binding:
+    """Bind a plan made elsewhere (a simulated trace, another machine) to an observed iteration.
+
+    The plan's trace and this process do not share operator indices: a simulated trace counts
+    dispatcher-level operators (``aten::mm``), the profiler ``RecordFunction`` ones (``aten::linear``),
+    and a storage's first view need not have the shape autograd saves. What they share is the
+    program. A swap's tensor is the k-th tensor of its size and dtype kept from forward into
+    backward, in creation order in the plan's trace and in first-save order here; release and
+    swap-in points keep their fraction of the forward or backward pass. ``phase_ops`` is the
+    observed iteration's (forward, backward, optimizer) operator counts
+    (:attr:`memfit_profiler.IterationRecord.phase_ops`).
+    """
+    t = trace.tensors
+    last_fwd = _last_forward_use(trace)
+    use_ops, use_tensors = trace.tensor_uses()
+    backward_use = np.zeros(len(t), dtype=bool)
+    backward_use[use_tensors[trace.ops.phase[use_ops] == 1]] = True
+    first_use = np.full(len(t), np.iinfo(np.int64).max, dtype=np.int64)
+    np.minimum.at(first_use, use_tensors, use_ops)
+    kept = np.flatnonzero(~t.is_param & (last_fwd >= 0) & backward_use)
+    kept = kept[np.argsort(first_use[kept], kind="stable")]
+    ordinal_of: dict[int, tuple[tuple, int]] = {}
+    counts: dict[tuple, int] = {}
+    for row in kept.tolist():
+        key = (int(t.nbytes[row]), trace.tensor_dtype(row))
+        ordinal_of[row] = (key, counts.get(key, 0))
+        counts[key] = counts.get(key, 0) + 1
+    observed: dict[tuple, list[FirstSave]] = {}
+    for first in sorted(log_.saves.values(), key=lambda f: f.op_index):
+        nbytes, dtype, _, _ = first.signature
+        observed.setdefault((nbytes, str(dtype).removeprefix("torch.")), []).append(first)
+
+    fwd_trace = int(np.count_nonzero(trace.ops.phase == 0))
+    bwd_trace = max(1, int(np.count_nonzero(trace.ops.phase == 1)))
+    fwd_here, bwd_here = max(1, phase_ops[0]), max(1, phase_ops[1])
+    base = log_.first_save_op
+
+    def here(op: int) -> int:  # the same fraction of the same phase, relative to the first save
+        if op < fwd_trace:
+            return round(op / max(1, fwd_trace) * fwd_here) - base
+        return round(fwd_here + (op - fwd_trace) / bwd_trace * bwd_here) - base
+
+    rows: dict[tuple[int, int, int, int, int], list[int]] = {}
+    for row in kept.tolist():
+        key = (
+            int(last_fwd[row]),
+            int(t.nbytes[row]),
+            int(t.op_count[row]),
+            int(t.op_tag[row]),
+            int(t.op_call_stack[row]),
+        )
+        rows.setdefault(key, []).append(row)
+    entries: list[Entry] = []
+    unbound: dict[str, int] = {}
+    taken: set[int] = set()
+    for index, action in enumerate(plan.actions):
+        if not isinstance(action, Swap):
+            continue
+        m = action.tensor
+        candidates = rows.get((action.swap_out_after_op, m.nbytes, m.op_count, m.op_tag, m.op_call_stack), [])
+        row = next((r for r in candidates if r not in taken), None)
+        found = None
+        if row is not None:
+            taken.add(row)
+            key, k = ordinal_of[row]
+            saves = observed.get(key, [])
+            found = saves[k] if k < len(saves) else None
+        if found is None:
+            reason = "no tensor saved here matches it" if row is not None else "no tensor of its trace has its features"
+            unbound[reason] = unbound.get(reason, 0) + 1
+            continue
+        swap_in_op = plan.layers[action.swap_in_layer].start_op if plan.layers else action.release_at_op
+        position = found.op_index - base
+        first_bwd = action.first_backward_use_op
+        entries.append(
+            Entry(
+                index=index,
+                signature=found.signature,
+                position=position,
+                release=max(here(action.release_at_op), position),
+                swap_in=here(swap_in_op),
+                first_backward_use=None if first_bwd is None else here(first_bwd),
+                op_index=found.op_index,
+                ordinal=found.ordinal,
+            )
+        )
+    entries.sort(key=lambda e: e.position)
+    if unbound:
+        log.info(
+            "memfit-executor: %d of %d swaps of the external plan bound; not bound: %s",
+            len(entries),
+            len(plan.actions),
+            unbound,
+        )
+    return Binding(plan, tuple(entries), unbound, fwd_here - base)
+
+
 class FuzzyMatcher:
     """Multi-feature matching: signature equality, position within a tolerance after drift correction.
 

@@ -44,7 +44,7 @@ from memfit.types import PlanningProblem
 from pydantic import Field
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from memfit_executor.matching import Binding, FirstSaveObserver, SaveLog, bind_plan
+from memfit_executor.matching import Binding, FirstSaveObserver, SaveLog, bind_external, bind_plan
 from memfit_executor.runtime import SwapOutOfMemoryError, SwapRuntime
 
 log = logging.getLogger("memfit.executor")
@@ -70,6 +70,11 @@ class SwapOptions(MemfitModel):
     """Plan candidates to try in GenPolicy (at most ``n``)."""
     planner_options: dict[str, dict[str, Any]] = Field(default_factory=dict)
     """Options passed to planners, keyed by planner name (e.g. ``{"swap": {"margin": "64MiB"}}``)."""
+    plan: Any = None
+    """A plan made elsewhere (e.g. from ``memfit simulate``'s trace) to apply instead of planning here;
+    needs ``plan_trace``. It is bound to the first iteration and applied from the second on."""
+    plan_trace: Any = None
+    """The trace ``plan`` was made from."""
 
 
 # Settings the candidates vary, after the planner's defaults (REF-CODE also searches C and the margin).
@@ -155,6 +160,11 @@ class SwapSession:
         self.runtime.install(self.hooks if self.options.oom_handler != "off" else _NoOOMHooks())
         self.runtime.set_operator_retry(self.options.oom_handler != "off")
         self._handles.append(register_optimizer_step_post_hook(self._protect_optimizer_state))
+        if self.options.plan is not None:
+            if self.options.plan_trace is None:
+                raise MemfitError("a plan given to memfit.swap needs the trace it was made from: plan_trace=...")
+            self._log = SaveLog()  # observe the first iteration, to bind the plan to it
+            self.runtime.observer = FirstSaveObserver(self._log)
         return self
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
@@ -244,7 +254,9 @@ class SwapSession:
             }
         )
         finished_log, self._log = self._log, None
-        if record.stage is Stage.GENPOLICY and record.detailed:
+        if self.options.plan is not None:
+            self._bind_external(record, finished_log)
+        elif record.stage is Stage.GENPOLICY and record.detailed:
             self._genpolicy_step(record, counters, finished_log)
         if record.next_stage is Stage.STABLE and record.stage is not Stage.STABLE:
             self._choose()
@@ -256,11 +268,20 @@ class SwapSession:
             self.runtime.oom_enabled = True
         if record.next_stage is Stage.WARMUP and record.stage is not Stage.WARMUP:
             self._candidates, self._trials = [], []  # a large change: the next GenPolicy plans afresh
-        if record.next_stage is Stage.GENPOLICY:
+        if record.next_stage is Stage.GENPOLICY or (self.options.plan is not None and self._chosen is None):
             self._log = SaveLog()
             self.runtime.observer = FirstSaveObserver(self._log)
         else:
             self.runtime.observer = None
+
+    def _bind_external(self, record: Any, finished_log: SaveLog | None) -> None:
+        """Bind the user's plan to the first observed iteration; keep it for the run."""
+        if self._chosen is not None or finished_log is None or finished_log.first_save_op < 0:
+            return
+        binding = bind_external(self.options.plan, self.options.plan_trace, finished_log, record.phase_ops)
+        self._chosen = binding
+        self.runtime.apply(binding)
+        self.plan_changes.append(record.index)
 
     def _genpolicy_step(self, record: Any, counters: dict[str, int], finished_log: SaveLog | None) -> None:
         ok = record.peak_device_bytes <= self.budget_bytes and counters["passive_swaps"] == 0

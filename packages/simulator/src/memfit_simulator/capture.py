@@ -140,6 +140,8 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func.namespace == "prim":  # metadata queries (prim::device), not kernels
+            return func(*args, **kwargs)
         index = len(self.names)
         phase = self._phase()
         inputs = self.rows((args, kwargs), index - 1, phase)

@@ -5,7 +5,7 @@
   fraction;
 * **memory** (elementwise, normalisation, reductions, copies, optimizer updates): bytes read and
   written over the memory bandwidth, times the achievable fraction;
-* **view** (reshapes, transposes, slices, ``detach``): free.
+* **view** (reshapes, transposes, slices, ``detach``): no kernel, only the per-operator cost.
 
 Every operator also pays the device's fixed per-operator cost; a compute operator pays at least
 its memory time too (the roofline: ``max(compute, memory)``). The thesis learns per-operator
@@ -72,8 +72,8 @@ def estimate(costs: list[OpCost], spec: HardwareSpec) -> np.ndarray:
     eff_m = spec.efficiency.get("memory", 1.0)
     out = np.empty(len(costs))
     for i, c in enumerate(costs):
-        if c.category == "view":
-            out[i] = 0.0
+        if c.category == "view":  # no kernel, but the dispatch still costs its overhead
+            out[i] = spec.op_overhead_s
             continue
         memory = c.bytes_moved / (spec.memory_bandwidth * eff_m)
         compute = c.flops / (spec.flops(c.dtype) * eff_c) if c.category == "compute" else 0.0
@@ -115,24 +115,28 @@ def measure_ops(step: Callable[[], Any], repeats: int = 3) -> tuple[list[str], n
     return names[:length], np.median(np.array([r[:length] for r in runs]), axis=0)
 
 
-def calibrate(spec: HardwareSpec, costs: list[OpCost], measured: np.ndarray) -> HardwareSpec:
-    """Fit ``spec``'s per-operator cost and achievable fractions to measured operator times.
+def calibrate(spec: HardwareSpec, costs: list[OpCost], measured_names: list[str], measured: np.ndarray) -> HardwareSpec:
+    """Fit ``spec``'s per-operator cost and achievable fractions to a measured run of the same step.
 
-    ``costs`` and ``measured`` describe the same operators in the same order (a captured step and
-    a real run of it). The per-operator cost is the median time of view operators (pure
-    overhead); each fraction makes the category's predicted total equal the measured total.
+    ``costs`` describe the captured step; ``measured_names``/``measured`` the operators of a real
+    run of it (:func:`measure_ops`). The two need not align operator by operator (the capture is a
+    first iteration, which also creates optimizer states): the per-operator cost is the median
+    time of the measured view operators (pure overhead), and each category's fraction makes its
+    predicted total equal its measured total.
     """
+    measured_cats = np.array([category(n) for n in measured_names])
+    views = measured[measured_cats == "view"]
+    overhead = float(np.median(views)) if views.size else spec.op_overhead_s
+    efficiency = {"compute": 1.0, "memory": 1.0}
     cats = np.array([c.category for c in costs])
-    overhead = float(np.median(measured[cats == "view"])) if (cats == "view").any() else spec.op_overhead_s
-    fitted = spec.model_copy(update={"op_overhead_s": overhead, "efficiency": {"compute": 1.0, "memory": 1.0}})
-    predicted = estimate(costs, fitted)
-    efficiency = {}
-    for cat in ("compute", "memory"):
-        mask = cats == cat
-        work = predicted[mask] - overhead
-        spent = measured[mask] - overhead
-        if mask.any() and spent.sum() > 0 and work.sum() > 0:
-            efficiency[cat] = float(np.clip(work.sum() / spent.sum(), 1e-3, 1.0))
-        else:
-            efficiency[cat] = spec.efficiency.get(cat, 1.0)
-    return fitted.model_copy(update={"efficiency": efficiency})
+    # A compute operator whose memory time dominates is governed by the memory fraction, so the
+    # two fractions interact: rescale each category's until both totals match (a few rounds do).
+    for _ in range(8):
+        fitted = spec.model_copy(update={"op_overhead_s": overhead, "efficiency": dict(efficiency)})
+        predicted = estimate(costs, fitted)
+        for cat in ("compute", "memory"):
+            work = float((predicted[cats == cat] - overhead).sum())
+            spent = float((measured[measured_cats == cat] - overhead).sum())
+            if work > 0 and spent > 0:
+                efficiency[cat] = float(np.clip(efficiency[cat] * work / spent, 1e-4, 16.0))
+    return spec.model_copy(update={"op_overhead_s": overhead, "efficiency": efficiency})
