@@ -7,8 +7,10 @@ once an allocation would pass the capacity. Host buffers made with :meth:`CpuSim
 (swap destinations) are not counted. Copies queued on :meth:`CpuSimBackend.copy_stream` run on a
 worker thread at a configurable bandwidth, so swap traffic overlaps compute as it would on a GPU.
 
-The counter is process-wide (there is one CPU allocator): only one cpu-sim backend can be active
-at a time, and allocations from every thread count while it is.
+There is one CPU allocator per process: only one cpu-sim backend can be active at a time, and
+allocations from every thread count while it is. Each backend counts in its own slot, so memory
+that earlier code still holds (caches, another backend's tensors) never counts against it, and a
+block counted by a backend leaves that backend's count when freed, whichever is active then.
 """
 
 from __future__ import annotations
@@ -178,6 +180,7 @@ class CpuSimBackend(Backend):
         self.copy_bandwidth_bytes_per_s = bandwidth
         self._native = cpu_sim_allocator()
         self._native.install()
+        self._slot = int(self._native.new_slot())  # this device's own count (see the allocator's notes)
         self._compute = HostStream()
         self._copy: SimCopyStream | None = None
 
@@ -200,13 +203,13 @@ class CpuSimBackend(Backend):
             self._native.set_capacity(nbytes)
 
     def memory_allocated(self) -> int:
-        return int(self._native.current())
+        return int(self._native.current(self._slot))
 
     def max_memory_allocated(self) -> int:
-        return int(self._native.peak())
+        return int(self._native.peak(self._slot))
 
     def reset_peak_memory_stats(self) -> None:
-        self._native.reset_peak()
+        self._native.reset_peak(self._slot)
 
     def is_oom(self, exc: BaseException) -> bool:
         import torch
@@ -217,7 +220,7 @@ class CpuSimBackend(Backend):
         return float(self.copy_bandwidth_bytes_per_s)
 
     def native_memory_source(self) -> tuple[str, int]:
-        return ("counter", int(self._native.counter_address()))
+        return ("counter", int(self._native.counter_address(self._slot)))
 
     def oom_request_bytes(self, exc: BaseException) -> int:
         return int(self._native.last_oom_request()) if self.is_oom(exc) else 0
@@ -244,6 +247,7 @@ class CpuSimBackend(Backend):
             reentered = _active is self
             _active = self
             self._native.set_capacity(self._capacity)
+            previous_slot = self._native.set_slot(self._slot)
             previous = self._native.set_counting(True)
         try:
             yield self
@@ -251,6 +255,7 @@ class CpuSimBackend(Backend):
             if not reentered:
                 with _active_lock:
                     self._native.set_counting(previous)
+                    self._native.set_slot(previous_slot)
                     _active = None
 
     @contextlib.contextmanager

@@ -13,8 +13,11 @@
 // handler runs with the GIL taken here and no allocator lock held (there is none: counters are
 // atomics), so it may free and allocate; a thread already inside the handler is not re-entered.
 //
-// Each block carries a 64-byte header (keeps c10's 64-byte alignment) recording its size and
-// whether it was counted, so the deleter needs no lookup table and no lock.
+// Each cpu-sim backend is its own device: it counts in its own slot (an "epoch"), so bytes a
+// previous backend's program still holds (caches, fixtures, leftovers) never count against the
+// next one. Each block carries a 64-byte header (keeps c10's 64-byte alignment) recording its
+// size and the slot it was counted in (0: not counted), so the deleter needs no lookup table and
+// no lock, and a block freed while its backend is inactive still leaves that backend's count.
 #include <torch/extension.h>
 
 #include <c10/core/CPUAllocator.h>
@@ -37,8 +40,11 @@ struct Header {
   uint64_t counted;
 };
 
-std::atomic<int64_t> g_current{0};
-std::atomic<int64_t> g_peak{0};
+constexpr size_t kSlots = 4096;  // backends per process before slots are reused
+std::atomic<int64_t> g_counts[kSlots];
+std::atomic<int64_t> g_peaks[kSlots];
+std::atomic<uint64_t> g_slot{1};       // the active backend's slot (0 is "not counted")
+std::atomic<uint64_t> g_next_slot{1};
 std::atomic<int64_t> g_capacity{std::numeric_limits<int64_t>::max()};
 std::atomic<int64_t> g_num_allocs{0};
 std::atomic<int64_t> g_num_ooms{0};
@@ -74,8 +80,9 @@ bool ask_handler(int64_t n, int attempt) {
 }
 
 void update_peak(int64_t now) {
-  int64_t peak = g_peak.load(std::memory_order_relaxed);
-  while (now > peak && !g_peak.compare_exchange_weak(peak, now, std::memory_order_relaxed)) {
+  auto& peak_slot = g_peaks[g_slot.load(std::memory_order_relaxed)];
+  int64_t peak = peak_slot.load(std::memory_order_relaxed);
+  while (now > peak && !peak_slot.compare_exchange_weak(peak, now, std::memory_order_relaxed)) {
   }
 }
 
@@ -95,7 +102,7 @@ void delete_block(void* data) {
   char* base = static_cast<char*>(data) - kHeader;
   auto* header = reinterpret_cast<Header*>(base);
   if (header->counted) {
-    g_current.fetch_sub(static_cast<int64_t>(header->nbytes), std::memory_order_relaxed);
+    g_counts[header->counted].fetch_sub(static_cast<int64_t>(header->nbytes), std::memory_order_relaxed);
   }
   c10::free_cpu(base);
 }
@@ -105,15 +112,17 @@ class CountingCPUAllocator final : public c10::Allocator {
   c10::DataPtr allocate(size_t nbytes) override {
     const bool count = g_counting.load(std::memory_order_relaxed) && !t_exempt;
     const auto n = static_cast<int64_t>(nbytes);
+    const uint64_t slot = g_slot.load(std::memory_order_relaxed);
+    auto& current = g_counts[slot];
     if (count) {
-      int64_t now = g_current.fetch_add(n, std::memory_order_relaxed) + n;
+      int64_t now = current.fetch_add(n, std::memory_order_relaxed) + n;
       int64_t capacity = g_capacity.load(std::memory_order_relaxed);
       for (int attempt = 0; now > capacity; ++attempt) {
-        g_current.fetch_sub(n, std::memory_order_relaxed);
+        current.fetch_sub(n, std::memory_order_relaxed);
         g_num_ooms.fetch_add(1, std::memory_order_relaxed);
         g_last_oom_request.store(n, std::memory_order_relaxed);
         if (ask_handler(n, attempt)) {
-          now = g_current.fetch_add(n, std::memory_order_relaxed) + n;
+          now = current.fetch_add(n, std::memory_order_relaxed) + n;
           capacity = g_capacity.load(std::memory_order_relaxed);
           continue;
         }
@@ -129,7 +138,7 @@ class CountingCPUAllocator final : public c10::Allocator {
     char* base = static_cast<char*>(c10::alloc_cpu(nbytes + kHeader));
     auto* header = reinterpret_cast<Header*>(base);
     header->nbytes = nbytes;
-    header->counted = count ? 1 : 0;
+    header->counted = count ? slot : 0;
     void* data = base + kHeader;
     return {data, data, &delete_block, c10::Device(c10::DeviceType::CPU)};
   }
@@ -163,11 +172,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Exempt the calling thread's allocations from counting; returns the previous state.");
   m.def("set_capacity", [](int64_t capacity) { g_capacity.store(capacity); });
   m.def("capacity", []() { return g_capacity.load(); });
-  m.def("current", []() { return g_current.load(); });
-  m.def("peak", []() { return g_peak.load(); });
-  m.def("reset_peak", []() { g_peak.store(g_current.load()); });
+  m.def("new_slot", []() {
+    uint64_t slot = g_next_slot.fetch_add(1) % kSlots;
+    if (slot == 0) slot = g_next_slot.fetch_add(1) % kSlots;
+    g_counts[slot].store(0);
+    g_peaks[slot].store(0);
+    return slot;
+  }, "A fresh counting slot for a new cpu-sim backend.");
+  m.def("set_slot", [](uint64_t slot) { return g_slot.exchange(slot); }, "Count in `slot` from now on; returns the previous.");
+  m.def("current", [](uint64_t slot) { return g_counts[slot % kSlots].load(); });
+  m.def("peak", [](uint64_t slot) { return g_peaks[slot % kSlots].load(); });
+  m.def("reset_peak", [](uint64_t slot) { g_peaks[slot % kSlots].store(g_counts[slot % kSlots].load()); });
   // Lets other native code (memfit-profiler) read live bytes without a Python call per operator.
-  m.def("counter_address", []() { return reinterpret_cast<int64_t>(&g_current); });
+  m.def("counter_address", [](uint64_t slot) { return reinterpret_cast<int64_t>(&g_counts[slot % kSlots]); });
   m.def("set_oom_handler", [](py::object handler) {
     PyObject* previous = g_oom_handler;
     g_oom_handler = handler.is_none() ? nullptr : handler.inc_ref().ptr();
