@@ -64,6 +64,31 @@ def test_twenty_iterations_under_a_quarter_of_the_peak_are_bit_identical():
     assert report["mismatched_swaps"] == 0
 
 
+@pytest.mark.gpu
+def test_exactness_on_a_real_accelerator_under_a_quarter_of_the_peak():
+    """The same exactness check on CUDA/NPU, the device capped with the backend's capacity (a memory fraction)."""
+    if not torch.accelerator.is_available():
+        pytest.skip("no accelerator (torch.accelerator.is_available() is False)")
+    from memfit.plugins import get_hooks
+
+    backend = get_hooks().create_backend(None)
+    device = backend.device
+
+    def train(steps):
+        run = build_training(EXACT_CONFIG, batch_size=8, seq_len=128, device=device)
+        losses = [run.step() for _ in range(steps)]
+        return losses, [p.detach().cpu().numpy().copy() for p in run.model.parameters()]
+
+    backend.reset_peak_memory_stats()
+    losses, params = train(20)
+    peak = backend.max_memory_allocated()
+    with memfit.swap(budget=peak // 4, backend=backend) as session:
+        got_losses, got_params = train(20)
+    assert got_losses == losses
+    assert all((a == b).all() for a, b in zip(got_params, params, strict=True))
+    assert session.report()["peak_device_bytes"] <= peak // 4
+
+
 # -- changing sequences -------------------------------------------------------------------
 CHANGING_CONFIG = dataclasses.replace(LlamaConfig.preset("tiny"), n_layers=6)
 VALIDATE_EVERY = 50

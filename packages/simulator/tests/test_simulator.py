@@ -163,22 +163,32 @@ def test_bad_inputs_are_clear():
         simulate_training("tiny", batch=0, seq=8)
 
 
-def test_memfit_simulate_prints_json_and_draws(tmp_path):
+def test_memfit_simulate_prints_json_and_writes_the_trace(tmp_path):
+    from memfit.trace import Trace
     from memfit_simulator.cli import simulate
 
-    plot = tmp_path / "mem.png"
     out = tmp_path / "trace.npz"
     args = ["--model", "tiny", "--batch", "2", "--seq", "32", "--device", "h100", "--dtype", "bf16"]
-    result = CliRunner().invoke(simulate, [*args, "--json", "--plot", str(plot), "--out", str(out)])
+    result = CliRunner().invoke(simulate, [*args, "--json", "--out", str(out)])
     assert result.exit_code == 0, result.output
     report = json.loads(result.output.strip().splitlines()[-1])
     assert report["device"] == "h100" and report["dtype"] == "bfloat16" and report["fits"] is True
     assert report["peak_bytes"] == sum(report["peak_by_category"].values())
-    assert plot.stat().st_size > 0 and out.stat().st_size > 0
+    assert Trace.load(out).peak_bytes() == report["peak_bytes"]
     table = CliRunner().invoke(simulate, ["--model", "tiny", "--batch", "2", "--seq", "32"], terminal_width=200)
     assert table.exit_code == 0 and "predicted step time" in table.output and "activation" in table.output
     bad = CliRunner().invoke(simulate, ["--device", "tpu"])
     assert bad.exit_code != 0 and "unknown device 'tpu'" in bad.output
+
+
+def test_memfit_simulate_draws_memory_by_category(tmp_path):
+    pytest.importorskip("matplotlib")
+    from memfit_simulator.cli import simulate
+
+    plot = tmp_path / "mem.png"
+    result = CliRunner().invoke(simulate, ["--batch", "2", "--seq", "32", "--plot", str(plot)])
+    assert result.exit_code == 0, result.output
+    assert plot.read_bytes()[:4] == b"\x89PNG"
 
 
 def test_a_bigger_preset_is_simulated_on_the_meta_free_path():

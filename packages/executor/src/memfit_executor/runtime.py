@@ -270,7 +270,12 @@ class SwapRuntime:
         storage = t.untyped_storage()
         nbytes = storage.nbytes()
         key = int(storage._cdata)
-        if nbytes < self.min_swap_bytes or (t.is_leaf and t.requires_grad) or self._is_static(key):
+        if (
+            nbytes < self.min_swap_bytes
+            or (t.is_leaf and t.requires_grad)  # a parameter
+            or self._is_static(key)
+            or not storage.resizable()  # from_blob / DLPack memory cannot be freed in place
+        ):
             return t
         if self._in_backward:  # the first save after a backward pass: a new forward pass begins
             self._new_forward(op_index)
