@@ -46,7 +46,7 @@ from typing import Any
 import torch
 from memfit.config import format_size
 from memfit.errors import MemfitError
-from memfit.native import hidden_from_profilers
+from memfit.native import cpu_sim_allocator, hidden_from_profilers
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memfit_executor.matching import Binding, Entry, Matcher, make_matcher
@@ -174,6 +174,7 @@ class SwapRuntime:
         self._allocator_retry = False
         self._oom_hooks: Any = None
         self._iteration = RuntimeStats()
+        self._rf = cpu_sim_allocator()  # its RecordFunction switch, called directly on the hot path
         self.oom_enabled = True
         """Whether Algorithm 3 answers OOM (a session turns it off in Stable for the Capuchin-style baseline)."""
 
@@ -299,15 +300,20 @@ class SwapRuntime:
             return ref
         stored = ref.stored
         self._in_backward = True
-        position = self._position()[0] - self._base
-        if stored.entry is not None and self.matcher is not None and stored.state != RESIDENT:
-            self.matcher.observe_backward(stored.entry, position)
-        self._tick(position, backward=True)
-        self._ensure_resident(stored)
-        with hidden_from_profilers():
+        # the clock is read only when there is something it could trigger (the hot path is short)
+        if self._releases or self._swap_ins or self._held or stored.state != RESIDENT:
+            position = self._position()[0] - self._base
+            if stored.entry is not None and self.matcher is not None and stored.state != RESIDENT:
+                self.matcher.observe_backward(stored.entry, position)
+            self._tick(position, backward=True)
+            self._ensure_resident(stored)
+        previous = self._rf.set_record_function_enabled(False)  # the view is memfit's, not the program's
+        try:
             return torch.empty(0, dtype=ref.dtype, device=self.device).set_(
                 stored.storage, ref.offset, ref.size, ref.stride
             )
+        finally:
+            self._rf.set_record_function_enabled(previous)
 
     # -- the plan --------------------------------------------------------------------------
     def _new_forward(self, op_index: int) -> None:
