@@ -76,7 +76,9 @@ def main() -> None:
     backend = CpuSimBackend(capacity="16GiB")
     rows = []
     for model, batch, seq in CONFIGS:
-        ours, theirs = peaks(backend, model, batch, seq)
+        fresh = CpuSimBackend(capacity="16GiB")  # a device of its own: nothing left from the last config counts
+        ours, theirs = peaks(fresh, model, batch, seq)
+        fresh.close()
         rows.append(
             {
                 "model": model,
