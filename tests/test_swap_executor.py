@@ -205,6 +205,19 @@ def test_memfit_run_executes_an_unmodified_script_and_writes_the_report(tmp_path
     assert report["iterations"] == 12 and len(report["stages"]) == 12
 
 
+def test_memfit_run_reports_even_when_the_script_exits(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import sys\nfrom memfit.models import build_training\n"
+        "run = build_training('tiny', batch_size=2, seq_len=16)\nrun.step(); run.step()\nsys.exit(3)\n"
+    )
+    result = run_memfit(
+        "run", "--backend", "cpu-sim", "--report", str(tmp_path / "r.json"), "--", "python", str(script)
+    )
+    assert result.returncode == 3  # the script's own exit code
+    assert json.loads((tmp_path / "r.json").read_text())["iterations"] == 2
+
+
 def test_memfit_run_with_an_impossible_budget_says_why(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(

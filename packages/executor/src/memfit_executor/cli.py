@@ -58,9 +58,13 @@ def run(backend, budget, report_path, matcher, release_mode, verbose, command):
         logging.basicConfig(level=logging.INFO, format="%(message)s")
     session = SwapSession(budget, backend, matcher=matcher, release_mode=release_mode)
     failure: BaseException | None = None
+    exit_code: int | str | None = None
     try:
         with session:
-            run_python_command(command, cli_name="memfit run")
+            try:
+                run_python_command(command, cli_name="memfit run")
+            except SystemExit as exc:  # the script's own sys.exit(): report first, then exit with its code
+                exit_code = exc.code
     except MemfitError as exc:
         failure = exc
     report = session.report() if session.runtime is not None else None
@@ -71,6 +75,8 @@ def run(backend, budget, report_path, matcher, release_mode, verbose, command):
             console.print(f"report written to {report_path}")
     if failure is not None:
         raise click.ClickException(str(failure)) from failure
+    if exit_code not in (None, 0):
+        raise SystemExit(exit_code)
 
 
 def summary(report: dict) -> Table:

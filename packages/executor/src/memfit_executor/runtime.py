@@ -46,7 +46,7 @@ from typing import Any
 import torch
 from memfit.config import format_size
 from memfit.errors import MemfitError
-from memfit.native import cpu_sim_allocator, hidden_from_profilers
+from memfit.native import hidden_from_profilers, record_function_switch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memfit_executor.matching import Binding, Entry, Matcher, make_matcher
@@ -174,7 +174,7 @@ class SwapRuntime:
         self._allocator_retry = False
         self._oom_hooks: Any = None
         self._iteration = RuntimeStats()
-        self._rf = cpu_sim_allocator()  # its RecordFunction switch, called directly on the hot path
+        self._rf = record_function_switch()  # called directly on the hot path
         self.oom_enabled = True
         """Whether Algorithm 3 answers OOM (a session turns it off in Stable for the Capuchin-style baseline)."""
 

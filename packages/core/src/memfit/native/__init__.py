@@ -97,9 +97,30 @@ def hidden_from_profilers() -> Iterator[None]:
     memfit's own copies and views (swap traffic, the copy stream's worker) are not the program's
     operators; hiding them keeps the profiler's operator sequence the same with and without swaps.
     """
-    ext = cpu_sim_allocator()
-    previous = ext.set_record_function_enabled(False)
+    switch = record_function_switch()
+    previous = switch.set_record_function_enabled(False)
     try:
         yield
     finally:
-        ext.set_record_function_enabled(previous)
+        switch.set_record_function_enabled(previous)
+
+
+class _NoSwitch:
+    """Without a compiler there is no native recorder either (the profiler falls back to Python)."""
+
+    @staticmethod
+    def set_record_function_enabled(on: bool) -> bool:
+        return True
+
+
+@functools.cache
+def record_function_switch() -> ModuleType | _NoSwitch:
+    """What turns ``RecordFunction`` off and on for the calling thread (``set_record_function_enabled``).
+
+    The cpu-sim extension when it can be built; otherwise a no-op, since then no native observer
+    (the profiler's recorder) can be installed either.
+    """
+    try:
+        return cpu_sim_allocator()
+    except NativeBuildError:
+        return _NoSwitch()
