@@ -148,6 +148,9 @@ class SwapRuntime:
         self.clock = clock
         self.on_swap = on_swap
         self.min_swap_bytes = min_swap_bytes
+        self.track_below_plan = True
+        """Track saved tensors smaller than the plan's smallest swap (for passive swaps). The
+        session turns it off in Stable, where the plan does the work: fewer handles, less Python."""
         self.matcher_kind = matcher
         self.swapper = StorageSwapper(backend, release_mode=release_mode)
         self.stats = RuntimeStats()
@@ -271,8 +274,11 @@ class SwapRuntime:
         storage = t.untyped_storage()
         nbytes = storage.nbytes()
         key = int(storage._cdata)
+        floor = self.min_swap_bytes
+        if not self.track_below_plan and self.matcher is not None:
+            floor = max(floor, self.matcher.min_nbytes)
         if (
-            nbytes < self.min_swap_bytes
+            nbytes < floor
             or (t.is_leaf and t.requires_grad)  # a parameter
             or self._is_static(key)
             or not storage.resizable()  # from_blob / DLPack memory cannot be freed in place

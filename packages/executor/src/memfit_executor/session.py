@@ -258,6 +258,7 @@ class SwapSession:
             self._bind_external(record, finished_log)
         elif record.stage is Stage.GENPOLICY and record.detailed:
             self._genpolicy_step(record, counters, finished_log)
+        self.runtime.track_below_plan = record.next_stage is not Stage.STABLE
         if record.next_stage is Stage.STABLE and record.stage is not Stage.STABLE:
             self._choose()
             self.runtime.set_operator_retry(False)
