@@ -25,8 +25,8 @@ import argparse
 import dataclasses
 import json
 import statistics
-import subprocess
-import sys
+
+from _isolated import run_trial
 
 
 def trial(layers: int, mode: str, fraction: float, bandwidth: str, steps: int) -> dict:
@@ -80,13 +80,9 @@ def main() -> None:
     print(f"{'layers':>6} {'mode':>14} {'releases':>9} {'reuse mean':>11} {'reuse max':>10} {'ms/step':>8}")
     for layers in (int(n) for n in args.layers.split(",")):
         for mode in ("event", "record_stream"):
-            cmd = [sys.executable, __file__, "--trial", str(layers), mode, "--fraction", str(args.fraction)]
-            cmd += ["--bandwidth", args.bandwidth, "--steps", str(args.steps)]
-            out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
-            lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
-            if out.returncode != 0 or not lines:
-                raise RuntimeError(f"trial {layers} layers {mode} failed:\n{out.stderr[-2000:]}")
-            r = json.loads(lines[-1])
+            trial_args = ["--trial", str(layers), mode, "--fraction", str(args.fraction)]
+            trial_args += ["--bandwidth", args.bandwidth, "--steps", str(args.steps)]
+            r = run_trial(__file__, trial_args, f"trial {layers} layers {mode}")
             results.append(r)
             mean = f"{r['reuse_mean_ops']:.2f}" if r["reuse_mean_ops"] is not None else "-"
             step = f"{r['step_s'] * 1e3:.0f}" if r["step_s"] is not None else "-"

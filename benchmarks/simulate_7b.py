@@ -18,10 +18,10 @@ from __future__ import annotations
 import argparse
 import json
 import resource
-import subprocess
-import sys
 import time
 import warnings
+
+from _isolated import run_trial
 
 
 def child(which: str, model: str, seq: int) -> dict:
@@ -53,12 +53,8 @@ def main() -> None:
         return
     results = {}
     for which in ("memfit", "memtracker"):
-        cmd = [sys.executable, __file__, "--child", which, "--model", args.model, "--seq", str(args.seq)]
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
-        lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
-        if out.returncode != 0 or not lines:
-            raise RuntimeError(f"{which} failed:\n{out.stderr[-3000:]}")
-        results[which] = json.loads(lines[-1])
+        child_args = ["--child", which, "--model", args.model, "--seq", str(args.seq)]
+        results[which] = run_trial(__file__, child_args, which, timeout_s=3600)
         r = results[which]
         print(f"{which:>10}: {r['seconds']:7.2f} s, peak {r['peak_bytes'] / 2**30:8.3f} GiB, "
               f"max RSS {r['max_rss_bytes'] / 2**20:7.0f} MiB", flush=True)  # fmt: skip

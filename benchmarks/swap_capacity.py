@@ -31,9 +31,9 @@ import argparse
 import dataclasses
 import json
 import statistics
-import subprocess
-import sys
 import time
+
+from _isolated import run_trial
 
 MODES = ("native", "memfit", "full_recompute")
 
@@ -86,18 +86,14 @@ def _checkpointed(forward, checkpoint):
     return run
 
 
-def run_trial(mode: str, batch: int, seq: int, args: argparse.Namespace, fits: bool = False) -> dict:
+def trial_in_process(mode: str, batch: int, seq: int, args: argparse.Namespace, fits: bool = False) -> dict:
     steps = args.steps if mode == "memfit" else args.native_steps
-    cmd = [sys.executable, __file__, "--trial", mode, str(batch), str(seq), "--steps", str(steps)]
+    trial_args = ["--trial", mode, str(batch), str(seq), "--steps", str(steps)]
     if fits:  # a compute-bound step on a device it fits
-        cmd += ["--capacity", "16GiB", "--layers", "0", "--model", args.fits_model]
+        trial_args += ["--capacity", "16GiB", "--layers", "0", "--model", args.fits_model]
     else:
-        cmd += ["--capacity", args.capacity, "--layers", str(args.layers)]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
-    lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
-    if out.returncode != 0 or not lines:
-        raise RuntimeError(f"trial {mode} {batch}x{seq} failed:\n{out.stderr[-2000:]}")
-    result = json.loads(lines[-1])
+        trial_args += ["--capacity", args.capacity, "--layers", str(args.layers)]
+    result = run_trial(__file__, trial_args, f"trial {mode} {batch}x{seq}")
     print(f"  {mode:>14} batch {batch:4d} seq {seq:5d}: {'ok' if result['ok'] else 'OOM'}"
           + (f" {result['step_s'] * 1e3:.0f} ms/step" if result["ok"] else ""), flush=True)  # fmt: skip
     return result
@@ -149,17 +145,17 @@ def main() -> None:
     max_batch, max_seq, at_max = {}, {}, {}
     for mode in MODES:
         print(f"{mode}: largest batch at seq {args.seq}", flush=True)
-        max_batch[mode], at_max[mode] = largest(mode, 1, 1, lambda m, b: run_trial(m, b, args.seq, args), args)
+        max_batch[mode], at_max[mode] = largest(mode, 1, 1, lambda m, b: trial_in_process(m, b, args.seq, args), args)
         print(f"{mode}: longest sequence at batch {args.batch}", flush=True)
-        max_seq[mode], _ = largest(mode, 16, 16, lambda m, s: run_trial(m, args.batch, s, args), args)
+        max_seq[mode], _ = largest(mode, 16, 16, lambda m, s: trial_in_process(m, args.batch, s, args), args)
     equal = max(1, max_batch["native"])
     print(f"step time at batch {equal} (all three fit)", flush=True)
-    equal_size = {mode: run_trial(mode, equal, args.seq, args)["step_s"] for mode in MODES}
+    equal_size = {mode: trial_in_process(mode, equal, args.seq, args)["step_s"] for mode in MODES}
     print(f"when it fits: {args.fits_model} 8 x 256 on 16 GiB, native against memfit, alternating", flush=True)
     native_t, memfit_t = [], []
     for _ in range(args.fits_repeats):
-        native_t.append(run_trial("native", 8, 256, args, fits=True)["step_s"])
-        memfit_t.append(run_trial("memfit", 8, 256, args, fits=True)["step_s"])
+        native_t.append(trial_in_process("native", 8, 256, args, fits=True)["step_s"])
+        memfit_t.append(trial_in_process("memfit", 8, 256, args, fits=True)["step_s"])
     overhead = statistics.median(memfit_t) / statistics.median(native_t) - 1
     result = {
         "capacity": args.capacity,

@@ -114,20 +114,26 @@ def _last_forward_use(trace: Trace) -> np.ndarray:
     return last
 
 
+def _rows_by_features(trace: Trace, last_fwd: np.ndarray, rows: np.ndarray) -> dict[tuple, list[int]]:
+    """Trace rows by what a :class:`~memfit.plan.Swap` names them by: swap-out op, size, Appendix A features."""
+    t = trace.tensors
+    found: dict[tuple, list[int]] = {}
+    for row in rows.tolist():
+        features = (int(t.nbytes[row]), int(t.op_count[row]), int(t.op_tag[row]), int(t.op_call_stack[row]))
+        found.setdefault((int(last_fwd[row]), *features), []).append(row)
+    return found
+
+
+def _feature_key(action: Swap) -> tuple:
+    m = action.tensor
+    return (action.swap_out_after_op, m.nbytes, m.op_count, m.op_tag, m.op_call_stack)
+
+
 def bind_plan(plan: MemoryPlan, trace: Trace, log_: SaveLog) -> Binding:
     """Bind ``plan``'s swaps (made from ``trace``) to the first saves ``log_`` recorded in the same iteration."""
     t = trace.tensors
     last_fwd = _last_forward_use(trace)
-    rows: dict[tuple[int, int, int, int, int], list[int]] = {}
-    for row in np.flatnonzero(~t.is_param & (last_fwd >= 0)).tolist():
-        key = (
-            int(last_fwd[row]),
-            int(t.nbytes[row]),
-            int(t.op_count[row]),
-            int(t.op_tag[row]),
-            int(t.op_call_stack[row]),
-        )
-        rows.setdefault(key, []).append(row)
+    rows = _rows_by_features(trace, last_fwd, np.flatnonzero(~t.is_param & (last_fwd >= 0)))
     base = log_.first_save_op
     backward = np.flatnonzero(trace.ops.phase == 1)
     forward_ops = int(backward[0]) - base if backward.size and base >= 0 else 0
@@ -139,7 +145,7 @@ def bind_plan(plan: MemoryPlan, trace: Trace, log_: SaveLog) -> Binding:
             unbound["not a swap"] = unbound.get("not a swap", 0) + 1
             continue
         m = action.tensor
-        candidates = rows.get((action.swap_out_after_op, m.nbytes, m.op_count, m.op_tag, m.op_call_stack), [])
+        candidates = rows.get(_feature_key(action), [])
         row = next((r for r in candidates if r not in taken and trace.tensor_dtype(r) == m.dtype), None)
         if row is None:
             unbound["no tensor of the trace has its features"] = (
@@ -214,24 +220,14 @@ def bind_external(plan: MemoryPlan, trace: Trace, log_: SaveLog, phase_ops: tupl
             return round(op / max(1, fwd_trace) * fwd_here) - base
         return round(fwd_here + (op - fwd_trace) / bwd_trace * bwd_here) - base
 
-    rows: dict[tuple[int, int, int, int, int], list[int]] = {}
-    for row in kept.tolist():
-        key = (
-            int(last_fwd[row]),
-            int(t.nbytes[row]),
-            int(t.op_count[row]),
-            int(t.op_tag[row]),
-            int(t.op_call_stack[row]),
-        )
-        rows.setdefault(key, []).append(row)
+    rows = _rows_by_features(trace, last_fwd, kept)
     entries: list[Entry] = []
     unbound: dict[str, int] = {}
     taken: set[int] = set()
     for index, action in enumerate(plan.actions):
         if not isinstance(action, Swap):
             continue
-        m = action.tensor
-        candidates = rows.get((action.swap_out_after_op, m.nbytes, m.op_count, m.op_tag, m.op_call_stack), [])
+        candidates = rows.get(_feature_key(action), [])
         row = next((r for r in candidates if r not in taken), None)
         found = None
         if row is not None:

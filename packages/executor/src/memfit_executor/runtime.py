@@ -50,7 +50,7 @@ from memfit.native import hidden_from_profilers, record_function_switch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memfit_executor.matching import Binding, Entry, Matcher, make_matcher
-from memfit_executor.storage_swap import StorageSwapper, SwapIn, SwapOut, sole_owner
+from memfit_executor.storage_swap import StorageSwapper, SwapIn, SwapOut, sole_owner, storage_bytes
 
 log = logging.getLogger("memfit.executor")
 
@@ -377,7 +377,7 @@ class SwapRuntime:
             return False
         if self.on_swap is not None:
             with hidden_from_profilers():
-                self.on_swap(_view(stored.storage), False, passive)
+                self.on_swap(storage_bytes(stored.storage), False, passive)
         with hidden_from_profilers():
             stored.swap_out.release()
         if not passive:
@@ -418,7 +418,7 @@ class SwapRuntime:
         with hidden_from_profilers():
             stored.swap_in = stored.swap_out.swap_in()
             if self.on_swap is not None:
-                self.on_swap(_view(stored.storage), True, stored.passive)
+                self.on_swap(storage_bytes(stored.storage), True, stored.passive)
         stored.state = INFLIGHT
         self.stats.swapped_in_bytes += stored.nbytes
 
@@ -512,10 +512,6 @@ class SwapRuntime:
         """The biggest activations memfit tracks and where they are, for error messages."""
         live = sorted(self._live.values(), key=lambda s: -s.nbytes)[:top]
         return [(s.nbytes, s.state) for s in live]
-
-
-def _view(storage: torch.UntypedStorage) -> torch.Tensor:
-    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
 class _RetryOnOOM(TorchDispatchMode):

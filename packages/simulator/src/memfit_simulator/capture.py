@@ -19,6 +19,7 @@ planners take a prediction where they take a measurement.
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -90,9 +91,8 @@ class CapturedStep:
 class _Recorder(TorchDispatchMode):
     """Records operators and storage lifetimes (runs inside FakeTensorMode)."""
 
-    def __init__(self, granularity: int, keep_args: bool) -> None:
+    def __init__(self, keep_args: bool) -> None:
         super().__init__()
-        self.granularity = granularity
         self.keep_args = keep_args
         self.names: list[str] = []
         self.phases: list[int] = []
@@ -183,7 +183,7 @@ def capture_step(
     import time
 
     started = time.perf_counter()
-    recorder = _Recorder(1, keep_args)
+    recorder = _Recorder(keep_args)
     with FakeTensorMode(allow_non_fake_inputs=False):
         model, optimizer, batch = build()
         for p in model.parameters():
@@ -317,8 +317,6 @@ def to_trace(
     )
     use_ops, use_tensors = trace.tensor_uses()
     count, tag, stack = tensor_features(trace.ops.token, trace.ops.phase, use_ops, use_tensors, n)
-    import dataclasses
-
     return dataclasses.replace(
         trace, tensors=dataclasses.replace(tensors, op_count=count, op_tag=tag, op_call_stack=stack)
     )

@@ -19,7 +19,6 @@ Example:
 from __future__ import annotations
 
 import functools
-import json
 import os
 import time
 from pathlib import Path
@@ -102,28 +101,6 @@ _BUILTIN: dict[str, HardwareSpec] = {
             "allocation_granularity": "PyTorch CUDA caching allocator (kMinBlockSize)",
         },
     ),  # fmt: skip
-    "h200": HardwareSpec(
-        name="h200",
-        description="NVIDIA H200 SXM 141GB",
-        peak_flops={
-            "float32": 66.9 * TERA,
-            "tfloat32": 494.7 * TERA,
-            "bfloat16": 989.4 * TERA,
-            "float16": 989.4 * TERA,
-        },
-        memory_bandwidth=4800 * GB,
-        host_bandwidth=55 * GB,
-        capacity_bytes=141 * 10**9,
-        intra_node=Link(bandwidth=450 * GB, latency_s=3e-6, source="NVLink 4: 900 GB/s bidirectional per GPU"),
-        inter_node=Link(bandwidth=50 * GB, latency_s=5e-6, source=_IB400),
-        sources={
-            "peak_flops": _NVIDIA_H200,
-            "memory_bandwidth": _NVIDIA_H200,
-            "capacity_bytes": _NVIDIA_H200,
-            "host_bandwidth": _PCIE5,
-            "allocation_granularity": "PyTorch CUDA caching allocator (kMinBlockSize)",
-        },
-    ),  # fmt: skip
     "a100": HardwareSpec(
         name="a100",
         description="NVIDIA A100 SXM4 80GB",
@@ -176,6 +153,17 @@ _BUILTIN: dict[str, HardwareSpec] = {
         },
     ),  # fmt: skip
 }
+# The H200 is an H100 with more and faster memory: the same compute, links and host link.
+_BUILTIN["h200"] = _BUILTIN["h100"].model_copy(
+    update={
+        "name": "h200",
+        "description": "NVIDIA H200 SXM 141GB",
+        "memory_bandwidth": 4800 * GB,
+        "capacity_bytes": 141 * 10**9,
+        "sources": {**_BUILTIN["h100"].sources, "peak_flops": _NVIDIA_H200, "memory_bandwidth": _NVIDIA_H200,
+                    "capacity_bytes": _NVIDIA_H200},
+    }
+)  # fmt: skip
 
 
 def specs() -> dict[str, HardwareSpec]:
@@ -253,8 +241,3 @@ def _measure_cpu() -> HardwareSpec:
                  "host_bandwidth": "cpu-sim's default copy bandwidth", "capacity_bytes": "cpu-sim's default capacity",
                  "allocation_granularity": "cpu-sim counts exact bytes"},
     )  # fmt: skip
-
-
-def save_json(spec: HardwareSpec) -> str:
-    """The spec as JSON (for ``memfit simulate --device-file``)."""
-    return json.dumps(spec.model_dump(mode="json"), indent=2)
