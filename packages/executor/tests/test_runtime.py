@@ -75,7 +75,7 @@ class Counter:
 
     def __call__(self):
         self.n += 1
-        return self.n, 7
+        return self.n, 7, 7
 
 
 def binding_for(entries, forward_ops=100):
@@ -108,7 +108,7 @@ def test_a_planned_swap_frees_the_activation_and_restores_views_bit_identically(
         runtime.install(Hooks(build_plugin_manager()))
         try:
             # sigmoid saves its output a; a[:, :128] and a.t() are views of the same storage
-            runtime.apply(binding_for([entry(256 * 256 * 4, position=0, release=1, swap_in=5, shape=(256, 256))]))
+            runtime.apply([binding_for([entry(256 * 256 * 4, position=0, release=1, swap_in=5, shape=(256, 256))])])
             a = torch.sigmoid(x)
             b = a[:, :128] * a.t()[:, :128]
             loss = b.sum() + a.pow(2).sum()
@@ -139,7 +139,7 @@ def test_a_tensor_the_program_still_holds_is_never_freed():
         x = torch.randn(128, 128, requires_grad=True)
         runtime.install(Hooks(build_plugin_manager()))
         try:
-            runtime.apply(binding_for([entry(128 * 128 * 4, position=0, release=0, swap_in=50, shape=(128, 128))]))
+            runtime.apply([binding_for([entry(128 * 128 * 4, position=0, release=0, swap_in=50, shape=(128, 128))])])
             a = torch.exp(x)  # saves its output; the program keeps `a`
             (a * 3).sum()  # ticks the clock past the release point
             loss = a.sum()
@@ -173,7 +173,7 @@ def test_fuzzy_matching_absorbs_shifts_and_skips_missing_entries():
         entry(4096, 20, 22, 80, (32, 32), index=1),
         entry(4096, 30, 32, 70, (32, 32), index=2),
     ]
-    matcher = FuzzyMatcher(binding_for(entries), tolerance=8)
+    matcher = FuzzyMatcher([binding_for(entries)], tolerance=8)
     assert matcher.match(sig, 15, 15, 0).index == 0  # shifted by +5: found, drift 5
     assert matcher.drift == 5
     assert matcher.match(other, 25, 25, 0) is None  # same size, other operator: not it
@@ -185,7 +185,7 @@ def test_fuzzy_matching_absorbs_shifts_and_skips_missing_entries():
 
 def test_the_position_matcher_takes_whatever_sits_at_the_index():
     entries = [entry(4096, 10, 12, 90, (32, 32), index=0)]
-    matcher = PositionMatcher(binding_for(entries))
+    matcher = PositionMatcher([binding_for(entries)])
     wrong = (999, torch.float16, (3,), 1)
     assert matcher.match(wrong, 10, 10, 0).index == 0  # a mis-swap: a different tensor
     assert matcher.match((4096, torch.float32, (32, 32), 7), 11, 11, 0) is None  # shifted by one: lost
@@ -196,3 +196,142 @@ def test_bad_options_are_clear():
     with pytest.raises(Exception, match="matcher must be 'fuzzy' or 'position'"):
         SwapRuntime(sim, matcher="nearest")
     sim.close()
+
+
+class Scripted:
+    """A clock for tests that says exactly which operator the program is at."""
+
+    def __init__(self):
+        self.op = 0
+
+    def __call__(self):
+        return self.op, 7, 7
+
+
+def test_the_forward_pass_starts_at_its_first_save_of_any_size():
+    """Stable tracks only tensors as large as the plan's smallest swap: that must not move the origin."""
+    big = 256 * 256 * 4
+    sim = CpuSimBackend(capacity="64MiB")
+    clock = Scripted()
+    runtime = SwapRuntime(sim, clock=clock, min_swap_bytes=KiB)
+    runtime.apply([binding_for([entry(big, position=100, release=101, swap_in=200, shape=(256, 256))])])
+    runtime.track_below_plan = False  # as in Stable
+    with sim.activate():
+        x = torch.randn(256, 256, requires_grad=True)
+        small_x = torch.randn(8, 8, requires_grad=True)
+        runtime.install(Hooks(build_plugin_manager()))
+        try:
+            clock.op = 10
+            small = torch.exp(small_x)  # the forward pass's first save: position 0
+            clock.op = 110
+            a = torch.exp(x)  # position 100, where the plan expects it (it would be 0 from the first large save)
+            assert runtime.stats.swaps == 1
+            (a.sum() + small.sum()).backward()
+        finally:
+            runtime.uninstall()
+    sim.close()
+    assert torch.equal(x.grad, torch.exp(x.detach()))
+
+
+def test_several_saves_of_one_signature_by_one_operator_match_in_save_order():
+    sig = (4096, torch.float32, (32, 32), 7)
+    first, second = entry(4096, 10, 12, 90, (32, 32), index=0), entry(4096, 10, 12, 80, (32, 32), index=1, ordinal=1)
+    matcher = FuzzyMatcher([binding_for([second, first])], tolerance=8)  # whatever order the plan lists them in
+    assert matcher.match(sig, 10, 10, 0).index == 0
+    assert matcher.match(sig, 10, 10, 1).index == 1
+
+
+def test_plans_of_several_sequences_are_in_place_and_a_forward_pass_runs_on_one():
+    sig_a = (4096, torch.float32, (32, 32), 7)
+    sig_b = (8192, torch.float32, (64, 32), 7)  # another sequence length: other sizes
+    a = binding_for([entry(4096, 10, 12, 90, (32, 32), index=0), entry(4096, 20, 22, 80, (32, 32), index=1)])
+    b = binding_for([entry(8192, 10, 12, 90, (64, 32), index=0), entry(8192, 20, 22, 80, (64, 32), index=1)])
+    matcher = FuzzyMatcher([a, b], tolerance=8)
+    assert matcher.match(sig_b, 10, 10, 0).index == 0 and matcher.locked == 1
+    assert matcher.match(sig_a, 20, 20, 0) is None  # locked on b for this forward pass
+    matcher.reset()
+    assert matcher.match(sig_a, 11, 11, 0).index == 0 and matcher.locked == 0
+
+
+def test_the_oracle_counts_a_swap_of_another_tensor_than_the_plan_meant():
+    """A shift by exactly one block puts a twin in the plan's place: same signature, another tensor.
+
+    The signature check cannot see it (``mismatched`` stays 0); the oracle's identity does.
+    """
+    from memfit_executor.matching import SaveLog
+    from memfit_executor.oracle import IdentityOracle
+
+    blocks = torch.nn.ModuleList(torch.nn.Tanh() for _ in range(4))
+    x = torch.randn(64, 64, requires_grad=True)
+    sim = CpuSimBackend(capacity="64MiB")
+    clock, oracle = Scripted(), IdentityOracle().install()
+    runtime = SwapRuntime(sim, clock=clock, min_swap_bytes=KiB, matcher="position", oracle=oracle)
+
+    def forward(shift):
+        h = x
+        for i, block in enumerate(blocks):
+            clock.op = 10 * (i + 1) + shift
+            h = block(h)  # tanh saves its output
+        return h.sum()
+
+    try:
+        with sim.activate():
+            runtime.install(Hooks(build_plugin_manager()))
+            runtime.observer = log = SaveLog()
+            forward(0).backward()
+            runtime.end_iteration()
+            runtime.observer = None
+            saves = sorted(log.saves.values(), key=lambda f: f.op_index)
+            assert [f.identity[0] for f in saves] == ["Tanh", "Tanh#1", "Tanh#2", "Tanh#3"]
+            plan_entries = [
+                Entry(index=k, signature=f.signature, position=f.position, release=f.position, swap_in=10_000,
+                      first_backward_use=None, op_index=f.op_index, ordinal=f.ordinal, identity=f.identity)
+                for k, f in enumerate(saves[1:])
+            ]  # fmt: skip
+            runtime.apply([binding_for(plan_entries)])
+            forward(0).backward()  # the same program: the plan finds its tensors
+            assert runtime.end_iteration()["misswaps"] == 0 and runtime.stats.swaps == 3
+            # one block earlier: blocks 2 and 3 now sit where the plan expects blocks 1 and 2
+            forward(-10).backward()
+            counters = runtime.end_iteration()
+            runtime.uninstall()
+    finally:
+        oracle.uninstall()
+    sim.close()
+    assert counters["swaps"] == 2 and counters["mismatched"] == 0 and counters["misswaps"] == 2
+
+
+def test_the_oracle_names_modules_by_path_and_counts_calls_per_forward_pass():
+    from memfit_executor.oracle import IdentityOracle
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(2))
+
+        def forward(self, x):
+            return self.layers[1](self.layers[0](self.layers[0](x)))
+
+    net, seen = Net(), []
+    oracle = IdentityOracle().install()
+
+    def pre(module, args):
+        if module is net:
+            return
+        if module is net.layers[0] and not seen:
+            oracle.new_forward()  # as the runtime does at the first save
+        seen.append(oracle.identity(5))
+
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(pre)
+    try:
+        x = torch.randn(2, 4)
+        net(x)
+        oracle.new_forward()
+        net(x)  # a new forward pass: call counts restart
+    finally:
+        handle.remove()
+        oracle.uninstall()
+    # memfit's pre-hook runs first (registered first): saves land in the module just entered,
+    # reached through the ModuleList, which is never called itself
+    assert seen[:3] == [("Net.layers.0", 0, 5, 0), ("Net.layers.0", 1, 5, 0), ("Net.layers.1", 0, 5, 0)]
+    assert seen[3:] == seen[:3]

@@ -5,9 +5,11 @@ the next iteration "the same" activation lives elsewhere. The executor meets act
 autograd saves them for backward (``saved_tensors_hooks``), so it matches on what is known there
 without a Python call per operator:
 
-* a **signature** ``(nbytes, dtype, shape, token)``: the storage's size, the saved view's dtype
-  and shape, and the operator saving it (its token, from the profiler's native recorder) —
-  integers and a short tuple, compared by equality;
+* a **signature** ``(nbytes, dtype, shape, context)``: the storage's size, the saved view's dtype
+  and shape, and the operator saving it with the two operators before it (their tokens folded
+  into one integer by the profiler's native recorder) — integers and a short tuple, compared by
+  equality, together with the **ordinal** (the i-th tensor that operator saves: both operands of
+  a matmul have one signature);
 * a **position**: the operator index of the first save, counted from the first save of the
   forward pass (so a validation pass or a skipped step before it shifts nothing), compared within
   a tolerance after correcting by the **drift** of the previous match (so an inserted branch
@@ -26,6 +28,7 @@ shipped so the failure it causes on a changing sequence can be shown (``matcher=
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,74 +39,7 @@ from memfit.trace import Trace
 log = logging.getLogger("memfit.executor")
 
 Signature = tuple[int, Any, tuple[int, ...], int]
-"""(storage nbytes, dtype, shape of the saved view, token of the saving operator)."""
-
-
-@dataclass(frozen=True, slots=True)
-class FirstSave:
-    """Where a storage was first saved for backward in an observed iteration."""
-
-    op_index: int
-    """Operator index in the iteration (the trace's coordinates)."""
-    ordinal: int
-    """How many tensors the same operator had saved before it (the Capuchin key's "i-th tensor")."""
-    signature: Signature
-
-
-@dataclass
-class SaveLog:
-    """The executor's record of one iteration: each storage's first save, keyed by storage id."""
-
-    first_save_op: int = -1
-    """Operator index of the iteration's first save (positions are counted from it)."""
-    saves: dict[int, FirstSave] = field(default_factory=dict)
-
-
-class FirstSaveObserver:
-    """Fills a :class:`SaveLog` from the runtime's first-save callback during a Detailed iteration."""
-
-    def __init__(self, save_log: SaveLog) -> None:
-        self.log = save_log
-
-    def __call__(self, key: int, op_index: int, ordinal: int, signature: Signature) -> None:
-        if self.log.first_save_op < 0:
-            self.log.first_save_op = op_index
-        self.log.saves.setdefault(key, FirstSave(op_index, ordinal, signature))
-
-
-@dataclass(frozen=True, slots=True)
-class Entry:
-    """A plan's swap, bound to the signature and positions it should be found at."""
-
-    index: int
-    """The action's index in the plan."""
-    signature: Signature
-    position: int
-    """First save, relative to the forward pass's first save."""
-    release: int
-    """Free the device block once the iteration reaches this relative position."""
-    swap_in: int
-    """Start the copy back at this relative position (the plan's swap-in layer)."""
-    first_backward_use: int | None
-    op_index: int
-    ordinal: int
-    """The Capuchin key (absolute operator index, i-th saved tensor of that operator)."""
-
-    @property
-    def nbytes(self) -> int:
-        return self.signature[0]
-
-
-@dataclass(frozen=True)
-class Binding:
-    """A plan bound to an observed iteration: the entries the executor can apply, and why others cannot."""
-
-    plan: MemoryPlan
-    entries: tuple[Entry, ...]
-    unbound: dict[str, int]
-    """Reasons the remaining swaps could not be bound, with counts."""
-    forward_ops: int
-    """Operators from the first save to the first backward operator of the observed iteration."""
+"""(storage nbytes, dtype, shape of the saved view, context: the saving operator and the two before it)."""
 
 
 def _last_forward_use(trace: Trace) -> np.ndarray:
@@ -129,66 +65,98 @@ def _feature_key(action: Swap) -> tuple:
     return (action.swap_out_after_op, m.nbytes, m.op_count, m.op_tag, m.op_call_stack)
 
 
-def bind_plan(plan: MemoryPlan, trace: Trace, log_: SaveLog) -> Binding:
-    """Bind ``plan``'s swaps (made from ``trace``) to the first saves ``log_`` recorded in the same iteration."""
-    t = trace.tensors
-    last_fwd = _last_forward_use(trace)
-    rows = _rows_by_features(trace, last_fwd, np.flatnonzero(~t.is_param & (last_fwd >= 0)))
-    base = log_.first_save_op
-    backward = np.flatnonzero(trace.ops.phase == 1)
-    forward_ops = int(backward[0]) - base if backward.size and base >= 0 else 0
-    entries: list[Entry] = []
-    unbound: dict[str, int] = {}
-    taken: set[int] = set()
-    for index, action in enumerate(plan.actions):
-        if not isinstance(action, Swap):
-            unbound["not a swap"] = unbound.get("not a swap", 0) + 1
-            continue
-        m = action.tensor
-        candidates = rows.get(_feature_key(action), [])
-        row = next((r for r in candidates if r not in taken and trace.tensor_dtype(r) == m.dtype), None)
-        if row is None:
-            unbound["no tensor of the trace has its features"] = (
-                unbound.get("no tensor of the trace has its features", 0) + 1
-            )
-            continue
-        taken.add(row)
-        first = log_.saves.get(int(t.storage_id[row]))
-        if first is None:
-            reason = "not saved for backward (held by the program, not by autograd)"
-            unbound[reason] = unbound.get(reason, 0) + 1
-            continue
-        swap_in_op = plan.layers[action.swap_in_layer].start_op if plan.layers else action.release_at_op
-        first_bwd = action.first_backward_use_op
-        entries.append(
-            Entry(
-                index=index,
-                signature=first.signature,
-                position=first.op_index - base,
-                release=max(action.release_at_op, first.op_index) - base,
-                swap_in=swap_in_op - base,
-                first_backward_use=None if first_bwd is None else first_bwd - base,
-                op_index=first.op_index,
-                ordinal=first.ordinal,
-            )
-        )
-    entries.sort(key=lambda e: e.position)
-    if unbound:
-        log.info("memfit-executor: %d of %d swaps bound; not bound: %s", len(entries), len(plan.actions), unbound)
-    return Binding(plan, tuple(entries), unbound, forward_ops)
+Identity = tuple[str, int, int, int]
+"""Ground truth for the debug oracle: (module path, its call index in the forward pass, saving
+operator, index among that operator's saves in that module call). See :mod:`memfit_executor.oracle`."""
 
 
-def bind_external(plan: MemoryPlan, trace: Trace, log_: SaveLog, phase_ops: tuple[int, int, int]) -> Binding:
-    """Bind a plan made elsewhere (a simulated trace, another machine) to an observed iteration.
+@dataclass(frozen=True, slots=True)
+class FirstSave:
+    """Where a storage was first saved for backward in an observed iteration."""
 
-    The plan's trace and this process do not share operator indices: a simulated trace counts
-    dispatcher-level operators (``aten::mm``), the profiler ``RecordFunction`` ones (``aten::linear``),
-    and a storage's first view need not have the shape autograd saves. What they share is the
-    program. A swap's tensor is the k-th tensor of its size and dtype kept from forward into
-    backward, in creation order in the plan's trace and in first-save order here; release and
-    swap-in points keep their fraction of the forward or backward pass. ``phase_ops`` is the
-    observed iteration's (forward, backward, optimizer) operator counts
-    (:attr:`memfit_profiler.IterationRecord.phase_ops`).
+    op_index: int
+    """Operator index in the iteration (the trace's coordinates)."""
+    position: int
+    """``op_index`` relative to the forward pass's first save."""
+    ordinal: int
+    """How many tensors the same operator had saved before it (the Capuchin key's "i-th tensor")."""
+    signature: Signature
+    identity: Identity | None = None
+    """The oracle's ground truth, when the oracle is on."""
+
+
+@dataclass
+class SaveLog:
+    """The executor's record of one forward pass: each storage's first save, keyed by storage id."""
+
+    first_save_op: int = -1
+    """Operator index of the forward pass's first save of any size (positions are counted from it)."""
+    saves: dict[int, FirstSave] = field(default_factory=dict)
+
+    def forward_began(self, op_index: int) -> None:
+        """The runtime saw the first save of a forward pass; only the first forward of the iteration is logged."""
+        if self.first_save_op < 0:
+            self.first_save_op = op_index
+
+    def saved(self, key: int, first: FirstSave) -> None:
+        if first.op_index >= self.first_save_op:  # of the first forward pass (a second one would not be traced)
+            self.saves.setdefault(key, first)
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """A plan's swap, bound to the signature and positions it should be found at."""
+
+    index: int
+    """The action's index in the plan."""
+    signature: Signature
+    position: int
+    """First save, relative to the forward pass's first save."""
+    release: int
+    """Free the device block once the iteration reaches this relative position."""
+    swap_in: int
+    """Start the copy back at this relative position (the plan's swap-in layer)."""
+    first_backward_use: int | None
+    op_index: int
+    ordinal: int
+    """The Capuchin key (absolute operator index, i-th saved tensor of that operator)."""
+    identity: Identity | None = None
+    """The oracle's identity of the tensor the plan meant (when the oracle was on while binding)."""
+
+    @property
+    def nbytes(self) -> int:
+        return self.signature[0]
+
+
+@dataclass(frozen=True)
+class Binding:
+    """A plan bound to an observed iteration: the entries the executor can apply, and why others cannot."""
+
+    plan: MemoryPlan
+    entries: tuple[Entry, ...]
+    unbound: dict[str, int]
+    """Reasons the remaining swaps could not be bound, with counts."""
+    forward_ops: int
+    """Operators from the first save to the first backward operator of the observed iteration."""
+
+
+def bind(plan: MemoryPlan, trace: Trace, save_log: SaveLog, phase_ops: tuple[int, int, int]) -> Binding:
+    """Bind ``plan``'s swaps (made from ``trace``) to the first saves of an observed forward pass.
+
+    One path for every plan, whichever trace it was made from:
+
+    * **the tensor**: the plan names it by its features (:class:`~memfit.plan.TensorMatch`), which
+      find its row in ``trace``. When ``trace`` was recorded in the observed iteration (a
+      measured plan made here, in GenPolicy), that row's storage is in ``save_log`` and is taken as
+      it is. Otherwise (a simulated trace, another process, another machine: storages and
+      operator indices are not shared, and a simulated trace counts dispatcher-level operators,
+      ``aten::mm``, where the profiler counts ``aten::linear``) it is the k-th tensor of its size
+      and dtype kept from forward into backward, in creation order in the trace and in
+      first-save order here — what the plan's trace and this process share is the program;
+    * **the positions** keep their fraction of the forward or backward pass: ``phase_ops`` is the
+      observed iteration's (forward, backward, optimizer) operator counts
+      (:attr:`memfit_profiler.IterationRecord.phase_ops`). For a trace of the observed iteration
+      the fractions are the identity, so its operator indices are used as they are.
     """
     t = trace.tensors
     last_fwd = _last_forward_use(trace)
@@ -206,14 +174,14 @@ def bind_external(plan: MemoryPlan, trace: Trace, log_: SaveLog, phase_ops: tupl
         ordinal_of[row] = (key, counts.get(key, 0))
         counts[key] = counts.get(key, 0) + 1
     observed: dict[tuple, list[FirstSave]] = {}
-    for first in sorted(log_.saves.values(), key=lambda f: f.op_index):
+    for first in sorted(save_log.saves.values(), key=lambda f: f.op_index):
         nbytes, dtype, _, _ = first.signature
         observed.setdefault((nbytes, str(dtype).removeprefix("torch.")), []).append(first)
 
     fwd_trace = int(np.count_nonzero(trace.ops.phase == 0))
     bwd_trace = max(1, int(np.count_nonzero(trace.ops.phase == 1)))
     fwd_here, bwd_here = max(1, phase_ops[0]), max(1, phase_ops[1])
-    base = log_.first_save_op
+    base = save_log.first_save_op
 
     def here(op: int) -> int:  # the same fraction of the same phase, relative to the first save
         if op < fwd_trace:
@@ -227,73 +195,60 @@ def bind_external(plan: MemoryPlan, trace: Trace, log_: SaveLog, phase_ops: tupl
     for index, action in enumerate(plan.actions):
         if not isinstance(action, Swap):
             continue
-        candidates = rows.get(_feature_key(action), [])
-        row = next((r for r in candidates if r not in taken), None)
+        m = action.tensor
+        same_features = rows.get(_feature_key(action), [])
+        row = next((r for r in same_features if r not in taken and trace.tensor_dtype(r) == m.dtype), None)
         found = None
         if row is not None:
             taken.add(row)
             key, k = ordinal_of[row]
-            saves = observed.get(key, [])
-            found = saves[k] if k < len(saves) else None
+            found = save_log.saves.get(int(t.storage_id[row]))
+            if found is None or found.signature[0] != key[0]:  # not this iteration's storage: by ordinal
+                saves = observed.get(key, [])
+                found = saves[k] if k < len(saves) else None
         if found is None:
             reason = "no tensor saved here matches it" if row is not None else "no tensor of its trace has its features"
             unbound[reason] = unbound.get(reason, 0) + 1
             continue
-        swap_in_op = plan.layers[action.swap_in_layer].start_op if plan.layers else action.release_at_op
-        position = found.op_index - base
+        swap_in_op = plan.layers[action.swap_in_layer].start_op
         first_bwd = action.first_backward_use_op
         entries.append(
             Entry(
                 index=index,
                 signature=found.signature,
-                position=position,
-                release=max(here(action.release_at_op), position),
+                position=found.position,
+                release=max(here(action.release_at_op), found.position),
                 swap_in=here(swap_in_op),
                 first_backward_use=None if first_bwd is None else here(first_bwd),
                 op_index=found.op_index,
                 ordinal=found.ordinal,
+                identity=found.identity,
             )
         )
-    entries.sort(key=lambda e: e.position)
+    # one operator may save several tensors of one signature (both operands of a matmul): in save order
+    entries.sort(key=lambda e: (e.position, e.ordinal))
     if unbound:
-        log.info(
-            "memfit-executor: %d of %d swaps of the external plan bound; not bound: %s",
-            len(entries),
-            len(plan.actions),
-            unbound,
-        )
+        log.info("memfit-executor: %d of %d swaps bound; not bound: %s", len(entries), len(plan.actions), unbound)
     return Binding(plan, tuple(entries), unbound, fwd_here - base)
 
 
-class FuzzyMatcher:
-    """Multi-feature matching: signature equality, position within a tolerance after drift correction.
+class _Cursor:
+    """One binding's progress through a forward pass: which entries are pending, and the drift."""
 
-    Args:
-        binding: the bound plan.
-        window: pending entries compared per save (in expected order).
-        tolerance: largest position error accepted, in operators; default max(32, 5% of the
-            observed forward pass).
-    """
-
-    name = "fuzzy"
-
-    def __init__(self, binding: Binding, window: int = 8, tolerance: int | None = None) -> None:
+    def __init__(self, binding: Binding, window: int, tolerance: int | None) -> None:
         self.entries = binding.entries
         self.window = window
         self.tolerance = tolerance if tolerance is not None else max(32, binding.forward_ops // 20)
-        self.min_nbytes = min((e.nbytes for e in self.entries), default=0)
         self.drift = 0
         self._next = 0
         self._matched: set[int] = set()
 
     def reset(self) -> None:
-        """A new forward pass: every entry is pending again."""
         self.drift = 0
         self._next = 0
         self._matched.clear()
 
-    def match(self, signature: Signature, position: int, op_index: int, ordinal: int) -> Entry | None:
-        """The pending entry this first save is, or ``None``. ``position`` is relative to the forward's first save."""
+    def match(self, signature: Signature, position: int, ordinal: int) -> Entry | None:
         entries, expected = self.entries, position - self.drift
         # entries far behind the current position will not come any more: skip them for good
         while self._next < len(entries) and (
@@ -308,17 +263,63 @@ class FuzzyMatcher:
                 entry = entries[i]
                 if entry.position - self.tolerance > expected:
                     break
-                if entry.signature == signature:
+                if entry.signature == signature and entry.ordinal == ordinal:
                     self._matched.add(i)
                     self.drift = position - entry.position
                     return entry
             i += 1
         return None
 
+
+class FuzzyMatcher:
+    """Multi-feature matching: signature equality, position within a tolerance after drift correction.
+
+    It holds every plan in place (one per known sequence: a sequence length cycling among three
+    values has three), each bound to the iteration it was made for. A forward pass's first match
+    decides which plan the pass runs on (:attr:`locked`); plans of other sequences cannot match
+    its tensors anyway — their sizes or shapes differ — but one pass never mixes two plans.
+
+    Args:
+        bindings: the bound plans, the one most likely to run first.
+        window: pending entries compared per save (in expected order).
+        tolerance: largest position error accepted, in operators; default max(32, 5% of the
+            observed forward pass).
+    """
+
+    name = "fuzzy"
+
+    def __init__(self, bindings: Sequence[Binding], window: int = 8, tolerance: int | None = None) -> None:
+        self.bindings = tuple(bindings)
+        self._cursors = [_Cursor(b, window, tolerance) for b in self.bindings]
+        self.min_nbytes = min((e.nbytes for b in self.bindings for e in b.entries), default=0)
+        self.locked: int | None = None
+        """Index of the binding this forward pass runs on, once a save matched it."""
+
+    @property
+    def drift(self) -> int:
+        return self._cursors[self.locked].drift if self.locked is not None else 0
+
+    def reset(self) -> None:
+        """A new forward pass: every entry is pending again, no plan chosen yet."""
+        self.locked = None
+        for cursor in self._cursors:
+            cursor.reset()
+
+    def match(self, signature: Signature, position: int, op_index: int, ordinal: int) -> Entry | None:
+        """The pending entry this first save is, or ``None``. ``position`` is relative to the forward's first save."""
+        if self.locked is not None:
+            return self._cursors[self.locked].match(signature, position, ordinal)
+        for i, cursor in enumerate(self._cursors):
+            entry = cursor.match(signature, position, ordinal)
+            if entry is not None:
+                self.locked = i
+                return entry
+        return None
+
     def observe_backward(self, entry: Entry, position: int) -> None:
         """A matched tensor's first backward use happened at ``position``: re-estimate the drift."""
-        if entry.first_backward_use is not None:
-            self.drift = position - entry.first_backward_use
+        if entry.first_backward_use is not None and self.locked is not None:
+            self._cursors[self.locked].drift = position - entry.first_backward_use
 
 
 class PositionMatcher:
@@ -326,22 +327,32 @@ class PositionMatcher:
 
     It checks nothing else, so when the sequence shifts it either finds nothing or swaps a
     different tensor than the plan meant (a **mis-swap**: the plan's memory arithmetic no longer
-    holds). Kept as an option only to show that (Chameleon §7.4).
+    holds). Kept as an option only to show that (Chameleon §7.4). With several plans in place,
+    the first one naming a key wins.
     """
 
     name = "position"
 
-    def __init__(self, binding: Binding) -> None:
-        self.entries = binding.entries
-        self.by_key = {(e.op_index, e.ordinal): e for e in binding.entries}
+    def __init__(self, bindings: Sequence[Binding]) -> None:
+        self.bindings = tuple(bindings)
+        self.by_key: dict[tuple[int, int], tuple[int, Entry]] = {}
+        for i, binding in enumerate(self.bindings):
+            for e in binding.entries:
+                self.by_key.setdefault((e.op_index, e.ordinal), (i, e))
         self.min_nbytes = 0
         self.drift = 0
+        self.locked: int | None = None
 
     def reset(self) -> None:
-        pass
+        self.locked = None
 
     def match(self, signature: Signature, position: int, op_index: int, ordinal: int) -> Entry | None:
-        return self.by_key.get((op_index, ordinal))
+        found = self.by_key.get((op_index, ordinal))
+        if found is None:
+            return None
+        if self.locked is None:
+            self.locked = found[0]
+        return found[1]
 
     def observe_backward(self, entry: Entry, position: int) -> None:
         pass
@@ -350,10 +361,10 @@ class PositionMatcher:
 Matcher = FuzzyMatcher | PositionMatcher
 
 
-def make_matcher(kind: str, binding: Binding) -> Matcher:
-    """``fuzzy`` (default) or ``position`` (the Capuchin baseline)."""
+def make_matcher(kind: str, bindings: Sequence[Binding]) -> Matcher:
+    """``fuzzy`` (default) or ``position`` (the Capuchin baseline) over the plans in place."""
     if kind == "fuzzy":
-        return FuzzyMatcher(binding)
+        return FuzzyMatcher(bindings)
     if kind == "position":
-        return PositionMatcher(binding)
+        return PositionMatcher(bindings)
     raise ValueError(f"matcher must be 'fuzzy' or 'position', got {kind!r}")

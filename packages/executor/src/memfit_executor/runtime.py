@@ -39,7 +39,7 @@ import heapq
 import itertools
 import logging
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,7 +49,8 @@ from memfit.errors import MemfitError
 from memfit.native import hidden_from_profilers, record_function_switch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from memfit_executor.matching import Binding, Entry, Matcher, make_matcher
+from memfit_executor.matching import Binding, Entry, FirstSave, Identity, Matcher, SaveLog, make_matcher
+from memfit_executor.oracle import IdentityOracle
 from memfit_executor.storage_swap import StorageSwapper, SwapIn, SwapOut, sole_owner, storage_bytes
 
 log = logging.getLogger("memfit.executor")
@@ -109,8 +110,14 @@ class RuntimeStats:
     ooms_survived: int = 0
     """Failed allocations that succeeded after the OOM handler freed memory."""
     mismatched: int = 0
-    """Mis-swaps: matches whose size, dtype, shape or saving operator differ from the plan's entry
-    (only the position matcher makes them)."""
+    """Matches whose size, dtype, shape or saving operator differ from the plan's entry (only the
+    position matcher makes them; fuzzy matches are signature-equal by construction)."""
+    misswaps: int = 0
+    """Planned swaps of a tensor other than the one the plan meant, by the identity oracle's ground
+    truth (:mod:`memfit_executor.oracle`); counted only while the oracle is on."""
+    copy_waits: int = 0
+    """Planned releases that found their copy to the host not finished, so compute waited for it:
+    the copy stream is behind the plan."""
     reuse_intervals: list[int] = field(default_factory=list)
     """Per planned release: operators between the release request and the block being free again
     (0 with stream-event release; with ``record_stream``, until a poll finds the copy done)."""
@@ -122,24 +129,27 @@ class SwapRuntime:
 
     Args:
         backend: the memfit backend whose device holds the activations.
-        clock: ``() -> (operators so far in the iteration, latest token)``; the profiler's
+        clock: ``() -> (operators so far in the iteration, latest token, context)``; the profiler's
             :meth:`~memfit_profiler.OnlineProfiler.position`. Without one, plans cannot be applied
             (positions are unknown) and the runtime only handles OOM with passive swaps.
         on_swap: ``(tensor, swap_in, passive)`` after each swap, for the profiler's trace.
         min_swap_bytes: smaller saved tensors are passed through untouched (never tracked).
         release_mode: ``"event"`` or ``"record_stream"`` (see :class:`StorageSwapper`).
         matcher: ``"fuzzy"`` (default) or ``"position"`` (the Capuchin baseline).
+        oracle: an :class:`~memfit_executor.oracle.IdentityOracle` (installed by the caller) to
+            count mis-swaps against; ``None`` in production.
     """
 
     def __init__(
         self,
         backend: Any,
         *,
-        clock: Callable[[], tuple[int, int]] | None = None,
+        clock: Callable[[], tuple[int, int, int]] | None = None,
         on_swap: Callable[[torch.Tensor, bool, bool], None] | None = None,
         min_swap_bytes: int = 16 * 1024,
         release_mode: str = "event",
         matcher: str = "fuzzy",
+        oracle: IdentityOracle | None = None,
     ) -> None:
         if matcher not in ("fuzzy", "position"):
             raise MemfitError(f"matcher must be 'fuzzy' or 'position', got {matcher!r}")
@@ -155,10 +165,13 @@ class SwapRuntime:
         self.swapper = StorageSwapper(backend, release_mode=release_mode)
         self.stats = RuntimeStats()
         self._static: dict[int, weakref.ref[torch.UntypedStorage]] = {}
+        self.oracle = oracle
         self.matcher: Matcher | None = None
-        self.binding: Binding | None = None
-        self.observer: Callable[[int, int, int, tuple], None] | None = None
-        """Called ``(storage key, op index, ordinal, signature)`` at every first save (plan binding)."""
+        self.bindings: tuple[Binding, ...] = ()
+        """The plans in place (see :meth:`apply`)."""
+        self.observer: SaveLog | None = None
+        """Records the first forward pass's first saves (to bind a plan made from this iteration)."""
+        self._forwards: list[list[int]] = []  # [op index where a forward pass began, bytes it saved]
         self._live: weakref.WeakValueDictionary[int, Stored] = weakref.WeakValueDictionary()
         # Heaps of (relative position, seq, weak record): a record autograd has dropped (its tensor
         # used and freed in backward) must not be kept alive by a trigger that has not fired yet.
@@ -215,10 +228,22 @@ class SwapRuntime:
             self._retry_mode.__exit__(None, None, None)
             self._retry_mode = None
 
-    def apply(self, binding: Binding | None) -> None:
-        """Apply ``binding`` from the next forward pass on (``None``: no plan, OOM handling only)."""
-        self.binding = binding
-        self.matcher = make_matcher(self.matcher_kind, binding) if binding is not None and binding.entries else None
+    def apply(self, bindings: Sequence[Binding]) -> None:
+        """Apply these plans from the next forward pass on (none: OOM handling only).
+
+        Each forward pass runs on the one whose entries it matches first (see
+        :class:`~memfit_executor.matching.FuzzyMatcher`); put the most likely one first.
+        """
+        self.bindings = tuple(b for b in bindings if b.entries)
+        self.matcher = make_matcher(self.matcher_kind, self.bindings) if self.bindings else None
+
+    def take_saved_bytes(self) -> list[tuple[int, int]]:
+        """``(operator index where a forward pass began, bytes it saved for backward)`` since the last call.
+
+        The profiler's change test compares them (:meth:`memfit_profiler.OnlineProfiler.set_saved_bytes_source`).
+        """
+        forwards, self._forwards = self._forwards, []
+        return [(start, nbytes) for start, nbytes in forwards]
 
     def protect(self, tensors: Any) -> None:
         """Never track these tensors' storages (parameters, optimizer states).
@@ -253,26 +278,35 @@ class SwapRuntime:
             "passive_swaps": self._iteration.passive_swaps,
             "ooms_survived": self._iteration.ooms_survived,
             "late_swap_ins": self._iteration.late_swap_ins,
+            "copy_waits": self._iteration.copy_waits,
             "mismatched": self._iteration.mismatched,
+            "misswaps": self._iteration.misswaps,
+            "plan": self.matcher.locked if self.matcher is not None else None,
         }
         self.stats.per_iteration.append(counters)
         self._iteration = RuntimeStats()
         return counters
 
     # -- the hooks -------------------------------------------------------------------------
-    def _position(self) -> tuple[int, int]:
-        return self.clock() if self.clock is not None else (0, -1)
+    def _position(self) -> tuple[int, int, int]:
+        return self.clock() if self.clock is not None else (0, -1, 0)
 
     def _pack(self, t: torch.Tensor) -> Any:
         if t.device.type != self.device.type or t.layout is not torch.strided:
             return t
-        op_index, token = self._position()
+        op_index, token, context = self._position()
+        # The forward pass and its positions start at the first save of ANY size: a size filter
+        # (Stable tracks only tensors as large as the plan's smallest swap) must not move the origin.
+        if self._in_backward:  # the first save after a backward pass: a new forward pass begins
+            self._new_forward(op_index)
         if op_index != self._last_op:
             self._last_op, self._ordinal = op_index, 0
         ordinal = self._ordinal
         self._ordinal += 1
         storage = t.untyped_storage()
         nbytes = storage.nbytes()
+        self._forwards[-1][1] += nbytes
+        identity = self.oracle.identity(token) if self.oracle is not None else None
         key = int(storage._cdata)
         floor = self.min_swap_bytes
         if not self.track_below_plan and self.matcher is not None:
@@ -284,21 +318,19 @@ class SwapRuntime:
             or not storage.resizable()  # from_blob / DLPack memory cannot be freed in place
         ):
             return t
-        if self._in_backward:  # the first save after a backward pass: a new forward pass begins
-            self._new_forward(op_index)
         position = op_index - self._base
         self._tick(position)
         stored = self._live.get(key)
         if stored is None:
             stored = Stored(storage, key, nbytes)
             self._live[key] = stored
-            signature = (nbytes, t.dtype, tuple(t.shape), token)
+            signature = (nbytes, t.dtype, tuple(t.shape), context)
             if self.observer is not None:
-                self.observer(key, op_index, ordinal, signature)
+                self.observer.saved(key, FirstSave(op_index, position, ordinal, signature, identity))
             if self.matcher is not None and nbytes >= self.matcher.min_nbytes:
                 entry = self.matcher.match(signature, position, op_index, ordinal)
                 if entry is not None:
-                    self._swap_out(stored, entry, signature)
+                    self._swap_out(stored, entry, signature, identity)
         return SavedRef(stored, t)
 
     def _unpack(self, ref: Any) -> torch.Tensor:
@@ -325,15 +357,23 @@ class SwapRuntime:
     def _new_forward(self, op_index: int) -> None:
         self._in_backward = False
         self._base = op_index
+        self._forwards.append([op_index, 0])
+        if self.oracle is not None:
+            self.oracle.new_forward()
+        if self.observer is not None:
+            self.observer.forward_began(op_index)
         self._flush_releases()
         self._swap_ins.clear()
         if self.matcher is not None:
             self.matcher.reset()
 
-    def _swap_out(self, stored: Stored, entry: Entry, signature: tuple) -> None:
+    def _swap_out(self, stored: Stored, entry: Entry, signature: tuple, identity: Identity | None) -> None:
         if entry.signature != signature:  # a different tensor than the plan meant (position matcher only)
             self.stats.mismatched += 1
             self._iteration.mismatched += 1
+        if identity is not None and entry.identity is not None and identity != entry.identity:
+            self.stats.misswaps += 1  # the oracle's ground truth: not the tensor the plan was bound to
+            self._iteration.misswaps += 1
         with hidden_from_profilers():
             stored.swap_out = self.swapper.swap_out_storage(stored.storage)
         stored.state, stored.entry = COPYING, entry
@@ -366,6 +406,9 @@ class SwapRuntime:
         if stored.state != COPYING or stored.swap_out is None:
             return False
         swap = stored.swap_out
+        if not passive and not swap.event.query():  # compute will wait for the copy: it is behind the plan
+            self.stats.copy_waits += 1
+            self._iteration.copy_waits += 1
         if self.swapper.release_mode == "event":
             self.backend.current_stream().wait_event(swap.event)  # on the device; cpu-sim: the host
         if not self._sole_owner(stored.storage, swap):

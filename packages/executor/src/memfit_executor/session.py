@@ -1,15 +1,27 @@
 """``memfit.swap(...)``: train under a device-memory budget, unmodified, with planned and passive swaps.
 
-A session ties the parts together over the stages of the online profiler (Chameleon §3):
+A session ties the parts together over the stages of the online profiler (Chameleon §3), which
+tracks each **sequence** the run keeps coming back to (:mod:`memfit_profiler.stages`):
 
-* **WarmUp** — no plan yet (or the last one, which keeps matching what it still can): the OOM
-  handler (Algorithm 3, passive swaps) keeps training alive under the budget;
-* **GenPolicy** — Detailed traces; from the first, the installed planners (``plan_memory``; the
-  swap policy generator of memfit-policies) propose candidates under a few settings, each is
-  applied for one iteration and timed, and the fastest that stayed within the budget without an
-  OOM wins;
-* **Stable** — the chosen plan is applied; small sequence changes are absorbed by the fuzzy
-  matching, large ones send the profiler back to WarmUp and a new plan is generated.
+* **WarmUp** — no plan for the sequence yet: the OOM handler (Algorithm 3, passive swaps) keeps
+  training alive under the budget; plans of other sequences keep matching what they can;
+* **GenPolicy** — Detailed traces of the sequence; from the first, the installed planners
+  (``plan_memory``; the swap policy generator of memfit-policies) propose candidates under the
+  settings each planner declares (``PlannerSpec.variations``); each is applied for one iteration of
+  that sequence; the one with the fewest passive swaps within the budget wins, the fastest of those
+  when several tie (the paper keeps the fastest; timing alone is too noisy on a busy host);
+* **Stable** — the chosen plan is applied to every iteration of that sequence. Iterations that
+  differ (a branch, a skipped step, a validation pass) run on the plans in place plus the OOM
+  handler and the plans stay; a change that persists is a new sequence, planned for after
+  ``m + 1`` iterations and applied after ``m + n + 2``; sequences that take turns (lengths cycling
+  among a few values) get a plan each, all in place at once.
+
+A plan that stops holding is replaced (Build 2 of the design: *adapt*). When three Stable
+iterations of a sequence in a row need more than two passive swaps each, the sequence is planned
+again from a fresh trace with 5% less of the budget (twice at most); when in three in a row more
+than a quarter of the planned releases had to wait for their copy to the host (the copy stream
+is slower than the plan assumed: a busy host, a shared link), it is planned again with the copy
+bandwidth measured in the run.
 
 Without memfit-profiler installed, the session runs with OOM handling only (positions are
 unknown, plans cannot be applied); without a planner (memfit-policies), likewise. Both are said
@@ -33,6 +45,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -44,10 +57,23 @@ from memfit.types import PlanningProblem
 from pydantic import Field
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from memfit_executor.matching import Binding, FirstSaveObserver, SaveLog, bind_external, bind_plan
+from memfit_executor.matching import Binding, SaveLog, bind
+from memfit_executor.oracle import IdentityOracle
 from memfit_executor.runtime import SwapOutOfMemoryError, SwapRuntime
 
 log = logging.getLogger("memfit.executor")
+
+STRAINED_PASSIVE_SWAPS = 2
+"""More passive swaps than this in a Stable iteration means the plan is not holding."""
+BEHIND_WAIT_FRACTION = 0.25
+"""More planned releases than this fraction waiting for their copy means the copy stream is behind."""
+ADAPT_AFTER = 3
+"""Stable iterations in a row that show either before the sequence is planned again."""
+MAX_STRAINED_REPLANS = 2
+STRAINED_BUDGET_STEP = 0.05
+"""Each re-plan for passive swaps plans for this much less of the budget."""
+SLOWER_THAN_PLANNED = 0.7
+"""Re-plan for bandwidth only when copies ran below this fraction of what the plan assumed."""
 
 
 class SwapOptions(MemfitModel):
@@ -63,11 +89,19 @@ class SwapOptions(MemfitModel):
     min_swap_bytes: Size = 16 * 1024
     """Saved tensors smaller than this are left alone."""
     m: int = Field(default=2, ge=0)
-    """Stable iterations before GenPolicy (Algorithm 1)."""
+    """Matches of a sequence before it is planned for (Algorithm 1)."""
     n: int = Field(default=5, ge=0)
-    """Stable iterations in GenPolicy before Stable."""
+    """Further matches in GenPolicy before its plan is applied (Stable)."""
+    window: int | None = Field(default=None, ge=1)
+    """Iterations over which a sequence must match more than ``m`` times to be planned for;
+    default ``3 (m + 1)`` (see :mod:`memfit_profiler.stages`)."""
     candidates: int = Field(default=4, ge=1)
     """Plan candidates to try in GenPolicy (at most ``n``)."""
+    adapt: bool = True
+    """Plan a Stable sequence again when its plan stops holding (see the module docs)."""
+    identity_oracle: bool = False
+    """Debug: give every saved tensor a ground-truth identity and count planned swaps of the wrong
+    tensor (``misswaps`` in the report); costs a Python call per module call (:mod:`memfit_executor.oracle`)."""
     planner_options: dict[str, dict[str, Any]] = Field(default_factory=dict)
     """Options passed to planners, keyed by planner name (e.g. ``{"swap": {"margin": "64MiB"}}``)."""
     plan: Any = None
@@ -80,11 +114,55 @@ class SwapOptions(MemfitModel):
 # Settings the candidates vary, after the planner's defaults (REF-CODE also searches C and the margin).
 _CANDIDATE_VARIATIONS: tuple[dict[str, Any], ...] = (
     {},
+    {"layers_per_phase": 20},
+    {"layers_per_phase": 40},
     {"size_weight": 1.0},
     {"size_weight": 4.0},
-    {"layers_per_phase": 20},
-    {"size_weight": 0.5},
 )
+
+
+@dataclass(eq=False)
+class _Trial:
+    candidate: int
+    seconds: float
+    within_budget: bool
+    passive_swaps: int
+
+
+@dataclass(eq=False)
+class _SequencePlans:
+    """What the session holds for one known sequence: its plan candidates, their trials, the chosen plan."""
+
+    sequence: int
+    candidates: list[Binding] = field(default_factory=list)
+    trials: list[_Trial] = field(default_factory=list)
+    chosen: Binding | None = None
+    applied_trial: int | None = None
+    """The candidate applied for this sequence in the iteration now running."""
+    bandwidth: float = 0.0
+    """Copy bytes per second its candidates were planned with."""
+    budget_cut: float = 0.0
+    """Fraction of the budget held back from the planners (after passive swaps kept happening)."""
+    strained: int = 0
+    """Stable iterations in a row with more than STRAINED_PASSIVE_SWAPS passive swaps."""
+    behind: int = 0
+    """Stable iterations in a row where the copy stream was behind."""
+    strained_replans: int = 0
+    feasible: bool | None = None
+    lowest_peak_bytes: int | None = None
+
+    def next_trial(self) -> int | None:
+        tried = {t.candidate for t in self.trials}
+        untried = [i for i in range(len(self.candidates)) if i not in tried]
+        if untried:
+            return untried[0]
+        best = self.best_trial()
+        return best.candidate if best is not None else None
+
+    def best_trial(self) -> _Trial | None:
+        # within the budget, the fewest passive swaps, then the fastest: the measured time only
+        # decides between candidates that held equally well (it is the noisiest of the three)
+        return min(self.trials, key=lambda t: (not t.within_budget, t.passive_swaps, t.seconds), default=None)
 
 
 class SwapSession:
@@ -110,12 +188,15 @@ class SwapSession:
         self.backend: Any = None
         self.profiler: Any = None
         self.runtime: SwapRuntime | None = None
+        self.oracle: IdentityOracle | None = None
         self.iterations: list[dict[str, Any]] = []
         self.plans_generated = 0
         self.plan_changes: list[int] = []
-        """Iterations after which a different plan was put in place."""
+        """Iterations after which a plan was put in place that the previous iteration did not have."""
         self.planning_iterations: list[int] = []
-        """Iterations whose trace the planners were asked to plan from (one per GenPolicy stage)."""
+        """Iterations whose trace the planners were asked to plan from."""
+        self.replans: list[dict[str, Any]] = []
+        """Stable sequences planned again, with why (``passive swaps`` or ``copy bandwidth``)."""
         self.notes: list[str] = []
         self._owns_backend = False
         self._saved_capacity: int | None = None
@@ -123,10 +204,11 @@ class SwapSession:
         self._handles: list[Any] = []
         self._seen_optimizers: set[int] = set()
         self._log: SaveLog | None = None
-        self._candidates: list[tuple[int, Binding]] = []
-        self._trials: list[tuple[float, bool, int]] = []  # (seconds, within budget, candidate index)
-        self._applied: int | None = None  # candidate index applied in the current iteration
-        self._chosen: Binding | None = None
+        self._plans: dict[int, _SequencePlans] = {}
+        self._applied: list[tuple[int, int | None]] = []  # per binding in place: (sequence, candidate or None)
+        self._external: Binding | None = None
+        self._measured: tuple[int, float] = (0, 0.0)  # copy bytes and seconds over Stable iterations behind
+        self._bandwidth = 0.0
 
     # -- lifecycle ---------------------------------------------------------------------------
     def __enter__(self) -> SwapSession:
@@ -146,8 +228,11 @@ class SwapSession:
             self.backend.set_capacity(self.budget_bytes)
         else:
             self.budget_bytes = self.backend.capacity_bytes
+        self._bandwidth = self.backend.copy_bandwidth()
         self._activation = self.backend.activate()
         self._activation.__enter__()
+        if self.options.identity_oracle:
+            self.oracle = IdentityOracle().install()
         self.profiler = self._start_profiler()
         self.runtime = SwapRuntime(
             self.backend,
@@ -156,15 +241,17 @@ class SwapSession:
             min_swap_bytes=int(self.options.min_swap_bytes),
             release_mode=self.options.release_mode,
             matcher=self.options.matcher,
+            oracle=self.oracle,
         )
+        if self.profiler is not None:
+            self.profiler.set_saved_bytes_source(self.runtime.take_saved_bytes)
         self.runtime.install(self.hooks if self.options.oom_handler != "off" else _NoOOMHooks())
         self.runtime.set_operator_retry(self.options.oom_handler != "off")
         self._handles.append(register_optimizer_step_post_hook(self._protect_optimizer_state))
         if self.options.plan is not None:
             if self.options.plan_trace is None:
                 raise MemfitError("a plan given to memfit.swap needs the trace it was made from: plan_trace=...")
-            self._log = SaveLog()  # observe the first iteration, to bind the plan to it
-            self.runtime.observer = FirstSaveObserver(self._log)
+            self._log = self.runtime.observer = SaveLog()  # observe the first iteration, to bind the plan to it
         return self
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
@@ -175,6 +262,8 @@ class SwapSession:
             self._handles.clear()
             if self.profiler is not None:
                 self.profiler.stop()
+            if self.oracle is not None:
+                self.oracle.uninstall()
         finally:
             try:
                 if runtime is not None:
@@ -195,7 +284,9 @@ class SwapSession:
             return None
         from memfit_profiler import OnlineProfiler
 
-        profiler = OnlineProfiler(self.backend, m=self.options.m, n=self.options.n, hooks=self.hooks)
+        profiler = OnlineProfiler(
+            self.backend, m=self.options.m, n=self.options.n, window=self.options.window, hooks=self.hooks
+        )
         profiler.add_iteration_listener(self._on_iteration)
         profiler.start()
         return profiler
@@ -241,134 +332,238 @@ class SwapSession:
 
         assert self.runtime is not None
         counters = self.runtime.end_iteration()
+        copied = self.backend.copy_throughput()
+        owner = self._applied[counters["plan"]] if counters["plan"] is not None else None
         self.iterations.append(
             {
                 "iteration": record.index,
-                "stage": record.stage.value,
+                # the stage of the iteration's own sequence: Stable = it ran on a plan made for it
+                "stage": record.sequence_stage.value,
+                "run_stage": record.stage.value,
                 "next_stage": record.next_stage.value,
+                "sequence": record.sequence,
+                "detailed": record.detailed,
                 "seconds": record.seconds,
                 "peak_device_bytes": record.peak_device_bytes,
                 "ops": record.n_ops,
-                "plan_candidate": self._applied,
-                **counters,
+                "saved_bytes": record.saved_bytes,
+                "plan": None if owner is None else {"sequence": owner[0], "candidate": owner[1]},
+                **{k: v for k, v in counters.items() if k != "plan"},
             }
         )
         finished_log, self._log = self._log, None
         if self.options.plan is not None:
             self._bind_external(record, finished_log)
-        elif record.stage is Stage.GENPOLICY and record.detailed:
-            self._genpolicy_step(record, counters, finished_log)
-        self.runtime.track_below_plan = record.next_stage is not Stage.STABLE
-        if record.next_stage is Stage.STABLE and record.stage is not Stage.STABLE:
-            self._choose()
+        else:
+            plans = self._plans.get(record.sequence)
+            if plans is not None and record.sequence_stage is Stage.GENPOLICY:
+                self._genpolicy_step(record, plans, counters, finished_log)
+            elif plans is not None and record.sequence_stage is Stage.STABLE and plans.chosen is not None:
+                self._check_health(record, plans, counters, copied)
+            for t in self.profiler.observations[-1].transitions:
+                self._on_transition(t.sequence, t.after)
+        self._apply_plans(latest=record.sequence)
+        next_stage = self.profiler.machine.stage  # a re-plan may have moved it since the record was made
+        if next_stage is Stage.STABLE:
+            self.runtime.track_below_plan = False
             self.runtime.set_operator_retry(False)
             if self.options.oom_handler == "until-stable":
                 self.runtime.oom_enabled = False
-        elif record.next_stage is not Stage.STABLE and self.options.oom_handler != "off":
-            self.runtime.set_operator_retry(True)
-            self.runtime.oom_enabled = True
-        if record.next_stage is Stage.WARMUP and record.stage is not Stage.WARMUP:
-            self._candidates, self._trials = [], []  # a large change: the next GenPolicy plans afresh
-        if record.next_stage is Stage.GENPOLICY or (self.options.plan is not None and self._chosen is None):
-            self._log = SaveLog()
-            self.runtime.observer = FirstSaveObserver(self._log)
+        else:
+            self.runtime.track_below_plan = True
+            if self.options.oom_handler != "off":
+                self.runtime.set_operator_retry(True)
+                self.runtime.oom_enabled = True
+        if next_stage is Stage.GENPOLICY or (self.options.plan is not None and self._external is None):
+            self._log = self.runtime.observer = SaveLog()
         else:
             self.runtime.observer = None
 
+    def _on_transition(self, sequence: int, stage: Any) -> None:
+        """A known sequence changed stage (``None``: it was forgotten)."""
+        from memfit_profiler.stages import Stage
+
+        plans = self._plans.get(sequence)
+        if stage is None or stage is Stage.WARMUP:
+            self._plans.pop(sequence, None)  # forgotten, or gone before it could be planned for
+        elif stage is Stage.GENPOLICY:
+            if plans is None:
+                self._plans[sequence] = _SequencePlans(sequence)
+            else:  # planned again: new candidates; the old plan applies until they are tried
+                plans.candidates, plans.trials = [], []
+        elif stage is Stage.STABLE and plans is not None:
+            best = plans.best_trial()
+            if best is not None:
+                plans.chosen = plans.candidates[best.candidate]
+            elif plans.candidates:
+                plans.chosen = plans.candidates[0]
+            plans.candidates, plans.trials, plans.strained, plans.behind = [], [], 0, 0
+
+    def _apply_plans(self, latest: int) -> None:
+        """Put in place, for the next iteration, every sequence's plan (or the candidate under trial)."""
+        from memfit_profiler.stages import Stage
+
+        assert self.runtime is not None
+        applied: list[tuple[int, int | None]] = []
+        bindings: list[Binding] = []
+        if self._external is not None:
+            applied.append((-1, None))
+            bindings.append(self._external)
+        # the sequence of the latest iteration first: the next one most likely runs it again
+        for plans in sorted(self._plans.values(), key=lambda p: p.sequence != latest):
+            seq = self.profiler.machine.sequence(plans.sequence)
+            trial = plans.next_trial() if seq is not None and seq.stage is Stage.GENPOLICY else None
+            plans.applied_trial = trial
+            if trial is not None:
+                applied.append((plans.sequence, trial))
+                bindings.append(plans.candidates[trial])
+            elif plans.chosen is not None:
+                applied.append((plans.sequence, None))
+                bindings.append(plans.chosen)
+        applicable = [(a, b) for a, b in zip(applied, bindings, strict=True) if b.entries]
+        if [id(b) for _, b in applicable] != [id(b) for b in self.runtime.bindings]:
+            if applicable:
+                self.plan_changes.append(self.iterations[-1]["iteration"])
+            self.runtime.apply([b for _, b in applicable])
+        self._applied = [a for a, _ in applicable]
+
     def _bind_external(self, record: Any, finished_log: SaveLog | None) -> None:
         """Bind the user's plan to the first observed iteration; keep it for the run."""
-        if self._chosen is not None or finished_log is None or finished_log.first_save_op < 0:
+        if self._external is not None or finished_log is None or finished_log.first_save_op < 0:
             return
-        binding = bind_external(self.options.plan, self.options.plan_trace, finished_log, record.phase_ops)
-        self._chosen = binding
-        self.runtime.apply(binding)
-        self.plan_changes.append(record.index)
+        self._external = bind(self.options.plan, self.options.plan_trace, finished_log, record.phase_ops)
 
-    def _genpolicy_step(self, record: Any, counters: dict[str, int], finished_log: SaveLog | None) -> None:
-        ok = record.peak_device_bytes <= self.budget_bytes and counters["passive_swaps"] == 0
-        if self._applied is not None and self._candidates:
-            self._trials.append((record.seconds, ok, self._applied))
-        if not self._candidates:
-            trace = next((t for t in reversed(self.profiler.traces) if t.iteration == record.index), None)
-            if trace is None or finished_log is None or finished_log.first_save_op < 0:
-                return
-            self._candidates = self._plan_candidates(trace, finished_log)
-            if not self._candidates:
-                return
+    def _genpolicy_step(
+        self, record: Any, plans: _SequencePlans, counters: dict[str, Any], finished_log: SaveLog | None
+    ) -> None:
+        if plans.applied_trial is not None and plans.candidates:
+            within = record.peak_device_bytes <= self.budget_bytes
+            plans.trials.append(_Trial(plans.applied_trial, record.seconds, within, counters["passive_swaps"]))
+        if plans.candidates or not record.detailed:
+            return
+        trace = next((t for t in reversed(self.profiler.traces) if t.iteration == record.index), None)
+        if trace is None or finished_log is None or finished_log.first_save_op < 0:
+            return
+        plans.candidates = self._plan_candidates(trace, finished_log, record, plans)
+        if plans.candidates:
             self.planning_iterations.append(record.index)
-        tried = {index for _, _, index in self._trials}
-        remaining = [i for i, _ in enumerate(self._candidates) if i not in tried]
-        if remaining:
-            self._put_in_place(remaining[0], record.index)
 
-    def _plan_candidates(self, trace: Any, save_log: SaveLog) -> list[tuple[int, Binding]]:
+    def _plan_candidates(
+        self, trace: Any, save_log: SaveLog, record: Any, plans: _SequencePlans
+    ) -> list[Binding]:
         base = dict(self.options.planner_options.get("swap", {}))
-        candidates: list[tuple[int, Binding]] = []
+        budget = int(self.budget_bytes * (1 - plans.budget_cut))
+        plans.bandwidth = self._bandwidth
+        candidates: list[Binding] = []
         seen: set[str] = set()
-        bandwidth = self.backend.copy_bandwidth()
+        proposed: list[Any] = []
         for variation in _CANDIDATE_VARIATIONS[: min(self.options.candidates, max(1, self.options.n))]:
             options = {**self.options.planner_options, "swap": {**base, **variation}}
-            problem = PlanningProblem(trace, self.budget_bytes, bandwidth, options)
-            plans = [p for p in self.hooks.plan_memory(problem) if any(a.kind == "swap" for a in p.actions)]
+            problem = PlanningProblem(trace, budget, plans.bandwidth, options)
+            found = [p for p in self.hooks.plan_memory(problem) if any(a.kind == "swap" for a in p.actions)]
             if not self.hooks.planners():
                 self._note("no planner is installed: running with OOM handling only (pip install memfit-policies)")
                 return []
-            for plan in plans:
+            for plan in found:
                 self.plans_generated += 1
                 key = json.dumps([a.model_dump(mode="json") for a in plan.actions], sort_keys=True)
                 if key in seen:
                     continue
                 seen.add(key)
-                binding = bind_plan(plan, trace, save_log)
+                proposed.append(plan)
+                binding = bind(plan, trace, save_log, record.phase_ops)
                 if binding.entries:
-                    candidates.append((len(candidates), binding))
+                    candidates.append(binding)
+        plans.feasible = any(p.is_feasible() for p in proposed) if proposed else None
+        plans.lowest_peak_bytes = min((p.predicted.peak_bytes for p in proposed), default=None)
+        if plans.feasible is False:
+            self._note(
+                f"no plan fits the budget of {format_size(self.budget_bytes)}: the lowest peak the planners reach "
+                f"is {format_size(plans.lowest_peak_bytes or 0)} (iteration {record.index}). Training goes on with "
+                f"the closest plan and passive swaps; for a plan that fits, raise the budget or lower the batch "
+                f"size or sequence length"
+            )
         if candidates:
-            log.info("memfit-executor: %d distinct plan candidates from iteration %d", len(candidates), trace.iteration)
+            log.info(
+                "memfit-executor: %d distinct plan candidates for sequence %d from iteration %d",
+                len(candidates), plans.sequence, trace.iteration,
+            )  # fmt: skip
         return candidates
 
-    def _put_in_place(self, index: int, iteration: int) -> None:
-        assert self.runtime is not None
-        binding = self._candidates[index][1]
-        if self.runtime.binding is not binding:
-            self.plan_changes.append(iteration)
-        self.runtime.apply(binding)
-        self._applied = index
-
-    def _choose(self) -> None:
-        if not self._trials:
+    def _check_health(
+        self, record: Any, plans: _SequencePlans, counters: dict[str, Any], throughput: tuple[int, float]
+    ) -> None:
+        """Adapt (module docs): plan a Stable sequence again when its plan stops holding."""
+        copied, seconds = throughput
+        plans.strained = plans.strained + 1 if counters["passive_swaps"] > STRAINED_PASSIVE_SWAPS else 0
+        behind = counters["swaps"] > 0 and counters["copy_waits"] > BEHIND_WAIT_FRACTION * counters["swaps"]
+        plans.behind = plans.behind + 1 if behind else 0
+        if behind:
+            self._measured = (self._measured[0] + copied, self._measured[1] + seconds)
+        if not self.options.adapt:
             return
-        # the fastest candidate that stayed within the budget without a passive swap, else the fastest
-        best = min(self._trials, key=lambda t: (not t[1], t[0]))
-        self._put_in_place(best[2], self.iterations[-1]["iteration"])
-        self._chosen = self._candidates[best[2]][1]
+        reason = None
+        if plans.behind >= ADAPT_AFTER and self._measured[1] > 0:
+            measured = self._measured[0] / self._measured[1]
+            self._measured = (0, 0.0)
+            if measured < SLOWER_THAN_PLANNED * plans.bandwidth:
+                self._bandwidth = measured
+                reason = (
+                    f"copies ran at {format_size(int(measured))}/s, the plan assumed "
+                    f"{format_size(int(plans.bandwidth))}/s"
+                )
+            plans.behind = 0
+        elif plans.strained >= ADAPT_AFTER and plans.feasible and plans.strained_replans < MAX_STRAINED_REPLANS:
+            # a plan predicted to fit that does not: plan again with room to spare (an infeasible
+            # plan needs its passive swaps, and planning for less would not change that)
+            plans.strained_replans += 1
+            plans.budget_cut += STRAINED_BUDGET_STEP
+            reason = (
+                f"{ADAPT_AFTER} Stable iterations in a row needed more than {STRAINED_PASSIVE_SWAPS} passive swaps; "
+                f"planning for {100 * (1 - plans.budget_cut):.0f}% of the budget"
+            )
+        if reason is not None:
+            self.replans.append({"iteration": record.index, "sequence": plans.sequence, "reason": reason})
+            log.info("memfit-executor: planning sequence %d again: %s", plans.sequence, reason)
+            self.profiler.replan(plans.sequence)
+            self._on_transition(plans.sequence, self.profiler.machine.sequence(plans.sequence).stage)
 
     # -- results ---------------------------------------------------------------------------
     @property
     def plan(self) -> Any:
-        """The plan in place (a :class:`memfit.plan.MemoryPlan`), or ``None``."""
-        binding = self.runtime.binding if self.runtime is not None else None
-        return binding.plan if binding is not None else None
+        """The plan in place for the latest iteration's sequence (a :class:`memfit.plan.MemoryPlan`), or ``None``."""
+        if self.runtime is None or not self.runtime.bindings:
+            return None
+        return self.runtime.bindings[0].plan
 
     def report(self) -> dict[str, Any]:
         """What happened, as a JSON-ready dict (``memfit run --report`` writes it)."""
         stats = self.runtime.stats if self.runtime is not None else None
         peak = self.profiler.peak_device_bytes if self.profiler is not None else self.backend.max_memory_allocated()
+        feasible = [p.feasible for p in self._plans.values() if p.feasible is not None]
+        lowest = [p.lowest_peak_bytes for p in self._plans.values() if p.lowest_peak_bytes is not None]
         return {
             "backend": self.backend.name,
             "budget_bytes": self.budget_bytes,
             "peak_device_bytes": int(peak),
             "iterations": len(self.iterations),
             "stages": [it["stage"] for it in self.iterations],
+            "sequences": len({it["sequence"] for it in self.iterations}),
             "plans_generated": self.plans_generated,
             "plan_changes": self.plan_changes,
             "planning_iterations": self.planning_iterations,
+            "plan_feasible": all(feasible) if feasible else None,
+            "lowest_planned_peak_bytes": max(lowest) if lowest else None,
+            "replans": self.replans,
             "swapped_out_bytes": stats.swapped_out_bytes if stats else 0,
             "swapped_in_bytes": stats.swapped_in_bytes if stats else 0,
             "passive_swaps": stats.passive_swaps if stats else 0,
             "ooms_survived": stats.ooms_survived if stats else 0,
             "late_swap_ins": stats.late_swap_ins if stats else 0,
+            "copy_waits": stats.copy_waits if stats else 0,
             "kept_by_program": stats.kept if stats else 0,
             "mismatched_swaps": stats.mismatched if stats else 0,
+            "misswaps": stats.misswaps if stats and self.oracle is not None else None,
             "matcher": self.options.matcher,
             "release_mode": self.options.release_mode,
             "per_iteration": self.iterations,

@@ -72,6 +72,14 @@ class IterationRecord:
     similarity: Similarity
     next_stage: Stage
     ended_by: Literal["optimizer", "explicit", "backward-to-forward"]
+    sequence: int = 0
+    """The known sequence the stage machine matched it to (:class:`~memfit_profiler.stages.KnownSequence`)."""
+    sequence_stage: Stage = Stage.WARMUP
+    """The stage that sequence was in when the iteration ran (``stage`` is the run's)."""
+    same_sequence: bool = True
+    """It matched a known sequence (False: it started a new one)."""
+    saved_bytes: int | None = None
+    """Bytes its forward pass saved for backward, when a swap executor reported them."""
 
 
 class OnlineProfiler:
@@ -88,6 +96,7 @@ class OnlineProfiler:
             ``detailed`` force one mode for every iteration.
         length_tolerance: see :class:`~memfit_profiler.stages.StageMachine`.
         cosine_threshold: see :class:`~memfit_profiler.stages.StageMachine`.
+        window: see :class:`~memfit_profiler.stages.StageMachine`.
         model: a module whose parameters and buffers are marked as such in traces (optimizer
             parameters, gradients and states are marked without it).
         hooks: plugin hooks to deliver ``on_op_dispatch`` to (default: the installed plugins).
@@ -104,6 +113,7 @@ class OnlineProfiler:
         mode: ModeChoice = "auto",
         length_tolerance: float = 0.05,
         cosine_threshold: float = 0.95,
+        window: int | None = None,
         model: torch.nn.Module | None = None,
         hooks: Hooks | None = None,
         keep_traces: int = 16,
@@ -113,7 +123,9 @@ class OnlineProfiler:
             raise MemfitError(f"mode must be 'auto', 'lightweight' or 'detailed', got {mode!r}")
         self.backend = backend
         self.mode = mode
-        self.machine = StageMachine(m=m, n=n, length_tolerance=length_tolerance, cosine_threshold=cosine_threshold)
+        self.machine = StageMachine(
+            m=m, n=n, length_tolerance=length_tolerance, cosine_threshold=cosine_threshold, window=window
+        )
         self.model = model
         self.hooks = hooks
         self.keep_traces = keep_traces
@@ -124,6 +136,7 @@ class OnlineProfiler:
         self.peak_device_bytes = 0
         self._listeners: list[Callable[[Observation], None]] = []
         self._iteration_listeners: list[Callable[[IterationRecord], None]] = []
+        self._saved_bytes_source: Callable[[], list[tuple[int, int]]] | None = None
         self._static_keys: set[int] = set()
         self._handles: list[Any] = []
         self._detailed = False
@@ -207,18 +220,33 @@ class OnlineProfiler:
         return self._detailed
 
     def add_stage_listener(self, listener: Callable[[Observation], None]) -> None:
-        """Call ``listener(observation)`` after every iteration whose stage differs from the one before."""
+        """Call ``listener(observation)`` after every iteration that changed a stage (of the run or of a sequence)."""
         self._listeners.append(listener)
 
     def add_iteration_listener(self, listener: Callable[[IterationRecord], None]) -> None:
         """Call ``listener(record)`` after every iteration, once its stage verdict is known."""
         self._iteration_listeners.append(listener)
 
-    def position(self) -> tuple[int, int]:
-        """``(operators recorded so far in this iteration, token of the latest or -1)``.
+    def set_saved_bytes_source(self, source: Callable[[], list[tuple[int, int]]] | None) -> None:
+        """Have the change test compare the bytes each forward pass saves for backward.
+
+        ``source()`` is called once per drained iteration and returns ``(operator index where a
+        forward pass began, bytes it saved)`` for the forward passes since the last call, in this
+        profiler's operator indices (:meth:`position`). The swap executor supplies it; see
+        :mod:`memfit_profiler.stages` for why it replaces the forward length in the test.
+        """
+        self._saved_bytes_source = source
+
+    def replan(self, sequence: int) -> None:
+        """Send a Stable sequence back to GenPolicy, so that a new plan is generated for it."""
+        self.machine.replan(sequence)
+
+    def position(self) -> tuple[int, int, int]:
+        """``(operators recorded so far in this iteration, token of the latest or -1, context)``.
 
         One native call, no per-operator Python: the swap executor reads it at saved-tensor hooks
-        to know where the step is, in the same operator indices as the traces.
+        to know where the step is, in the same operator indices as the traces. The context folds
+        the latest three tokens into one integer: what surrounds the operator now running.
         """
         return self.recorder.position()
 
@@ -270,12 +298,14 @@ class OnlineProfiler:
     ) -> None:
         cuts = [0, *raw.boundaries.tolist(), raw.tokens.size]
         segments = [(a, b) for a, b in zip(cuts, cuts[1:], strict=False) if b > a]
+        forwards = self._saved_bytes_source() if self._saved_bytes_source is not None else None
         if not segments:
             return
         for i, (a, b) in enumerate(segments):
             tokens, phases = raw.tokens[a:b], raw.phases[a:b]
+            saved = None if forwards is None else sum(n for start, n in forwards if a <= start < b)
             ran_in, detailed = self.machine.stage, self._detailed
-            obs = self.machine.observe(tokens)
+            obs = self.machine.observe(tokens, phases, saved)
             self.observations.append(obs)
             last = i == len(segments) - 1
             record = IterationRecord(
@@ -289,6 +319,10 @@ class OnlineProfiler:
                 similarity=obs.similarity,
                 next_stage=obs.stage,
                 ended_by=ended_by if last else "backward-to-forward",
+                sequence=obs.sequence,
+                sequence_stage=obs.ran_as,
+                same_sequence=obs.same_sequence,
+                saved_bytes=saved,
             )
             self.iterations.append(record)
             if detailed and raw.detail is not None and len(segments) == 1:
@@ -297,7 +331,7 @@ class OnlineProfiler:
                 log.info(
                     "memfit-profiler: iteration %d had no optimizer step; its detailed record is dropped", record.index
                 )
-            if obs.changed:
+            if obs.changed or obs.transitions:
                 for listener in self._listeners:
                     listener(obs)
             for iteration_listener in self._iteration_listeners:

@@ -29,6 +29,8 @@ OFF, LIGHTWEIGHT, DETAILED = 0, 1, 2
 CALLBACK_FLOOR = 3
 """Native only, for benchmarks: a callback that records nothing: the cost of RecordFunction itself."""
 FWD, BWD, OPT = 0, 1, 2
+CONTEXT_OPS = 3
+"""Operators folded into the context :meth:`NativeRecorder.position` reports (the native side has its own copy)."""
 
 # c10::ScalarType order, to name the dtype codes the native recorder returns.
 _SCALAR_TYPES = (
@@ -103,7 +105,7 @@ class NativeRecorder:
     def names(self) -> list[str]:
         return list(self._ext.names())
 
-    def position(self) -> tuple[int, int]:
+    def position(self) -> tuple[int, int, int]:
         return self._ext.position()
 
     def take(self) -> RawIteration:
@@ -181,9 +183,10 @@ class PythonRecorder:
     def names(self) -> list[str]:
         return list(self._names)
 
-    def position(self) -> tuple[int, int]:
+    def position(self) -> tuple[int, int, int]:
         with self._lock:
-            return len(self._tokens), (self._tokens[-1] if self._tokens else -1)
+            n = len(self._tokens)
+            return n, (self._tokens[-1] if n else -1), hash(tuple(self._tokens[-CONTEXT_OPS:]))
 
     def _row(self, t: torch.Tensor) -> int:
         storage = t.untyped_storage()

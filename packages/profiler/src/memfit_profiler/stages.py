@@ -1,21 +1,52 @@
-"""The stage machine (Chameleon, Algorithm 1): WarmUp → GenPolicy → Stable, and back on a change.
+"""The stage machine (Chameleon, Algorithm 1), made to keep a good plan through the changes of real training.
 
-After every iteration the operator-token sequence is compared with the previous iteration's.
-It counts as *the same* when both hold:
+After every iteration the machine decides whether the iteration ran **a sequence it knows** and
+moves that sequence through the paper's stages: WarmUp → GenPolicy (``m`` matches) → Stable
+(``n`` more). The paper compares each iteration with the previous one and falls back to WarmUp
+on any difference; on real training that throws a good plan away at every skipped optimizer
+step, validation pass or data-dependent branch (one branch iteration A→B→A resets twice). memfit
+keeps the paper's two-part test but changes what it compares and with what.
 
-* the lengths differ by less than ``length_tolerance`` (5%), relative to the longer sequence;
-* the cosine similarity of the two token vectors is above ``cosine_threshold`` (95%).
+**What is compared** (:class:`Signature`, :func:`similarity`). Per phase (forward, backward,
+optimizer): the number of operators, and the **hashed 2- and 3-gram counts** of the operator
+tokens, compared by cosine. n-gram counts do not depend on how tokens happen to be numbered, and
+inserting k operators changes about k entries of each, wherever it happens; the paper's cosine of
+zero-padded token ids scores a 0.27% insertion ≈ 0.73 (every later position shifts) and cannot
+see token 0. Two iterations are the same sequence when, in every compared phase, the lengths
+differ by less than ``length_tolerance`` (5%) and the cosine exceeds ``cosine_threshold`` (95%):
 
-The papers leave the cosine of sequences of unequal length undefined. memfit zero-pads the
-shorter sequence to the longer one's length (rather than truncating the longer one): an appended
-validation pass or a dropped optimizer step then lowers the similarity instead of vanishing
-from the comparison, which is the conservative choice for a swap plan that depends on positions.
-Tokens are compared as float64 vectors, as the paper does; the exact-match rate (fraction of
-positions with equal tokens) is reported beside it for diagnostics.
+* an iteration without optimizer operators is a **skipped step** (a loss scaler's overflow): its
+  optimizer phase is not compared — the swap plan is about forward and backward;
+* when the swap executor reports the **bytes saved for backward** in the forward pass, they
+  replace the forward length in the length test (same 5%): what a swap plan depends on in forward
+  is what autograd keeps, so a validation pass under ``no_grad`` (more forward operators, nothing
+  saved) is the same sequence, and a new sequence length (the same operators on larger tensors,
+  invisible to tokens) is not. Without that report (the profiler alone) the forward length is
+  tested as in the paper.
 
-As in Algorithm 1, the first iteration is compared with itself, ``m`` stable iterations must be
-exceeded to leave WarmUp (so GenPolicy starts after iteration ``m + 1``), ``n`` more to reach
-Stable, and any change, in any stage, returns to WarmUp.
+The exact-match rate (positions holding the same token) is kept beside them as a diagnostic.
+
+**With what** (:class:`KnownSequence`). Each iteration is compared with the reference of every
+sequence seen recently (its first iteration: the sequence a plan is built from), not with the
+previous iteration, and joins the closest one that passes the test, or starts a new one.
+
+* A sequence that matches **more than m times within the last ``window`` iterations** (default
+  ``3 (m + 1)``) leaves WarmUp for GenPolicy; after matching **n more times** it is Stable and its
+  plan is applied. A one-off branch, a skipped step or a validation pass every few iterations is
+  not frequent enough to plan for: it runs on the plan in place plus the OOM handler, and the
+  plan stays. A **persistent change** (a new sequence length, a new model) repeats, so it is
+  planned for after m + 1 iterations and applied after m + n + 2 — the paper's own latency,
+  counted from the change. The window lets up to three sequences that take turns (lengths
+  cycling among three values) each reach Stable with a plan of its own.
+* A sequence in GenPolicy that has not been seen for ``window`` iterations goes back to WarmUp
+  (so Detailed recording does not stay on for a sequence that went away); Stable sequences keep
+  their plans until ``max_sequences`` newer ones push them out.
+* The executor can send a Stable sequence back to GenPolicy (:meth:`StageMachine.replan`) when
+  its plan stops holding (passive swaps keep happening, or copies fall behind).
+
+**The stage of the run** (:attr:`StageMachine.stage`), which says how the next iteration is
+recorded, is GenPolicy while any sequence is in GenPolicy (Detailed recording: its next
+occurrence must be traced), else Stable while any sequence has a plan, else WarmUp.
 
 Example:
     ```python
@@ -24,8 +55,8 @@ Example:
 
     machine = StageMachine(m=2, n=5)
     seq = np.arange(100) % 7
-    stages = [machine.observe(seq).stage.name for _ in range(9)]
-    # ['WARMUP', 'WARMUP', 'GENPOLICY', 'GENPOLICY', ..., 'STABLE']
+    stages = [machine.observe(seq).stage.name for _ in range(10)]
+    # ['WARMUP', 'WARMUP', 'GENPOLICY', ..., 'GENPOLICY', 'STABLE', 'STABLE']
     ```
 """
 
@@ -33,53 +64,149 @@ from __future__ import annotations
 
 import enum
 import logging
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 
 import numpy as np
+from memfit.types import Phase
 
 log = logging.getLogger("memfit.profiler")
+
+NGRAM_BUCKETS = 4096
+"""Hash buckets per n-gram order. Collisions only ever make two sequences look more alike; with
+4096 buckets and the few hundred distinct n-grams of a model they are rare."""
+_PHASES = tuple(Phase)
+_START, _END = -1, -2  # sentinels around each phase, so that a one-operator phase has n-grams too
 
 
 class Stage(enum.Enum):
     """Where the swap system stands."""
 
     WARMUP = "WarmUp"
-    """No plan; the OOM handler keeps training alive. Lightweight recording."""
+    """No plan yet: the OOM handler keeps training alive. Lightweight recording."""
     GENPOLICY = "GenPolicy"
-    """The sequence is stable: record in Detailed mode and generate plans."""
+    """A sequence is stable: record in Detailed mode and generate plans for it."""
     STABLE = "Stable"
-    """Apply the best plan; Lightweight recording watches for changes."""
+    """Apply the plans; Lightweight recording watches for changes."""
+
+
+def _grams(tokens: np.ndarray) -> np.ndarray:
+    """Hashed 2- and 3-gram counts of ``tokens`` (with start/end sentinels), as one float vector."""
+    t = np.concatenate(([_START], np.asarray(tokens, dtype=np.int64), [_END])).astype(np.uint64)
+    # multiply-xor mixing of the token ids (odd 64-bit constants); uint64 wraps, which is what a hash wants
+    with np.errstate(over="ignore"):
+        two = (t[:-1] * np.uint64(0x9E3779B97F4A7C15)) ^ (t[1:] * np.uint64(0xC2B2AE3D27D4EB4F))
+        three = (two[:-1] * np.uint64(0x165667B19E3779F9)) ^ (t[2:] * np.uint64(0x27D4EB2F165667C5))
+    buckets = np.uint64(NGRAM_BUCKETS)
+    counts = np.zeros(2 * NGRAM_BUCKETS)
+    counts[:NGRAM_BUCKETS] = np.bincount(((two >> np.uint64(17)) % buckets).astype(np.int64), minlength=NGRAM_BUCKETS)
+    counts[NGRAM_BUCKETS:] = np.bincount(
+        ((three >> np.uint64(17)) % buckets).astype(np.int64), minlength=NGRAM_BUCKETS
+    )
+    return counts
+
+
+@dataclass(frozen=True, eq=False)
+class Signature:
+    """What the change test compares of one iteration. Build it with :meth:`of`."""
+
+    tokens: np.ndarray
+    lengths: tuple[int, int, int]
+    """Operators in forward, backward and optimizer phases."""
+    grams: tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None]
+    """Per phase, hashed 2- and 3-gram counts (``None`` for an empty phase)."""
+    saved_bytes: int | None = None
+    """Bytes saved for backward in the forward pass, when the swap executor reported them."""
+
+    @classmethod
+    def of(cls, tokens: np.ndarray, phases: np.ndarray | None = None, saved_bytes: int | None = None) -> Signature:
+        """The signature of an iteration's tokens; ``phases`` per token (default: all forward)."""
+        tokens = np.asarray(tokens)
+        if phases is None:
+            phases = np.zeros(tokens.size, dtype=np.int8)
+        phases = np.asarray(phases)
+        if phases.shape != tokens.shape:
+            raise ValueError(f"phases must have one entry per token: {phases.shape} against {tokens.shape}")
+        parts = [tokens[phases == p.value] for p in _PHASES]
+        return cls(
+            tokens=tokens,
+            lengths=tuple(int(p.size) for p in parts),  # type: ignore[arg-type]
+            grams=tuple(_grams(p) if p.size else None for p in parts),  # type: ignore[arg-type]
+            saved_bytes=saved_bytes,
+        )
 
 
 @dataclass(frozen=True, slots=True)
 class Similarity:
-    """How an iteration's sequence compares with the previous one's."""
+    """How an iteration compares with a reference sequence (see the module docs)."""
 
     length_diff: float
-    """|len(a) - len(b)| / max(len(a), len(b))."""
+    """Largest relative length difference over the compared phases (|a - b| / max(a, b))."""
     cosine: float
-    """Cosine similarity of the zero-padded token vectors."""
+    """Smallest n-gram cosine over the compared phases."""
     exact_match: float
-    """Fraction of positions (of the longer sequence) holding the same token."""
+    """Fraction of positions (of the longer sequence) holding the same token: a diagnostic."""
+    saved_bytes_diff: float | None = None
+    """Relative difference of the bytes saved for backward, when both are known."""
+    optimizer_skipped: bool = False
+    """One of the two has no optimizer operators (a skipped step): that phase was not compared."""
 
 
-def similarity(current: np.ndarray, previous: np.ndarray) -> Similarity:
-    """Compare two token sequences; see the module docs for the definitions."""
-    a = np.asarray(current, dtype=np.float64)
-    b = np.asarray(previous, dtype=np.float64)
-    longest = max(a.size, b.size)
-    if longest == 0:
-        return Similarity(0.0, 1.0, 1.0)
-    pa = np.zeros(longest)
-    pb = np.zeros(longest)
-    pa[: a.size] = a
-    pb[: b.size] = b
-    norms = float(np.linalg.norm(pa) * np.linalg.norm(pb))
-    # Two all-zero vectors (sequences of token 0 only) are identical; one zero vector is not.
-    cosine = float(pa @ pb) / norms if norms else float(np.array_equal(pa, pb))
-    shortest = min(a.size, b.size)
-    exact = float(np.count_nonzero(a[:shortest] == b[:shortest])) / longest
-    return Similarity(abs(a.size - b.size) / longest, cosine, exact)
+def _relative(a: int, b: int) -> float:
+    longest = max(a, b)
+    return abs(a - b) / longest if longest else 0.0
+
+
+def _cosine(a: np.ndarray | None, b: np.ndarray | None) -> float:
+    if a is None or b is None:
+        return 1.0 if a is None and b is None else 0.0
+    return float(a @ b) / float(np.linalg.norm(a) * np.linalg.norm(b))
+
+
+def similarity(current: Signature | np.ndarray, reference: Signature | np.ndarray) -> Similarity:
+    """Compare an iteration with a reference; arrays are taken as all-forward token sequences."""
+    a = current if isinstance(current, Signature) else Signature.of(current)
+    b = reference if isinstance(reference, Signature) else Signature.of(reference)
+    volume_known = a.saved_bytes is not None and b.saved_bytes is not None
+    skipped = (a.lengths[Phase.OPT] == 0) != (b.lengths[Phase.OPT] == 0)
+    length_diff, cosine = 0.0, 1.0
+    for phase in _PHASES:
+        if phase is Phase.OPT and skipped:
+            continue
+        if not (phase is Phase.FWD and volume_known):
+            length_diff = max(length_diff, _relative(a.lengths[phase], b.lengths[phase]))
+        cosine = min(cosine, _cosine(a.grams[phase], b.grams[phase]))
+    shortest, longest = min(a.tokens.size, b.tokens.size), max(a.tokens.size, b.tokens.size)
+    exact = float(np.count_nonzero(a.tokens[:shortest] == b.tokens[:shortest])) / longest if longest else 1.0
+    volume = _relative(a.saved_bytes, b.saved_bytes) if volume_known else None  # type: ignore[arg-type]
+    return Similarity(length_diff, cosine, exact, volume, skipped)
+
+
+@dataclass(eq=False)
+class KnownSequence:
+    """A sequence the machine has seen recently, and where it stands."""
+
+    id: int
+    reference: Signature
+    """Its first iteration: what later iterations are compared with."""
+    stage: Stage = Stage.WARMUP
+    steps: int = 0
+    """Matches counted in the current stage (GenPolicy: towards n)."""
+    seen: deque[int] = field(default_factory=deque)
+    """Iterations that matched it, the latest ``window`` of them."""
+
+    @property
+    def last_seen(self) -> int:
+        return self.seen[-1] if self.seen else -1
+
+
+@dataclass(frozen=True, slots=True)
+class Transition:
+    """A known sequence changed stage (or was forgotten: ``after`` is ``None``)."""
+
+    sequence: int
+    before: Stage
+    after: Stage | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,11 +215,20 @@ class Observation:
 
     iteration: int
     stage: Stage
-    """Stage after this iteration: what the next iteration runs in."""
+    """Stage of the run after this iteration: what the next iteration runs in."""
     previous_stage: Stage
+    """Stage of the run this iteration ran in."""
+    sequence: int
+    """The known sequence it matched (or started)."""
+    ran_as: Stage
+    """The stage that sequence was in when the iteration ran (WarmUp for a new one)."""
     same_sequence: bool
+    """It matched a sequence seen before (False: it started a new one)."""
     similarity: Similarity
+    """Against the matched sequence's reference; for a new sequence, against the closest known one."""
     stable_steps: int
+    """The matched sequence's count in its stage."""
+    transitions: tuple[Transition, ...] = ()
 
     @property
     def changed(self) -> bool:
@@ -100,48 +236,137 @@ class Observation:
 
 
 class StageMachine:
-    """Algorithm 1. Feed it each iteration's token sequence with :meth:`observe`.
+    """Algorithm 1 over known sequences. Feed it each iteration with :meth:`observe`; see the module docs.
 
     Args:
-        m: stable iterations to exceed before leaving WarmUp (paper: 2).
-        n: stable iterations to exceed in GenPolicy before Stable (paper: 5).
-        length_tolerance: largest relative length difference that still counts as the same sequence.
-        cosine_threshold: smallest cosine similarity that still counts as the same sequence.
+        m: matches beyond which a sequence leaves WarmUp (paper: 2).
+        n: further matches in GenPolicy beyond which it is Stable (paper: 5).
+        length_tolerance: largest relative length difference that is still the same sequence.
+        cosine_threshold: smallest n-gram cosine that is still the same sequence.
+        window: iterations over which a sequence must match more than ``m`` times to be planned
+            for (default ``3 (m + 1)``); a GenPolicy sequence unseen for that long goes back to WarmUp.
+        max_sequences: known sequences kept; the least recently seen are forgotten first,
+            WarmUp ones before planned ones.
     """
 
-    def __init__(self, m: int = 2, n: int = 5, length_tolerance: float = 0.05, cosine_threshold: float = 0.95):
+    def __init__(
+        self,
+        m: int = 2,
+        n: int = 5,
+        length_tolerance: float = 0.05,
+        cosine_threshold: float = 0.95,
+        window: int | None = None,
+        max_sequences: int = 8,
+    ):
         if m < 0 or n < 0:
             raise ValueError(f"m and n must be >= 0, got m={m}, n={n}")
         if not 0 <= length_tolerance < 1 or not 0 <= cosine_threshold <= 1:
             raise ValueError("length_tolerance must be in [0, 1) and cosine_threshold in [0, 1]")
-        self.m, self.n = m, n
+        window = 3 * (m + 1) if window is None else window
+        if window <= m:
+            raise ValueError(f"window must be larger than m ({m}), got {window}: no sequence could match m + 1 times")
+        if max_sequences < 1:
+            raise ValueError(f"max_sequences must be >= 1, got {max_sequences}")
+        self.m, self.n, self.window, self.max_sequences = m, n, window, max_sequences
         self.length_tolerance, self.cosine_threshold = length_tolerance, cosine_threshold
-        self.stage = Stage.WARMUP
-        self.stable_steps = 0
+        self.sequences: list[KnownSequence] = []
         self.iterations = 0
-        self._previous: np.ndarray | None = None
+        self._next_id = 0
 
-    def observe(self, tokens: np.ndarray) -> Observation:
-        """Process one finished iteration; returns the stage the next iteration runs in."""
-        tokens = np.asarray(tokens)
-        previous = tokens if self._previous is None else self._previous
-        sim = similarity(tokens, previous)
-        same = sim.length_diff < self.length_tolerance and sim.cosine > self.cosine_threshold
-        before = self.stage
-        if same:
-            self.stable_steps += 1
-            if before is Stage.WARMUP and self.stable_steps > self.m:
-                self.stage, self.stable_steps = Stage.GENPOLICY, 0
-            elif before is Stage.GENPOLICY and self.stable_steps > self.n:
-                self.stage = Stage.STABLE
-        else:
-            self.stage, self.stable_steps = Stage.WARMUP, 0
-        self._previous = tokens
+    @property
+    def stage(self) -> Stage:
+        """The stage of the run: GenPolicy if any sequence is in it, else Stable if any is, else WarmUp."""
+        stages = {s.stage for s in self.sequences}
+        for stage in (Stage.GENPOLICY, Stage.STABLE):
+            if stage in stages:
+                return stage
+        return Stage.WARMUP
+
+    def sequence(self, sequence_id: int) -> KnownSequence | None:
+        """The known sequence with this id, if it is still known."""
+        return next((s for s in self.sequences if s.id == sequence_id), None)
+
+    def is_same(self, sim: Similarity) -> bool:
+        """The two-part test (see the module docs)."""
+        volume_ok = sim.saved_bytes_diff is None or sim.saved_bytes_diff < self.length_tolerance
+        return sim.length_diff < self.length_tolerance and sim.cosine > self.cosine_threshold and volume_ok
+
+    def observe(
+        self, tokens: np.ndarray | Signature, phases: np.ndarray | None = None, saved_bytes: int | None = None
+    ) -> Observation:
+        """Process one finished iteration; returns the stage the next iteration runs in.
+
+        Args:
+            tokens: the iteration's operator tokens (or a prepared :class:`Signature`).
+            phases: the phase of each token (0 forward, 1 backward, 2 optimizer); default all forward.
+            saved_bytes: bytes the forward pass saved for backward, when known (see the module docs).
+        """
+        signature = tokens if isinstance(tokens, Signature) else Signature.of(tokens, phases, saved_bytes)
+        iteration = self.iterations
         self.iterations += 1
-        obs = Observation(self.iterations - 1, self.stage, before, same, sim, self.stable_steps)
-        if obs.changed:
+        before = self.stage
+        transitions: list[Transition] = []
+        scored = [(similarity(signature, s.reference), s) for s in self.sequences]
+        passing = [(sim, s) for sim, s in scored if self.is_same(sim)]
+        if passing:
+            sim, seq = max(passing, key=lambda p: p[0].cosine)
+            same, ran_as = True, seq.stage
+        else:
+            seq = KnownSequence(self._next_id, signature)
+            ran_as = Stage.WARMUP
+            self._next_id += 1
+            self.sequences.append(seq)
+            sim = max((p[0] for p in scored), key=lambda s: s.cosine, default=similarity(signature, signature))
+            same = False
+            transitions.extend(self._forget_beyond_capacity(keep=seq))
+        seq.seen.append(iteration)
+        while seq.seen and seq.seen[0] <= iteration - self.window:
+            seq.seen.popleft()
+        seq.steps += 1
+        if seq.stage is Stage.WARMUP and len(seq.seen) > self.m:
+            transitions.append(self._move(seq, Stage.GENPOLICY))
+        elif seq.stage is Stage.GENPOLICY and seq.steps > self.n:
+            transitions.append(self._move(seq, Stage.STABLE))
+        for other in self.sequences:
+            if other.stage is Stage.GENPOLICY and other.last_seen <= iteration - self.window:
+                transitions.append(self._move(other, Stage.WARMUP))  # went away before it could be planned for
+        obs = Observation(iteration, self.stage, before, seq.id, ran_as, same, sim, seq.steps, tuple(transitions))
+        for t in transitions:
             log.info(
-                "memfit-profiler: iteration %d: %s -> %s (length diff %.1f%%, cosine %.4f, exact match %.1f%%)",
-                obs.iteration, before.value, self.stage.value, 100 * sim.length_diff, sim.cosine, 100 * sim.exact_match,
+                "memfit-profiler: iteration %d: sequence %d %s -> %s",
+                iteration, t.sequence, t.before.value, t.after.value if t.after else "forgotten",
+            )  # fmt: skip
+        if obs.changed or not same:
+            log.info(
+                "memfit-profiler: iteration %d: %s sequence %d; run %s -> %s (length diff %.1f%%, cosine %.4f, "
+                "exact match %.1f%%)",
+                iteration, "matched" if same else "new", seq.id, before.value, obs.stage.value,
+                100 * sim.length_diff, sim.cosine, 100 * sim.exact_match,
             )  # fmt: skip
         return obs
+
+    def replan(self, sequence_id: int) -> Transition | None:
+        """Send a Stable sequence back to GenPolicy: its plan no longer holds, generate a new one."""
+        seq = self.sequence(sequence_id)
+        if seq is None or seq.stage is not Stage.STABLE:
+            return None
+        transition = self._move(seq, Stage.GENPOLICY)
+        log.info("memfit-profiler: sequence %d Stable -> GenPolicy (re-plan requested)", sequence_id)
+        return transition
+
+    def _move(self, seq: KnownSequence, stage: Stage) -> Transition:
+        transition = Transition(seq.id, seq.stage, stage)
+        seq.stage, seq.steps = stage, 0
+        return transition
+
+    def _forget_beyond_capacity(self, keep: KnownSequence) -> list[Transition]:
+        forgotten = []
+        while len(self.sequences) > self.max_sequences:
+            # WarmUp sequences first, then the least recently seen
+            victim = min(
+                (s for s in self.sequences if s is not keep),
+                key=lambda s: (s.stage is not Stage.WARMUP, s.last_seen),
+            )
+            self.sequences.remove(victim)
+            forgotten.append(Transition(victim.id, victim.stage, None))
+        return forgotten

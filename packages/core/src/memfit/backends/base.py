@@ -165,6 +165,15 @@ class Backend(abc.ABC):
     def copy_bandwidth(self) -> float:
         """Host-to-device copy bandwidth in bytes per second, as swap planners should assume."""
 
+    def copy_throughput(self) -> tuple[int, float]:
+        """``(bytes, seconds)`` the copy stream spent on copies that finished since the last call.
+
+        Their ratio is the bandwidth copies really get (a busy host, a shared link); swap planners
+        assume :meth:`copy_bandwidth` until the executor sees copies fall behind. ``(0, 0.0)`` where
+        the backend does not measure it.
+        """
+        return (0, 0.0)
+
     @abc.abstractmethod
     def synchronize(self) -> None:
         """Wait for all queued device work, including copies."""

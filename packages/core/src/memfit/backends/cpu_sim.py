@@ -86,6 +86,7 @@ class SimCopyStream:
         self._queue: queue.SimpleQueue[tuple[Callable[[], None], int, SimEvent] | None] = queue.SimpleQueue()
         self._pending = 0
         self._pending_lock = threading.Lock()
+        self._copied = (0, 0.0)  # (bytes, seconds the worker spent copying them) since the last take
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -107,9 +108,13 @@ class SimCopyStream:
                 remaining = nbytes / self.bytes_per_second - (time.perf_counter() - start)
                 if remaining > 0:
                     time.sleep(remaining)
+            elapsed = time.perf_counter() - start
             del work  # its tensors may be freed (their storages checked for other owners) once done
             with self._pending_lock:
                 self._pending -= 1
+                if nbytes:
+                    copied, seconds = self._copied
+                    self._copied = (copied + nbytes, seconds + elapsed)
             event._complete(error)
 
     def submit(self, work: Callable[[], None], nbytes: int = 0) -> SimEvent:
@@ -131,6 +136,12 @@ class SimCopyStream:
 
     def query(self) -> bool:
         return self._pending == 0
+
+    def take_throughput(self) -> tuple[int, float]:
+        """(bytes copied, seconds spent copying them) since the last call."""
+        with self._pending_lock:
+            taken, self._copied = self._copied, (0, 0.0)
+        return taken
 
     def close(self) -> None:
         self._queue.put(None)
@@ -218,6 +229,18 @@ class CpuSimBackend(Backend):
 
     def copy_bandwidth(self) -> float:
         return float(self.copy_bandwidth_bytes_per_s)
+
+    def set_copy_bandwidth(self, bytes_per_second: int | str) -> None:
+        """Change the emulated link's bandwidth, from the next copy on (e.g. to emulate a busy PCIe link)."""
+        bandwidth = parse_size(bytes_per_second, what="cpu-sim copy bandwidth")
+        if bandwidth <= 0:
+            raise MemfitError(f"cpu-sim copy bandwidth must be positive, got {bytes_per_second!r}")
+        self.copy_bandwidth_bytes_per_s = bandwidth
+        if self._copy is not None:
+            self._copy.bytes_per_second = bandwidth
+
+    def copy_throughput(self) -> tuple[int, float]:
+        return self._copy.take_throughput() if self._copy is not None else (0, 0.0)
 
     def native_memory_source(self) -> tuple[str, int]:
         return ("counter", int(self._native.counter_address(self._slot)))

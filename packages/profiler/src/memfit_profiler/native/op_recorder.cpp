@@ -356,11 +356,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     g_swap_passive.push_back(passive);
   });
   // The executor's clock: where the iteration is, read at saved-tensor hooks (not per operator).
+  // The context (the latest CONTEXT_OPS tokens, folded) tells apart two saves by the same kind of
+  // operator in different surroundings, at no cost per operator.
   m.def("position", []() {
+    constexpr int64_t CONTEXT_OPS = 3;
     std::lock_guard<std::mutex> guard(g_lock);
     const auto n = static_cast<int64_t>(g_tokens.size());
-    return py::make_tuple(n, n ? g_tokens.back() : -1);
-  }, "(operators recorded so far in this iteration, token of the latest)");
+    int64_t context = 0;
+    for (int64_t k = std::max<int64_t>(0, n - CONTEXT_OPS); k < n; ++k) {
+      context = context * 1000003 + g_tokens[static_cast<size_t>(k)] + 1;
+    }
+    return py::make_tuple(n, n ? g_tokens.back() : -1, context);
+  }, "(operators recorded so far in this iteration, token of the latest, context of the latest three)");
   m.def("names", []() {
     std::lock_guard<std::mutex> guard(g_lock);
     return g_names;
