@@ -61,7 +61,6 @@ def test_twenty_iterations_under_a_quarter_of_the_peak_are_bit_identical():
     # the plan does the work in Stable: far fewer passive swaps than with no plan
     assert sum(it["passive_swaps"] for it in stable) / len(stable) < 0.2 * min(it["passive_swaps"] for it in warmup)
     assert all(it["swaps"] > 0 for it in stable)
-    assert report["mismatched_swaps"] == 0
 
 
 @pytest.mark.gpu
@@ -126,26 +125,29 @@ def test_changing_sequences_for_300_iterations_and_the_capuchin_baseline():
     (losses, params), peak = native_run(train_changing, 300)
     budget = int(peak * 0.4)
 
-    with memfit.swap(budget=budget, backend="cpu-sim") as session:
+    with memfit.swap(budget=budget, backend="cpu-sim", identity_oracle=True) as session:
         got_losses, got_params = train_changing(300)
     report = session.report()
     assert got_losses == losses
     assert all((a == b).all() for a, b in zip(got_params, params, strict=True))
     assert report["peak_device_bytes"] <= budget
-    assert report["mismatched_swaps"] == 0
-    # plans are regenerated only after a large change sent the profiler back to WarmUp
+    # the oracle's ground truth (module path, call, operator), not the matcher's own signatures
+    assert report["misswaps"] == 0
+    # skipped steps, validation passes and branches run on the plan: it is made once and kept
     its = report["per_iteration"]
-    planned = report["planning_iterations"]
-    assert len(planned) >= 2
-    for before, after in zip(planned, planned[1:], strict=False):
-        assert any(it["next_stage"] == "WarmUp" for it in its[before:after])
-    large_changes = sum(1 for o in session.profiler.observations if not o.same_sequence)
-    assert len(planned) <= large_changes + 1
-    assert "Stable" in report["stages"]
+    first_plan = report["planning_iterations"][0]
+    after = its[first_plan:]
+    stable = [it for it in after if it["stage"] == "Stable"]
+    assert len(stable) / len(after) >= 0.9
+    assert sum(it["passive_swaps"] for it in stable) / len(stable) <= 2
+    main = its[-1]["sequence"]
+    assert [p for p in report["planning_iterations"] if its[p]["sequence"] == main] == [first_plan]
 
     # The Capuchin-style matcher, (operator index, i-th saved tensor), on the same run: like
     # Capuchin, it handles OOM while measuring and relies on the plan alone once Stable.
-    baseline = memfit.swap(budget=budget, backend="cpu-sim", matcher="position", oom_handler="until-stable")
+    baseline = memfit.swap(
+        budget=budget, backend="cpu-sim", matcher="position", oom_handler="until-stable", identity_oracle=True
+    )
     crashed = False
     try:
         with baseline:
@@ -153,9 +155,92 @@ def test_changing_sequences_for_300_iterations_and_the_capuchin_baseline():
     except torch.OutOfMemoryError:
         crashed = True
     base = baseline.report()
-    assert crashed or base["mismatched_swaps"] > 0
+    assert crashed or base["misswaps"] > 0
     if not crashed:
         assert base_losses == losses  # a mis-swap costs memory, never correctness
+
+
+SEQ_CONFIG = dataclasses.replace(LlamaConfig.preset("tiny"), n_layers=4)
+
+
+def train_lengths(lengths):
+    """One training step per entry of ``lengths`` (the sequence length of that step's batch)."""
+    run = build_training(SEQ_CONFIG, batch_size=8, seq_len=max(lengths))
+    losses = []
+    for i, length in enumerate(lengths):
+        inputs, targets = run.data.batch(i)
+        loss = run.model.loss(inputs[:, :length], targets[:, :length])
+        loss.backward()
+        run.optimizer.step()
+        run.optimizer.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+    return losses, params_of(run.model)
+
+
+def test_a_persistent_change_of_sequence_length_is_planned_for_and_the_old_plan_kept():
+    lengths = [64] * 14 + [96] * 14 + [64] * 3
+    (losses, params), peak = native_run(train_lengths, lengths)
+    budget = int(peak * 0.5)
+    with memfit.swap(budget=budget, backend="cpu-sim") as session:
+        got_losses, got_params = train_lengths(lengths)
+    report = session.report()
+    assert got_losses == losses and all((a == b).all() for a, b in zip(got_params, params, strict=True))
+    assert report["peak_device_bytes"] <= budget
+    its = report["per_iteration"]
+    change = 14
+    assert its[change]["sequence"] != its[change - 1]["sequence"]  # the same operators, larger tensors
+    m, n = session.options.m, session.options.n
+    # planned for after m + 1 iterations of the new length, applied after m + n + 2
+    assert [it["stage"] for it in its[change : change + m + n + 3]] == (
+        ["WarmUp"] * (m + 1) + ["GenPolicy"] * (n + 1) + ["Stable"]
+    )
+    assert its[-1]["sequence"] == its[change - 1]["sequence"] and its[-1]["stage"] == "Stable"  # the old plan
+
+
+def test_sequence_lengths_that_take_turns_each_get_a_plan():
+    lengths = [32, 48, 64] * 12
+    (losses, params), peak = native_run(train_lengths, lengths)
+    budget = int(peak * 0.5)
+    with memfit.swap(budget=budget, backend="cpu-sim") as session:
+        got_losses, got_params = train_lengths(lengths)
+    report = session.report()
+    assert got_losses == losses and all((a == b).all() for a, b in zip(got_params, params, strict=True))
+    assert report["peak_device_bytes"] <= budget
+    tail = report["per_iteration"][-6:]
+    assert all(it["stage"] == "Stable" for it in tail)
+    assert len({it["sequence"] for it in tail}) == 3  # one plan per length, all in place at once
+    assert len({(it["plan"]["sequence"]) for it in tail if it["plan"]}) == 3
+
+
+def test_a_copy_stream_that_falls_behind_is_planned_for_again_with_the_measured_bandwidth():
+    config = dataclasses.replace(LlamaConfig.preset("tiny"), n_layers=6)
+    slow_from, bandwidth = 14, 200 * 10**6  # a link 60 times slower than planned, from iteration 14
+
+    def train(steps, backend=None):
+        run = build_training(config, batch_size=8, seq_len=64)
+        losses = []
+        for i in range(steps):
+            if backend is not None and i == slow_from:
+                backend.set_copy_bandwidth(bandwidth)
+            losses.append(run.step())
+        return losses
+
+    losses, peak = native_run(train, 30)
+    budget = int(peak * 0.4)
+    backend = CpuSimBackend(capacity=budget)
+    with memfit.swap(budget=budget, backend=backend) as session:
+        got = train(30, backend)
+    backend.close()
+    report = session.report()
+    assert got == losses and report["peak_device_bytes"] <= budget
+    its = report["per_iteration"]
+    assert its[slow_from - 1]["stage"] == "Stable"
+    late = [r for r in report["replans"] if r["iteration"] >= slow_from and r["reason"].startswith("copies ran at")]
+    # planned again with what the link delivers (the emulated link never runs faster than its bandwidth)
+    assert len(late) == 1 and late[0]["bandwidth"] <= bandwidth
+    assert its[-1]["stage"] == "Stable"
+    # slow copies make compute wait; they never cost a passive swap
+    assert all(it["passive_swaps"] == 0 for it in its if it["stage"] == "Stable")
 
 
 def test_memfit_run_executes_an_unmodified_script_and_writes_the_report(tmp_path):

@@ -523,7 +523,9 @@ class SwapSession:
                 f"planning for {100 * (1 - plans.budget_cut):.0f}% of the budget"
             )
         if reason is not None:
-            self.replans.append({"iteration": record.index, "sequence": plans.sequence, "reason": reason})
+            self.replans.append(
+                {"iteration": record.index, "sequence": plans.sequence, "reason": reason, "bandwidth": self._bandwidth}
+            )
             log.info("memfit-executor: planning sequence %d again: %s", plans.sequence, reason)
             self.profiler.replan(plans.sequence)
             self._on_transition(plans.sequence, self.profiler.machine.sequence(plans.sequence).stage)

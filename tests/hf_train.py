@@ -1,0 +1,91 @@
+"""A user's training script, not written for memfit: a transformers model built from its config (no download).
+
+The composition tests run it plainly on a roomy cpu-sim device (``--measure-peak``: the reference
+losses, parameters and peak) and under ``memfit run`` at a fraction of that peak. It prints one
+JSON line: the losses, a digest of the final parameters, and the peak when measured.
+
+Options reproduce what real training does to the operator sequence: ``--changes`` adds a
+data-dependent extra block (on about one batch in ten), a skipped optimizer step every 7th
+iteration (as a loss scaler does on overflow) and a validation pass every 10; ``--lengths``
+cycles the sequence length through several values.
+"""
+
+import argparse
+import contextlib
+import hashlib
+import json
+
+import torch
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--model", choices=["gpt2", "llama"], default="gpt2")
+parser.add_argument("--iterations", type=int, default=30)
+parser.add_argument("--batch", type=int, default=8)
+parser.add_argument("--lengths", default="128", help="sequence lengths, cycled through")
+parser.add_argument("--changes", action="store_true")
+parser.add_argument("--measure-peak", action="store_true")
+args = parser.parse_args()
+lengths = [int(x) for x in args.lengths.split(",")]
+
+torch.manual_seed(0)
+if args.model == "gpt2":
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_layer=4, n_embd=128, n_head=4, vocab_size=512, n_positions=512, attn_implementation="eager")
+    model = GPT2LMHeadModel(config)
+    blocks = model.transformer.h
+    hidden = config.n_embd
+else:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=512, max_position_embeddings=512, attn_implementation="sdpa",
+    )  # fmt: skip
+    model = LlamaForCausalLM(config)
+    blocks = model.model.layers
+    hidden = config.hidden_size
+model.train()
+extra = torch.nn.Linear(hidden, hidden)
+optimizer = torch.optim.AdamW([*model.parameters(), *extra.parameters()], lr=1e-3)
+branch = {"on": False}
+
+
+def extra_block(module, inputs, output):
+    if not branch["on"]:
+        return output
+    h = output[0] if isinstance(output, tuple) else output
+    h = h + torch.nn.functional.gelu(extra(h))
+    return (h, *output[1:]) if isinstance(output, tuple) else h
+
+
+if args.changes:
+    blocks[1].register_forward_hook(extra_block)
+
+measuring = contextlib.nullcontext()
+backend = None
+if args.measure_peak:
+    from memfit.backends.cpu_sim import CpuSimBackend
+
+    backend = CpuSimBackend(capacity="8GiB")
+    measuring = backend.activate()
+
+generator = torch.Generator().manual_seed(1)
+losses = []
+with measuring:
+    for i in range(args.iterations):
+        length = lengths[i % len(lengths)]
+        ids = torch.randint(0, config.vocab_size, (args.batch, length), generator=generator)
+        if args.changes and i and i % 10 == 0:
+            with torch.no_grad():
+                model(torch.randint(0, config.vocab_size, (args.batch, length), generator=generator), labels=ids)
+        branch["on"] = args.changes and int(ids[0, 0]) % 10 == 0
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        if not (args.changes and i % 7 == 6):
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
+    peak = backend.max_memory_allocated() if backend is not None else None
+print(json.dumps({"losses": losses, "params": digest, "peak": peak}))

@@ -1,0 +1,79 @@
+"""``memfit run`` on transformers models built from their configs (no download): scripts memfit did not write.
+
+Each script (``tests/hf_train.py``) runs once plainly on cpu-sim for its reference losses,
+parameters and peak, then under ``memfit run`` at a fraction of that peak; the report says how
+the iterations ran.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import run_memfit, run_python
+
+pytest.importorskip("transformers")
+pytestmark = pytest.mark.slow
+
+SCRIPT = Path(__file__).with_name("hf_train.py")
+
+
+def script_output(stdout):
+    return json.loads(next(line for line in stdout.splitlines() if line.startswith('{"losses"')))
+
+
+def reference(*args):
+    result = run_python(str(SCRIPT), *args, "--measure-peak")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return script_output(result.stdout)
+
+
+def under_memfit(tmp_path, budget, *args):
+    report_path = tmp_path / "report.json"
+    result = run_memfit(
+        "run", "--backend", "cpu-sim", "--budget", str(budget), "--report", str(report_path), "--",
+        sys.executable, str(SCRIPT), *args,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    return script_output(result.stdout), json.loads(report_path.read_text())
+
+
+def stable_iterations(report):
+    return [it for it in report["per_iteration"] if it["stage"] == "Stable"]
+
+
+def test_gpt2_with_branches_skipped_steps_and_validation_under_a_third_of_its_peak(tmp_path):
+    args = ("--model", "gpt2", "--iterations", "60", "--changes")
+    ref = reference(*args)
+    budget = ref["peak"] // 3
+    got, report = under_memfit(tmp_path, budget, *args)
+    assert got["losses"] == ref["losses"] and got["params"] == ref["params"]  # bit-identical
+    assert report["peak_device_bytes"] <= budget
+    stable = stable_iterations(report)
+    assert len(stable) >= 0.7 * 60
+    assert sum(it["passive_swaps"] for it in stable) / len(stable) <= 2
+
+
+def test_llama_under_half_its_peak(tmp_path):
+    args = ("--model", "llama", "--iterations", "40")
+    ref = reference(*args)
+    budget = ref["peak"] // 2
+    got, report = under_memfit(tmp_path, budget, *args)
+    assert got["losses"] == ref["losses"] and got["params"] == ref["params"]
+    assert report["peak_device_bytes"] <= budget
+    stable = stable_iterations(report)
+    assert len(stable) >= 0.7 * 40
+    assert sum(it["passive_swaps"] for it in stable) / len(stable) <= 2
+
+
+def test_llama_with_the_sequence_length_cycling_through_three_values_reaches_stable(tmp_path):
+    args = ("--model", "llama", "--iterations", "36", "--lengths", "128,192,256")
+    ref = reference(*args)
+    budget = ref["peak"] // 2
+    got, report = under_memfit(tmp_path, budget, *args)
+    assert got["losses"] == ref["losses"] and got["params"] == ref["params"]
+    assert report["peak_device_bytes"] <= budget
+    last = report["per_iteration"][-6:]
+    assert all(it["stage"] == "Stable" for it in last)
+    assert len({it["sequence"] for it in last}) == 3  # one plan per length
