@@ -109,6 +109,11 @@ def test_invalid_traces_name_the_column(tmp_path):
         Trace.load(tmp_path / "other.npz")
 
 
+
+def test_last_forward_use():
+    # a: used by fwd ops 0 and 1, then in backward; x: by op 0; g: only in backward; w: in both
+    assert small_trace().last_forward_use().tolist() == [0, 0, 1, -1]
+
 def a_plan():
     return MemoryPlan(
         planner="swap",

@@ -7,8 +7,9 @@ from memfit import hookimpl
 from memfit.backends.cpu_sim import CpuSimBackend
 from memfit.errors import MemfitError
 from memfit.models import build_training
+from memfit.tensors import storage_key
 from memfit.trace import Trace
-from memfit_profiler import OnlineProfiler, Stage, storage_key
+from memfit_profiler import OnlineProfiler, Stage
 from torch.autograd.graph import saved_tensors_hooks
 
 
@@ -83,7 +84,7 @@ def test_every_saved_activation_appears_in_the_detailed_trace_with_its_size(back
     saved: dict[int, int] = {}
 
     def pack(t):
-        saved[storage_key(t)] = t.untyped_storage().nbytes()
+        saved[storage_key(t.untyped_storage())] = t.untyped_storage().nbytes()
         return t
 
     with OnlineProfiler(backend, mode="detailed", model=run.model) as prof:
@@ -91,7 +92,7 @@ def test_every_saved_activation_appears_in_the_detailed_trace_with_its_size(back
             run.step()
     trace = prof.traces[-1]
     row_of = {int(k): r for r, k in enumerate(trace.tensors.storage_id)}
-    params = {storage_key(p) for p in run.model.parameters()}
+    params = {storage_key(p.untyped_storage()) for p in run.model.parameters()}
     activations = {k: n for k, n in saved.items() if k not in params}
     assert len(activations) > 20
     missing = [k for k in activations if k not in row_of]

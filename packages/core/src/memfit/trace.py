@@ -237,6 +237,17 @@ class Trace:
         order = np.argsort(ops, kind="stable")
         return ops[order], tensors[order]
 
+    def last_forward_use(self) -> np.ndarray:
+        """Per tensor row, the index of the last forward operator that used it; -1 if none did.
+
+        Where a swap-out can start: after it, forward no longer needs the tensor.
+        """
+        use_ops, use_tensors = self.tensor_uses()
+        last = np.full(len(self.tensors), -1, dtype=np.int64)
+        forward = self.ops.phase[use_ops] == Phase.FWD
+        np.maximum.at(last, use_tensors[forward], use_ops[forward])
+        return last
+
     def no_swap_memory_curve(self) -> np.ndarray:
         """Device bytes after each operator as they would have been without the recorded swaps.
 

@@ -53,6 +53,7 @@ import torch
 from memfit.config import MemfitModel, Size, format_size
 from memfit.errors import MemfitError
 from memfit.plugins import Hooks, get_hooks
+from memfit.tensors import optimizer_tensors
 from memfit.types import PlanningProblem
 from pydantic import Field
 from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -307,12 +308,7 @@ class SwapSession:
         if self.runtime is None or id(optimizer) in self._seen_optimizers:
             return
         self._seen_optimizers.add(id(optimizer))
-        tensors: list[torch.Tensor] = []
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                tensors.append(p)
-                tensors.extend(v for v in optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor))
-        self.runtime.protect(tensors)
+        self.runtime.protect(optimizer_tensors(optimizer, gradients=False))
 
     def _oom_error(self, exc: BaseException) -> SwapOutOfMemoryError:
         assert self.runtime is not None

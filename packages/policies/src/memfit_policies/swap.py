@@ -56,11 +56,11 @@ from memfit.config import MemfitModel, Size
 from memfit.errors import MemfitError
 from memfit.plan import LogicalLayer, MemoryPlan, PlanPrediction, PlanSource, Swap, TensorMatch
 from memfit.trace import Trace
+from memfit.types import Phase
 from pydantic import Field, PositiveFloat
 
 DEFAULT_BANDWIDTH = 12e9
 """Bytes per second when nobody says: an effective PCIe 3.0 x16 link."""
-_PHASES = ("FWD", "BWD", "OPT")
 
 
 class SwapPlannerConfig(MemfitModel):
@@ -111,12 +111,12 @@ def logical_layers(trace: Trace, per_phase: int) -> _Layers:
     """Split FWD and BWD operators each into ``per_phase`` equal groups by count; OPT is one group."""
     phases = trace.ops.phase
     groups: list[tuple[np.ndarray, str]] = []
-    for value, name in enumerate(_PHASES):
-        ops = np.flatnonzero(phases == value)
+    for phase in Phase:
+        ops = np.flatnonzero(phases == phase)
         if ops.size == 0:
             continue
-        parts = np.array_split(ops, min(per_phase, ops.size)) if name != "OPT" else [ops]
-        groups.extend((p, name) for p in parts)
+        parts = np.array_split(ops, min(per_phase, ops.size)) if phase is not Phase.OPT else [ops]
+        groups.extend((p, phase.name) for p in parts)
     groups.sort(key=lambda g: int(g[0][0]))
     durations = trace.ops.duration_s
     per_op = np.full(trace.n_ops, trace.step_seconds / max(1, trace.n_ops))
@@ -163,11 +163,9 @@ def _candidates(trace: Trace, layers: _Layers, min_bytes: int) -> _Candidates:
     """Tensors used in forward and again later in backward, big enough, not parameters, with a window."""
     n_tensors = len(trace.tensors)
     use_ops, use_tensors = trace.tensor_uses()
-    phase_of_use = trace.ops.phase[use_ops]
-    fwd = phase_of_use == 0
-    last_fwd = np.full(n_tensors, -1, dtype=np.int64)
-    np.maximum.at(last_fwd, use_tensors[fwd], use_ops[fwd])
-    later_bwd = (phase_of_use == 1) & (use_ops > last_fwd[use_tensors]) & (last_fwd[use_tensors] >= 0)
+    last_fwd = trace.last_forward_use()
+    backward_use = trace.ops.phase[use_ops] == Phase.BWD
+    later_bwd = backward_use & (use_ops > last_fwd[use_tensors]) & (last_fwd[use_tensors] >= 0)
     first_bwd = np.full(n_tensors, np.iinfo(np.int64).max, dtype=np.int64)
     np.minimum.at(first_bwd, use_tensors[later_bwd], use_ops[later_bwd])
     ok = (
