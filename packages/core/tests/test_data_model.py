@@ -1,4 +1,6 @@
+import dataclasses
 import json
+import pathlib
 
 import numpy as np
 import pytest
@@ -7,7 +9,7 @@ from hypothesis import strategies as st
 from memfit.config import MemfitConfig, format_size, parse_size
 from memfit.errors import MemfitError, TraceFormatError
 from memfit.plan import InvalidPlanError, MemoryPlan, PlanPrediction, PlanSource, Recompute, Swap, TensorMatch
-from memfit.trace import Trace, TraceBuilder
+from memfit.trace import TRACE_SCHEMA_VERSION, Trace, TraceBuilder
 from memfit.types import Phase
 
 
@@ -88,6 +90,7 @@ def test_invalid_traces_name_the_column(tmp_path):
             dtype_names=trace.dtype_names,
             step_seconds=1.0,
             capacity_bytes=0,
+            op_level="dispatcher",
         )
     with pytest.raises(TraceFormatError, match="tensors.nbytes has 1 rows, expected 2"):
         type(trace.tensors)(
@@ -101,18 +104,65 @@ def test_invalid_traces_name_the_column(tmp_path):
             shape_offsets=[0, 0, 0],
             shape_values=[],
         )
-    (tmp_path / "bad.npz").write_bytes(b"not a zip")
-    with pytest.raises(TraceFormatError, match="not a readable memfit trace"):
-        Trace.load(tmp_path / "bad.npz")
     np.savez(tmp_path / "other.npz", x=np.zeros(3))
     with pytest.raises(TraceFormatError, match="not a memfit trace"):
         Trace.load(tmp_path / "other.npz")
 
 
+def test_a_truncated_trace_is_a_trace_format_error_that_says_so(tmp_path):
+    small_trace().save(tmp_path / "step.npz")
+    data = (tmp_path / "step.npz").read_bytes()
+    for cut in (300, len(data) - 10):  # inside a member; inside the zip's central directory
+        (tmp_path / "cut.npz").write_bytes(data[:cut])
+        with pytest.raises(TraceFormatError, match=r"cut.npz is a damaged or truncated .npz archive.*re-record"):
+            Trace.load(tmp_path / "cut.npz")
+
+
+@pytest.mark.parametrize(
+    ("content", "said"),
+    [
+        (b"step,bytes\n1,2\n", "it is a text file, not an .npz"),
+        (b'{"planner": "swap"}', "looks like JSON"),
+        (b"", "the file is empty"),
+        (b"\x93NUMPY\x01\x00", r"a single numpy array \(.npy\)"),
+    ],
+)
+def test_a_file_that_is_not_a_trace_says_what_it_is(tmp_path, content, said):
+    (tmp_path / "t.npz").write_bytes(content)
+    with pytest.raises(TraceFormatError, match=said) as err:
+        Trace.load(tmp_path / "t.npz")
+    assert "memfit profile --out" in str(err.value) and "allow_pickle" not in str(err.value)
+    with pytest.raises(TraceFormatError, match="cannot read trace .*missing.npz"):
+        Trace.load(tmp_path / "missing.npz")
+
+
+DATA = pathlib.Path(__file__).parent / "data"
+
+
+@pytest.mark.parametrize(("name", "level"), [("synthetic", "dispatcher"), ("measured", "record_function")])
+def test_version_1_traces_written_by_the_old_code_are_upgraded(name, level):
+    """The files in data/ were written by memfit's trace code at schema version 1 (before op_level)."""
+    trace = Trace.load(DATA / f"trace_v1_{name}.npz")
+    assert trace.schema_version == TRACE_SCHEMA_VERSION == 2
+    assert trace.op_level == level
+    assert trace.n_ops == 3 and trace.iteration == 2 and trace.no_swap_memory_curve().tolist() == [1200, 1600, 1600]
+
+
+def test_op_level_round_trips_and_is_checked(tmp_path):
+    b = TraceBuilder(capacity_bytes=1, source="measured", op_level="record_function")
+    b.add_op("aten::linear", Phase.FWD)
+    trace = b.build(step_seconds=0.0)
+    trace.save(tmp_path / "t.npz")
+    assert Trace.load(tmp_path / "t.npz").op_level == "record_function"
+    assert small_trace().op_level == "dispatcher"  # TraceBuilder's default
+    with pytest.raises(TraceFormatError, match="op_level must be one of dispatcher, record_function"):
+        dataclasses.replace(trace, op_level="python")
+
 
 def test_last_forward_use():
     # a: used by fwd ops 0 and 1, then in backward; x: by op 0; g: only in backward; w: in both
     assert small_trace().last_forward_use().tolist() == [0, 0, 1, -1]
+
 
 def a_plan():
     return MemoryPlan(

@@ -73,4 +73,4 @@ def test_memfit_plan_explains_failures(trace, tmp_path):
     assert result.exit_code != 0 and "invalid budget 'lots'" in result.output
     (tmp_path / "bad.npz").write_text("nope")
     result = CliRunner().invoke(cli, ["plan", str(tmp_path / "bad.npz"), "--budget", "1GiB"])
-    assert result.exit_code != 0 and "not a readable memfit trace" in result.output
+    assert result.exit_code != 0 and "bad.npz is not a memfit trace: it is a text file" in result.output

@@ -133,6 +133,8 @@ def test_trace_round_trips_and_carries_the_step(backend, tmp_path):
     assert trace.source == "measured" and trace.backend == "cpu-sim" and trace.capacity_bytes == 2**30
     assert trace.step_seconds > 0 and "float32" in trace.dtype_names
     assert any(name.startswith("aten::") for name in trace.op_names)
+    # the native recorder sees RecordFunction scopes: composite operators such as aten::linear
+    assert trace.op_level == "record_function" and "aten::linear" in trace.op_names
     trace.save(tmp_path / "t.npz")
     assert Trace.load(tmp_path / "t.npz") == trace
 
@@ -190,6 +192,8 @@ def test_python_fallback_records_the_same_shape_of_data(backend):
     trace = prof.traces[-1]
     assert trace.n_ops > 100 and set(np.unique(trace.ops.phase).tolist()) == {0, 1, 2}
     assert trace.peak_bytes() > 0 and len(trace.tensors) > 50
+    # below autograd, composite operators are decomposed: aten::mm, never aten::linear
+    assert trace.op_level == "dispatcher" and "aten::linear" not in trace.op_names
 
 
 def test_only_one_profiler_runs_at_a_time(backend):

@@ -57,6 +57,7 @@ def test_cuda_block_rounding_only_grows_the_peak(tiny):
 def test_the_trace_has_the_profiler_schema_and_plans_like_one(tiny):
     trace = tiny.trace()
     assert trace.source == "simulated" and trace.n_ops == tiny.step.n_ops
+    assert trace.op_level == "dispatcher" and "aten::mm" in trace.op_names and "aten::linear" not in trace.op_names
     assert trace.peak_bytes() == tiny.memory.peak_bytes
     assert np.isfinite(trace.ops.duration_s).all() and trace.ops.duration_s.sum() == pytest.approx(tiny.step_seconds)
     assert (trace.tensors.op_count > 0).any()  # Appendix A features are filled in

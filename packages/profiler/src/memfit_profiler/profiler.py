@@ -399,6 +399,7 @@ class OnlineProfiler:
             source="measured",
             backend=self.backend.name if self.backend is not None else "",
             iteration=iteration,
+            op_level=self.recorder.op_level,
         )
         use_ops, use_tensors = trace.tensor_uses()
         count, tag, stack = tensor_features(tokens, phases, use_ops, use_tensors, n_tensors)

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from memfit.errors import NativeBuildError
 from memfit.tensors import storage_key
-from memfit.trace import to_csr
+from memfit.trace import OpLevel, to_csr
 from memfit.types import Phase
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -65,6 +65,7 @@ class NativeRecorder:
     """The ``at::RecordFunction`` recorder (see ``native/op_recorder.cpp``)."""
 
     native = True
+    op_level: OpLevel = "record_function"
 
     def __init__(self) -> None:
         from memfit.native import load_extension
@@ -134,6 +135,7 @@ class PythonRecorder:
     """Fallback recorder over a ``TorchDispatchMode``; same results, far slower."""
 
     native = False
+    op_level: OpLevel = "dispatcher"
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
