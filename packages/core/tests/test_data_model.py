@@ -8,7 +8,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from memfit.config import MemfitConfig, format_size, parse_size
 from memfit.errors import MemfitError, TraceFormatError
-from memfit.plan import InvalidPlanError, MemoryPlan, PlanPrediction, PlanSource, Recompute, Swap, TensorMatch
+from memfit.plan import (
+    PLAN_SCHEMA_VERSION,
+    InvalidPlanError,
+    LogicalLayer,
+    MemoryPlan,
+    PlanPrediction,
+    PlanSource,
+    Recompute,
+    Swap,
+    TensorMatch,
+)
 from memfit.trace import TRACE_SCHEMA_VERSION, Trace, TraceBuilder
 from memfit.types import Phase
 
@@ -181,8 +191,39 @@ def a_plan():
             ),
             Recompute(module="layers.0.feed_forward", saved_bytes=4096, recompute_seconds=0.01),
         ),
+        layers=tuple(LogicalLayer(start_op=k, phase="FWD" if k < 4 else "BWD") for k in range(8)),
         predicted=PlanPrediction(peak_bytes=2**30 - 1, swap_bytes=2048, memory_curve=(1, 2, 3)),
     )
+
+
+def test_a_plan_with_swaps_must_carry_its_layers():
+    doc = json.loads(a_plan().to_json())
+    doc["layers"] = []
+    with pytest.raises(InvalidPlanError, match=r"actions.0 is a swap, .* the plan has no layers"):
+        MemoryPlan.from_json(json.dumps(doc))
+    doc["actions"] = doc["actions"][1:]  # a recompute needs no layers
+    assert MemoryPlan.from_json(json.dumps(doc)).layers == ()
+
+
+def test_version_1_plans_written_by_the_old_code_are_read():
+    """data/plan_v1.json was written by memfit's swap planner at plan schema version 1."""
+    plan = MemoryPlan.load(DATA / "plan_v1.json")
+    assert plan.schema_version == PLAN_SCHEMA_VERSION == 2
+    assert len(plan.actions) == 2 and len(plan.layers) == 9
+    assert plan.predicted.margin_bytes == 0 and plan.predicted.shortfall == ""
+    assert plan.is_feasible() and plan.keeps_margin()
+
+
+def test_keeps_margin_and_is_feasible():
+    def plan(peak, margin):
+        return MemoryPlan(
+            planner="p", budget_bytes=100, source=PlanSource(kind="synthetic"),
+            predicted=PlanPrediction(peak_bytes=peak, margin_bytes=margin),
+        )  # fmt: skip
+
+    assert plan(90, 10).keeps_margin() and plan(90, 10).is_feasible()
+    assert not plan(95, 10).keeps_margin() and plan(95, 10).is_feasible()
+    assert not plan(101, 0).keeps_margin() and not plan(101, 0).is_feasible()
 
 
 def test_plan_round_trips(tmp_path):
@@ -207,7 +248,7 @@ def test_invalid_plan_names_the_field(tmp_path):
     with pytest.raises(InvalidPlanError, match="actions.1: Input tag 'teleport' found using 'kind' does not match"):
         MemoryPlan.from_json(json.dumps(doc))
     doc = json.loads(a_plan().to_json())
-    doc["schema_version"] = 2
+    doc["schema_version"] = 3
     with pytest.raises(InvalidPlanError, match="schema_version"):
         MemoryPlan.from_json(json.dumps(doc))
     (tmp_path / "p.json").write_text("{")

@@ -16,7 +16,8 @@ Example:
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+import difflib
+from typing import Annotated, Any, TypeVar
 
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, TypeAdapter, ValidationError
 
@@ -85,17 +86,39 @@ class MemfitConfig(MemfitModel):
         Raises:
             MemfitError: naming every offending field by its dotted path.
         """
-        try:
-            return cls.model_validate(data)
-        except ValidationError as exc:
-            raise MemfitError(f"invalid memfit config:\n{describe_validation_error(exc)}") from exc
+        return validate_model(cls, data, what="memfit config")
 
 
-def describe_validation_error(exc: ValidationError) -> str:
-    """One line per problem: ``field.path: message (got value)``."""
+Model = TypeVar("Model", bound=MemfitModel)
+
+
+def validate_model(model: type[Model], data: Any, *, what: str) -> Model:
+    """Validate ``data`` as ``model``, turning errors into one :class:`MemfitError` that names each field.
+
+    A misspelt field also gets the field it probably meant (``margn: ...; did you mean 'margin'?``).
+
+    Raises:
+        MemfitError: ``invalid <what>:`` then one line per problem.
+    """
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise MemfitError(f"invalid {what}:\n{describe_validation_error(exc, model)}") from exc
+
+
+def describe_validation_error(exc: ValidationError, model: type[MemfitModel] | None = None) -> str:
+    """One line per problem: ``field.path: message (got value)``.
+
+    With ``model``, an unknown top-level field also gets the closest known one, or the list of them.
+    """
     lines = []
     for err in exc.errors():
         path = ".".join(str(part) for part in err["loc"]) or "<root>"
         got = f" (got {err['input']!r})" if "input" in err and not isinstance(err["input"], dict) else ""
-        lines.append(f"  {path}: {err['msg']}{got}")
+        hint = ""
+        if model is not None and err["type"] == "extra_forbidden" and len(err["loc"]) == 1:
+            known = list(model.model_fields)
+            close = difflib.get_close_matches(str(err["loc"][0]), known, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else f"; known fields: {', '.join(known)}"
+        lines.append(f"  {path}: {err['msg']}{got}{hint}")
     return "\n".join(lines)

@@ -52,7 +52,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
-from memfit.config import MemfitModel, Size
+from memfit.config import MemfitModel, Size, format_size
 from memfit.errors import MemfitError
 from memfit.plan import LogicalLayer, MemoryPlan, PlanPrediction, PlanSource, Swap, TensorMatch
 from memfit.trace import Trace
@@ -83,19 +83,37 @@ class SwapPlannerConfig(MemfitModel):
 
 
 class CannotFit(MemfitError):
-    """Even swapping every candidate cannot bring the step under the limit."""
+    """Even swapping every candidate cannot bring the step under the limit (the budget minus the margin).
+
+    Only :func:`generate_swap_plan` raises it; the ``plan_memory`` hook returns :attr:`plan`
+    instead, whose ``predicted.shortfall`` is this message (see :mod:`memfit.plan`).
+    """
 
     def __init__(self, lowest_peak_bytes: int, limit_bytes: int, budget_bytes: int, plan: MemoryPlan) -> None:
         self.lowest_peak_bytes = lowest_peak_bytes
         self.limit_bytes = limit_bytes
         self.budget_bytes = budget_bytes
         self.plan = plan
-        """The best-effort plan (infeasible): every useful candidate swapped over its widest window."""
-        super().__init__(
-            f"cannot fit the step under {limit_bytes} B (budget {budget_bytes} B minus margin): swapping every "
-            f"candidate still peaks at {lowest_peak_bytes} B. Raise the budget, lower the margin or "
-            f"min_tensor_bytes, or reduce the batch or sequence."
+        """The best-effort plan: every useful candidate swapped over its widest window."""
+        super().__init__(plan.predicted.shortfall)
+
+
+def _shortfall(lowest_peak: int, budget: int, margin: int) -> str:
+    """What a user reads when the step cannot be brought under the budget minus the margin."""
+    limit = budget - margin
+    if lowest_peak <= budget:
+        return (
+            f"swapping every candidate still peaks at {format_size(lowest_peak)} ({lowest_peak} B): within the "
+            f"budget of {format_size(budget)} but not under it minus the margin ({format_size(limit)}), which "
+            f"leaves room for what the prediction misses. Lower the margin (if the prediction is exact enough) or "
+            f"min_tensor_bytes, raise the budget, or reduce the batch size or sequence length."
         )
+    return (
+        f"cannot fit the step under {format_size(limit)} ({limit} B; the budget of {format_size(budget)} minus a "
+        f"margin of {format_size(margin)}): swapping every candidate still peaks at {format_size(lowest_peak)} "
+        f"({lowest_peak} B). Raise the budget to at least {format_size(lowest_peak + margin)}, lower "
+        f"min_tensor_bytes, or reduce the batch size or sequence length."
+    )
 
 
 @dataclass
@@ -259,8 +277,10 @@ def generate_swap_plan(
         gain = widest_cover - chosen_cover  # what choosing or widening would add
         useful = np.flatnonzero(gain > 0)
         if useful.size == 0:
-            raise CannotFit(_lowest_peak(memory, cand), limit, budget_bytes,
-                            _plan(trace, budget_bytes, layers, cand, need + limit, margin))  # fmt: skip
+            lowest = _lowest_peak(memory, cand)
+            best_effort = _plan(trace, budget_bytes, layers, cand, need + limit, margin,
+                                _shortfall(lowest, budget_bytes, margin))  # fmt: skip
+            raise CannotFit(lowest, limit, budget_bytes, best_effort)
         score = _minmax(gain[useful].astype(float)) + config.size_weight * _minmax(np.cbrt(cand.size[useful]))
         order = useful[np.argsort(-score, kind="stable")][: config.search_width]
         placed = False
@@ -316,7 +336,9 @@ def _lowest_peak(memory: np.ndarray, cand: _Candidates) -> int:
     return int((memory - np.cumsum(delta)[:-1]).max())
 
 
-def _plan(trace: Trace, budget: int, layers: _Layers, cand: _Candidates, curve: np.ndarray, margin: int) -> MemoryPlan:
+def _plan(
+    trace: Trace, budget: int, layers: _Layers, cand: _Candidates, curve: np.ndarray, margin: int, shortfall: str = ""
+) -> MemoryPlan:
     chosen = np.flatnonzero(cand.hi > cand.lo)
     chosen = chosen[np.argsort(cand.last_fwd[chosen], kind="stable")]
     t = trace.tensors
@@ -350,6 +372,8 @@ def _plan(trace: Trace, budget: int, layers: _Layers, cand: _Candidates, curve: 
         ),
         predicted=PlanPrediction(
             peak_bytes=int(curve.max()) if curve.size else 0,
+            margin_bytes=margin,
+            shortfall=shortfall,
             swap_bytes=2 * int(cand.size[chosen].sum()),
             stall_seconds=stall,
             overhead_seconds=stall,
