@@ -50,14 +50,28 @@ def parse_size(value: str | int, *, what: str = "size") -> int:
         ) from exc
 
 
-def format_size(nbytes: float) -> str:
-    """Binary human size, e.g. ``format_size(3 * 2**30) == '3.00 GiB'``."""
-    value = float(nbytes)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{int(value)} {unit}" if unit == "B" else f"{value:.2f} {unit}"
-        value /= 1024
+_BINARY_UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
+
+
+def size_unit(nbytes: float) -> tuple[str, int]:
+    """The binary unit :func:`format_size` writes ``nbytes`` in, and its bytes.
+
+    ``size_unit(3 * 2**30) == ("GiB", 2**30)``
+    """
+    for power, unit in enumerate(_BINARY_UNITS):
+        if abs(nbytes) < 1024 ** (power + 1) or unit == _BINARY_UNITS[-1]:
+            return unit, 1024**power
     raise AssertionError("unreachable")
+
+
+def format_size(nbytes: float, unit: str | None = None) -> str:
+    """Binary human size, e.g. ``format_size(3 * 2**30) == '3.00 GiB'``.
+
+    ``unit`` (``"MiB"``, ...) writes it in that unit instead, so that sizes shown together compare
+    at a glance: ``format_size(2**29, unit="GiB") == '0.50 GiB'``.
+    """
+    name, scale = size_unit(nbytes) if unit is None else (unit, 1024 ** _BINARY_UNITS.index(unit))
+    return f"{int(nbytes)} B" if name == "B" else f"{nbytes / scale:.2f} {name}"
 
 
 class BackendConfig(MemfitModel):

@@ -98,9 +98,11 @@ class CannotFit(MemfitError):
         super().__init__(plan.predicted.shortfall)
 
 
-def _shortfall(lowest_peak: int, budget: int, margin: int) -> str:
+def _shortfall(lowest_peak: int, budget: int, margin: int, margin_given: bool) -> str:
     """What a user reads when the step cannot be brought under the budget minus the margin."""
     limit = budget - margin
+    # the smallest budget whose limit is the lowest peak: with the default margin, 10% of it up to 2 GiB
+    needed = lowest_peak + margin if margin_given else min(-(-lowest_peak * 10 // 9), lowest_peak + 2 * 2**30)
     if lowest_peak <= budget:
         return (
             f"swapping every candidate still peaks at {format_size(lowest_peak)} ({lowest_peak} B): within the "
@@ -111,7 +113,7 @@ def _shortfall(lowest_peak: int, budget: int, margin: int) -> str:
     return (
         f"cannot fit the step under {format_size(limit)} ({limit} B; the budget of {format_size(budget)} minus a "
         f"margin of {format_size(margin)}): swapping every candidate still peaks at {format_size(lowest_peak)} "
-        f"({lowest_peak} B). Raise the budget to at least {format_size(lowest_peak + margin)}, lower "
+        f"({lowest_peak} B). Raise the budget to at least {format_size(needed)}, lower "
         f"min_tensor_bytes, or reduce the batch size or sequence length."
     )
 
@@ -279,7 +281,7 @@ def generate_swap_plan(
         if useful.size == 0:
             lowest = _lowest_peak(memory, cand)
             best_effort = _plan(trace, budget_bytes, layers, cand, need + limit, margin,
-                                _shortfall(lowest, budget_bytes, margin))  # fmt: skip
+                                _shortfall(lowest, budget_bytes, margin, config.margin is not None))  # fmt: skip
             raise CannotFit(lowest, limit, budget_bytes, best_effort)
         score = _minmax(gain[useful].astype(float)) + config.size_weight * _minmax(np.cbrt(cand.size[useful]))
         order = useful[np.argsort(-score, kind="stable")][: config.search_width]
