@@ -535,7 +535,8 @@ class SwapSession:
     def report(self) -> dict[str, Any]:
         """What happened, as a JSON-ready dict (``memfit run --report`` writes it)."""
         stats = self.runtime.stats if self.runtime is not None else None
-        peak = self.profiler.peak_device_bytes if self.profiler is not None else self.backend.max_memory_allocated()
+        # finished iterations (the profiler's run peak) and the one in progress (the backend's since its last reset)
+        peak = max(self.backend.max_memory_allocated(), self.profiler.peak_device_bytes if self.profiler else 0)
         feasible = [p.feasible for p in self._plans.values() if p.feasible is not None]
         lowest = [p.lowest_peak_bytes for p in self._plans.values() if p.lowest_peak_bytes is not None]
         return {
