@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from memfit.config import MemfitConfig, format_size, parse_size
+from memfit.config import MemfitConfig, format_size, parse_size, size_unit
 from memfit.errors import MemfitError, TraceFormatError
 from memfit.plan import (
     PLAN_SCHEMA_VERSION,
@@ -262,6 +262,12 @@ def test_invalid_plan_names_the_field(tmp_path):
 )
 def test_human_sizes(text, expected):
     assert parse_size(text) == expected
+
+
+def test_sizes_are_written_in_the_unit_of_their_scale_or_the_one_asked():
+    assert size_unit(512) == ("B", 1) and size_unit(3 * 2**30) == ("GiB", 2**30) and size_unit(2**50)[0] == "TiB"
+    assert format_size(3 * 2**30) == "3.00 GiB" and format_size(1000) == "1000 B"
+    assert format_size(2**29, unit="GiB") == "0.50 GiB" and format_size(3 * 2**30, unit="MiB") == "3072.00 MiB"
 
 
 def test_bad_sizes_and_configs_name_the_problem():
