@@ -7,7 +7,7 @@ from .conftest import REPO, run_python
 RECIPES = sorted((REPO / "docs" / "recipes").glob("*.py"))
 EXPECTED_OUTPUT = {
     "write_a_plugin.py": ["allocated 32 MiB after the plugin dropped the cache; cache entries left: 0"],
-    "profile_a_run.py": ["-> GenPolicy", "-> Stable", "-> WarmUp", "trace saved and reloaded"],
+    "profile_a_run.py": ["-> GenPolicy", "-> Stable", "Stable     sequence 2 (new)", "trace saved and reloaded"],
     "plan_swaps.py": ["activations swapped", "plan saved and reloaded"],
     "plan_from_a_simulation.py": ["llama2-7b on h100", "(within budget: True)", "plan was bound: 0"],
     "train_under_a_budget.py": ["(within budget: True)", "bit-identical to training without memfit: True"],

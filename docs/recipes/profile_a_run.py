@@ -1,8 +1,9 @@
 """Recipe: watch a training run with the online profiler, and keep a trace of one step.
 
-The profiler stays on for the whole run. Every iteration's operator sequence is compared with
-the previous one's; once it is stable the profiler records a few iterations in detail (GenPolicy)
-and then settles (Stable). A validation pass changes the sequence, and the profiler starts over.
+The profiler stays on for the whole run. Every iteration's operator sequence is compared with the
+sequences it has seen; once one repeats, the profiler records a few of its iterations in detail
+(GenPolicy) and then settles (Stable). A validation pass is a different sequence, once: the run
+stays Stable, and the next iteration is the known sequence again.
 
 Run it: ``python docs/recipes/profile_a_run.py``.
 """
@@ -24,7 +25,12 @@ def main() -> None:
     with device.activate():
         run = build_training("tiny", batch_size=4, seq_len=32, device=device.device)
         with OnlineProfiler(device, m=2, n=5, model=run.model) as profiler:
-            profiler.add_stage_listener(lambda obs: print(f"  iteration {obs.iteration}: -> {obs.stage.value}"))
+            profiler.add_stage_listener(
+                lambda obs: [
+                    print(f"  iteration {obs.iteration}: sequence {t.sequence} -> {t.after.value if t.after else '-'}")
+                    for t in obs.transitions
+                ]
+            )
             for step in range(16):
                 run.step()  # the optimizer step ends each iteration: no profiler call needed
                 if step == 11:  # a validation pass: extra forward operators before the next step
@@ -33,9 +39,10 @@ def main() -> None:
 
     for it in profiler.iterations[-6:]:
         fwd, bwd, opt = it.phase_ops
+        seen = "seen before" if it.same_sequence else "new"
         print(
-            f"iteration {it.index:2d}  {it.stage.value:<9}  ops {it.n_ops} (FWD {fwd}, BWD {bwd}, OPT {opt})  "
-            f"cosine {it.similarity.cosine:.4f}  peak {it.peak_device_bytes / 2**20:.2f} MiB"
+            f"iteration {it.index:2d}  {it.stage.value:<9}  sequence {it.sequence} ({seen})  ops {it.n_ops} "
+            f"(FWD {fwd}, BWD {bwd}, OPT {opt})  cosine {it.similarity.cosine:.4f}  peak {it.peak_device_bytes / 2**20:.2f} MiB"
         )
 
     trace = profiler.traces[-1]

@@ -1,6 +1,7 @@
 from click.testing import CliRunner
 from memfit.__about__ import __version__
 from memfit.cli.main import cli
+from memfit.plugins import reset_hooks
 
 
 def test_version():
@@ -14,19 +15,15 @@ def test_plugins_lists_builtins_with_their_distribution():
     assert "backend:cpu-sim" in result.output and "memfit.backends.cpu_sim" in result.output
 
 
-def test_demo_trains_and_reports(tmp_path):
-    args = ["demo", "--steps", "2", "--layers", "2", "--seq-len", "16", "--budget", "256MiB"]
-    result = CliRunner().invoke(cli, [*args, "--plot", str(tmp_path / "demo.png")])
-    assert result.exit_code == 0, result.output
-    assert "Unswapped" in result.output and "final loss" in result.output
-
-
-def test_demo_rejects_a_bad_budget():
-    result = CliRunner().invoke(cli, ["demo", "--layers", "1", "--seq-len", "8", "--budget", "lots"])
-    assert result.exit_code != 0 and "invalid budget 'lots'" in result.output
-
-
-def test_demo_too_small_a_budget_is_a_clear_error():
-    result = CliRunner().invoke(cli, ["demo", "--steps", "1", "--layers", "1", "--seq-len", "8", "--budget", "64KiB"])
-    assert result.exit_code != 0
-    assert "out of memory" in result.output and "budget" in result.output
+def test_a_command_of_a_package_that_is_not_installed_says_what_to_install(monkeypatch):
+    """Before: memfit demo lived in core; now memfit-executor adds it, and without it core says so."""
+    monkeypatch.setenv("MEMFIT_DISABLE_PLUGINS", "executor")
+    reset_hooks()
+    try:
+        result = CliRunner().invoke(cli, ["demo", "--steps", "2"])
+        assert result.exit_code != 0
+        assert "memfit demo is part of memfit-executor: pip install memfit-executor" in result.output
+        assert "demo" not in CliRunner().invoke(cli, ["--help"]).output.split("Commands:")[1]
+    finally:
+        monkeypatch.delenv("MEMFIT_DISABLE_PLUGINS")
+        reset_hooks()

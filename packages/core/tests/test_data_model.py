@@ -1,13 +1,25 @@
+import dataclasses
 import json
+import pathlib
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from memfit.config import MemfitConfig, format_size, parse_size
+from memfit.config import MemfitConfig, format_size, parse_size, size_unit
 from memfit.errors import MemfitError, TraceFormatError
-from memfit.plan import InvalidPlanError, MemoryPlan, PlanPrediction, PlanSource, Recompute, Swap, TensorMatch
-from memfit.trace import Trace, TraceBuilder
+from memfit.plan import (
+    PLAN_SCHEMA_VERSION,
+    InvalidPlanError,
+    LogicalLayer,
+    MemoryPlan,
+    PlanPrediction,
+    PlanSource,
+    Recompute,
+    Swap,
+    TensorMatch,
+)
+from memfit.trace import TRACE_SCHEMA_VERSION, Trace, TraceBuilder
 from memfit.types import Phase
 
 
@@ -88,6 +100,7 @@ def test_invalid_traces_name_the_column(tmp_path):
             dtype_names=trace.dtype_names,
             step_seconds=1.0,
             capacity_bytes=0,
+            op_level="dispatcher",
         )
     with pytest.raises(TraceFormatError, match="tensors.nbytes has 1 rows, expected 2"):
         type(trace.tensors)(
@@ -101,12 +114,64 @@ def test_invalid_traces_name_the_column(tmp_path):
             shape_offsets=[0, 0, 0],
             shape_values=[],
         )
-    (tmp_path / "bad.npz").write_bytes(b"not a zip")
-    with pytest.raises(TraceFormatError, match="not a readable memfit trace"):
-        Trace.load(tmp_path / "bad.npz")
     np.savez(tmp_path / "other.npz", x=np.zeros(3))
     with pytest.raises(TraceFormatError, match="not a memfit trace"):
         Trace.load(tmp_path / "other.npz")
+
+
+def test_a_truncated_trace_is_a_trace_format_error_that_says_so(tmp_path):
+    small_trace().save(tmp_path / "step.npz")
+    data = (tmp_path / "step.npz").read_bytes()
+    for cut in (300, len(data) - 10):  # inside a member; inside the zip's central directory
+        (tmp_path / "cut.npz").write_bytes(data[:cut])
+        with pytest.raises(TraceFormatError, match=r"cut.npz is a damaged or truncated .npz archive.*re-record"):
+            Trace.load(tmp_path / "cut.npz")
+
+
+@pytest.mark.parametrize(
+    ("content", "said"),
+    [
+        (b"step,bytes\n1,2\n", "it is a text file, not an .npz"),
+        (b'{"planner": "swap"}', "looks like JSON"),
+        (b"", "the file is empty"),
+        (b"\x93NUMPY\x01\x00", r"a single numpy array \(.npy\)"),
+    ],
+)
+def test_a_file_that_is_not_a_trace_says_what_it_is(tmp_path, content, said):
+    (tmp_path / "t.npz").write_bytes(content)
+    with pytest.raises(TraceFormatError, match=said) as err:
+        Trace.load(tmp_path / "t.npz")
+    assert "memfit profile --out" in str(err.value) and "allow_pickle" not in str(err.value)
+    with pytest.raises(TraceFormatError, match="cannot read trace .*missing.npz"):
+        Trace.load(tmp_path / "missing.npz")
+
+
+DATA = pathlib.Path(__file__).parent / "data"
+
+
+@pytest.mark.parametrize(("name", "level"), [("synthetic", "dispatcher"), ("measured", "record_function")])
+def test_version_1_traces_written_by_the_old_code_are_upgraded(name, level):
+    """The files in data/ were written by memfit's trace code at schema version 1 (before op_level)."""
+    trace = Trace.load(DATA / f"trace_v1_{name}.npz")
+    assert trace.schema_version == TRACE_SCHEMA_VERSION == 2
+    assert trace.op_level == level
+    assert trace.n_ops == 3 and trace.iteration == 2 and trace.no_swap_memory_curve().tolist() == [1200, 1600, 1600]
+
+
+def test_op_level_round_trips_and_is_checked(tmp_path):
+    b = TraceBuilder(capacity_bytes=1, source="measured", op_level="record_function")
+    b.add_op("aten::linear", Phase.FWD)
+    trace = b.build(step_seconds=0.0)
+    trace.save(tmp_path / "t.npz")
+    assert Trace.load(tmp_path / "t.npz").op_level == "record_function"
+    assert small_trace().op_level == "dispatcher"  # TraceBuilder's default
+    with pytest.raises(TraceFormatError, match="op_level must be one of dispatcher, record_function"):
+        dataclasses.replace(trace, op_level="python")
+
+
+def test_last_forward_use():
+    # a: used by fwd ops 0 and 1, then in backward; x: by op 0; g: only in backward; w: in both
+    assert small_trace().last_forward_use().tolist() == [0, 0, 1, -1]
 
 
 def a_plan():
@@ -126,8 +191,39 @@ def a_plan():
             ),
             Recompute(module="layers.0.feed_forward", saved_bytes=4096, recompute_seconds=0.01),
         ),
+        layers=tuple(LogicalLayer(start_op=k, phase="FWD" if k < 4 else "BWD") for k in range(8)),
         predicted=PlanPrediction(peak_bytes=2**30 - 1, swap_bytes=2048, memory_curve=(1, 2, 3)),
     )
+
+
+def test_a_plan_with_swaps_must_carry_its_layers():
+    doc = json.loads(a_plan().to_json())
+    doc["layers"] = []
+    with pytest.raises(InvalidPlanError, match=r"actions.0 is a swap, .* the plan has no layers"):
+        MemoryPlan.from_json(json.dumps(doc))
+    doc["actions"] = doc["actions"][1:]  # a recompute needs no layers
+    assert MemoryPlan.from_json(json.dumps(doc)).layers == ()
+
+
+def test_version_1_plans_written_by_the_old_code_are_read():
+    """data/plan_v1.json was written by memfit's swap planner at plan schema version 1."""
+    plan = MemoryPlan.load(DATA / "plan_v1.json")
+    assert plan.schema_version == PLAN_SCHEMA_VERSION == 2
+    assert len(plan.actions) == 2 and len(plan.layers) == 9
+    assert plan.predicted.margin_bytes == 0 and plan.predicted.shortfall == ""
+    assert plan.is_feasible() and plan.keeps_margin()
+
+
+def test_keeps_margin_and_is_feasible():
+    def plan(peak, margin):
+        return MemoryPlan(
+            planner="p", budget_bytes=100, source=PlanSource(kind="synthetic"),
+            predicted=PlanPrediction(peak_bytes=peak, margin_bytes=margin),
+        )  # fmt: skip
+
+    assert plan(90, 10).keeps_margin() and plan(90, 10).is_feasible()
+    assert not plan(95, 10).keeps_margin() and plan(95, 10).is_feasible()
+    assert not plan(101, 0).keeps_margin() and not plan(101, 0).is_feasible()
 
 
 def test_plan_round_trips(tmp_path):
@@ -152,7 +248,7 @@ def test_invalid_plan_names_the_field(tmp_path):
     with pytest.raises(InvalidPlanError, match="actions.1: Input tag 'teleport' found using 'kind' does not match"):
         MemoryPlan.from_json(json.dumps(doc))
     doc = json.loads(a_plan().to_json())
-    doc["schema_version"] = 2
+    doc["schema_version"] = 3
     with pytest.raises(InvalidPlanError, match="schema_version"):
         MemoryPlan.from_json(json.dumps(doc))
     (tmp_path / "p.json").write_text("{")
@@ -166,6 +262,12 @@ def test_invalid_plan_names_the_field(tmp_path):
 )
 def test_human_sizes(text, expected):
     assert parse_size(text) == expected
+
+
+def test_sizes_are_written_in_the_unit_of_their_scale_or_the_one_asked():
+    assert size_unit(512) == ("B", 1) and size_unit(3 * 2**30) == ("GiB", 2**30) and size_unit(2**50)[0] == "TiB"
+    assert format_size(3 * 2**30) == "3.00 GiB" and format_size(1000) == "1000 B"
+    assert format_size(2**29, unit="GiB") == "0.50 GiB" and format_size(3 * 2**30, unit="MiB") == "3072.00 MiB"
 
 
 def test_bad_sizes_and_configs_name_the_problem():

@@ -3,6 +3,7 @@ import textwrap
 import click
 import pytest
 from memfit import hookimpl
+from memfit.config import MemfitModel
 from memfit.errors import MemfitError
 from memfit.oom import call_with_oom_handling
 from memfit.plan import MemoryPlan, PlanPrediction, PlanSource
@@ -290,3 +291,119 @@ def test_hook_plan_memory(hooks, register_plugin):
 def test_choose_plan_without_feasible_plan_explains(hooks):
     with pytest.raises(MemfitError, match="no plan fits a budget of 1000 B"):
         hooks.choose_plan(PlanningProblem(trace=_trace(4000), budget_bytes=1000))
+
+
+class ToyOptions(MemfitModel):
+    """Options of the toy planner."""
+
+    headroom: int = 0
+    """Bytes to keep free."""
+    effort: int = 1
+    """How hard to try."""
+
+
+def toy_plan(name, peak, overhead=0.0, margin=0, shortfall=""):
+    return MemoryPlan(
+        planner=name,
+        budget_bytes=1000,
+        source=PlanSource(kind="synthetic"),
+        predicted=PlanPrediction(peak_bytes=peak, overhead_seconds=overhead, margin_bytes=margin, shortfall=shortfall),
+    )
+
+
+class ToyPlanner:
+    """Registers planner "toy" with options and two variations; records the options it was asked with."""
+
+    def __init__(self):
+        self.seen = []
+
+    @hookimpl
+    def register_planners(self):
+        yield PlannerSpec(name="toy", options=ToyOptions, variations=({}, {"effort": 2}, {"effort": 3}))
+
+    @hookimpl
+    def plan_memory(self, problem):
+        options = problem.planner_options("toy", ToyOptions)
+        self.seen.append(options)
+        return toy_plan("toy", 900 - 100 * options.effort, margin=options.headroom)
+
+
+class OtherPlanner:
+    @hookimpl
+    def register_planners(self):
+        yield PlannerSpec(name="other")
+
+    @hookimpl
+    def plan_memory(self, problem):
+        return toy_plan("other", 500)
+
+
+def test_planner_options_are_validated_before_any_planner_runs(hooks, register_plugin):
+    toy = ToyPlanner()
+    register_plugin(toy, "toy-plugin")
+    register_plugin(OtherPlanner(), "other-plugin")
+    assert hooks.validate_planner_options({"toy": {"effort": 4}}) == {"toy": ToyOptions(effort=4)}
+    assert hooks.validate_planner_options({}) == {"toy": ToyOptions()}  # defaults for every planner with options
+    with pytest.raises(MemfitError, match=r"planner 'toy'.*\n  efort: Extra inputs .* did you mean 'effort'"):
+        hooks.validate_planner_options({"toy": {"efort": 2}})
+    with pytest.raises(MemfitError, match=r"options of planner 'toy'.*\n  effort: Input should be a valid integer"):
+        hooks.validate_planner_options({"toy": {"effort": "lots"}})
+    with pytest.raises(MemfitError, match="unknown planner 'tyo'; installed planners: other, toy"):
+        hooks.validate_planner_options({"tyo": {}})
+    with pytest.raises(MemfitError, match="planner 'other' takes no options"):
+        hooks.validate_planner_options({"other": {"x": 1}})
+    problem = PlanningProblem(trace=_trace(4000), budget_bytes=1000, options={"toy": {"efort": 2}})
+    with pytest.raises(MemfitError, match="efort"):
+        hooks.plan_memory(problem)
+    assert toy.seen == []  # nothing was planned with a typo
+    hooks.plan_memory(PlanningProblem(trace=_trace(4000), budget_bytes=1000, options={"toy": {"effort": 2}}))
+    assert toy.seen == [ToyOptions(effort=2)]  # the planner got the validated model
+
+
+def test_plan_memory_asks_only_the_planners_named(hooks, register_plugin):
+    toy = ToyPlanner()
+    register_plugin(toy, "toy-plugin")
+    register_plugin(OtherPlanner(), "other-plugin")
+    problem = PlanningProblem(trace=_trace(4000), budget_bytes=1000)
+    assert sorted(p.planner for p in hooks.plan_memory(problem)) == ["other", "toy"]
+    assert [p.planner for p in hooks.plan_memory(problem, planners=["other"])] == ["other"]
+    assert len(toy.seen) == 1  # not asked the second time
+    with pytest.raises(MemfitError, match="unknown planner 'swap'; installed planners: other, toy"):
+        hooks.plan_memory(problem, planners=["swap"])
+
+
+def test_plan_candidates_lay_each_variation_under_the_callers_options(hooks, register_plugin):
+    toy = ToyPlanner()
+    register_plugin(toy, "toy-plugin")
+    register_plugin(OtherPlanner(), "other-plugin")
+    problem = PlanningProblem(trace=_trace(4000), budget_bytes=1000, options={"toy": {"headroom": 10}})
+    plans = hooks.plan_candidates(problem, variations=2)
+    assert [(p.planner, p.predicted.peak_bytes) for p in plans] == [("other", 500), ("toy", 800), ("toy", 700)]
+    assert toy.seen == [ToyOptions(headroom=10), ToyOptions(headroom=10, effort=2)]
+    toy.seen.clear()
+    pinned = PlanningProblem(trace=_trace(4000), budget_bytes=1000, options={"toy": {"effort": 1}})
+    assert len(hooks.plan_candidates(pinned, variations=3, planners=["toy"])) == 1  # the caller's setting wins
+    assert toy.seen == [ToyOptions()] * 3
+
+
+def test_choose_plan_prefers_the_margin_then_the_budget_and_can_show_the_best_effort(hooks, register_plugin):
+    class Proposes:
+        def __init__(self, plan):
+            self.plan = plan
+
+        @hookimpl
+        def plan_memory(self, problem):
+            return self.plan
+
+    problem = PlanningProblem(trace=_trace(4000), budget_bytes=1000)
+    register_plugin(Proposes(toy_plan("tight", 990, 0.1, margin=100)), "tight")
+    register_plugin(Proposes(toy_plan("roomy", 800, 0.5, margin=100)), "roomy")
+    assert hooks.choose_plan(problem).planner == "roomy"  # keeps its margin, though slower
+    for name in ("tight", "roomy"):
+        hooks.pm.unregister(name=name)
+    register_plugin(Proposes(toy_plan("far", 3000, shortfall="far off")), "far")
+    register_plugin(Proposes(toy_plan("near", 1200, shortfall="add 200 B")), "near")
+    with pytest.raises(MemfitError, match=r"no plan fits a budget of 1000 B \(.*near: peak 1200 B.*\)\. add 200 B"):
+        hooks.choose_plan(problem)
+    best = hooks.choose_plan(problem, require_feasible=False)
+    assert best.planner == "near" and not best.is_feasible() and best.predicted.shortfall == "add 200 B"

@@ -88,7 +88,8 @@ def test_cannot_fit_says_the_lowest_reachable_peak():
     exc = info.value
     assert exc.lowest_peak_bytes == trace.peak_bytes() - 170 * MB  # both X and Y swapped at the peak
     assert exc.limit_bytes == 1000 * MB
-    assert f"still peaks at {exc.lowest_peak_bytes} B" in str(exc)
+    assert f"still peaks at 1.86 GiB ({exc.lowest_peak_bytes} B)" in str(exc)
+    assert str(exc) == exc.plan.predicted.shortfall and exc.plan.predicted.margin_bytes == 0
     assert not exc.plan.is_feasible() and len(exc.plan.actions) == 2
 
 

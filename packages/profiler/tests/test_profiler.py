@@ -7,8 +7,9 @@ from memfit import hookimpl
 from memfit.backends.cpu_sim import CpuSimBackend
 from memfit.errors import MemfitError
 from memfit.models import build_training
+from memfit.tensors import storage_key
 from memfit.trace import Trace
-from memfit_profiler import OnlineProfiler, Stage, storage_key
+from memfit_profiler import OnlineProfiler, Stage
 from torch.autograd.graph import saved_tensors_hooks
 
 
@@ -83,7 +84,7 @@ def test_every_saved_activation_appears_in_the_detailed_trace_with_its_size(back
     saved: dict[int, int] = {}
 
     def pack(t):
-        saved[storage_key(t)] = t.untyped_storage().nbytes()
+        saved[storage_key(t.untyped_storage())] = t.untyped_storage().nbytes()
         return t
 
     with OnlineProfiler(backend, mode="detailed", model=run.model) as prof:
@@ -91,7 +92,7 @@ def test_every_saved_activation_appears_in_the_detailed_trace_with_its_size(back
             run.step()
     trace = prof.traces[-1]
     row_of = {int(k): r for r, k in enumerate(trace.tensors.storage_id)}
-    params = {storage_key(p) for p in run.model.parameters()}
+    params = {storage_key(p.untyped_storage()) for p in run.model.parameters()}
     activations = {k: n for k, n in saved.items() if k not in params}
     assert len(activations) > 20
     missing = [k for k in activations if k not in row_of]
@@ -132,6 +133,8 @@ def test_trace_round_trips_and_carries_the_step(backend, tmp_path):
     assert trace.source == "measured" and trace.backend == "cpu-sim" and trace.capacity_bytes == 2**30
     assert trace.step_seconds > 0 and "float32" in trace.dtype_names
     assert any(name.startswith("aten::") for name in trace.op_names)
+    # the native recorder sees RecordFunction scopes: composite operators such as aten::linear
+    assert trace.op_level == "record_function" and "aten::linear" in trace.op_names
     trace.save(tmp_path / "t.npz")
     assert Trace.load(tmp_path / "t.npz") == trace
 
@@ -189,6 +192,8 @@ def test_python_fallback_records_the_same_shape_of_data(backend):
     trace = prof.traces[-1]
     assert trace.n_ops > 100 and set(np.unique(trace.ops.phase).tolist()) == {0, 1, 2}
     assert trace.peak_bytes() > 0 and len(trace.tensors) > 50
+    # below autograd, composite operators are decomposed: aten::mm, never aten::linear
+    assert trace.op_level == "dispatcher" and "aten::linear" not in trace.op_names
 
 
 def test_only_one_profiler_runs_at_a_time(backend):

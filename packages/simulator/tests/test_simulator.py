@@ -57,6 +57,7 @@ def test_cuda_block_rounding_only_grows_the_peak(tiny):
 def test_the_trace_has_the_profiler_schema_and_plans_like_one(tiny):
     trace = tiny.trace()
     assert trace.source == "simulated" and trace.n_ops == tiny.step.n_ops
+    assert trace.op_level == "dispatcher" and "aten::mm" in trace.op_names and "aten::linear" not in trace.op_names
     assert trace.peak_bytes() == tiny.memory.peak_bytes
     assert np.isfinite(trace.ops.duration_s).all() and trace.ops.duration_s.sum() == pytest.approx(tiny.step_seconds)
     assert (trace.tensors.op_count > 0).any()  # Appendix A features are filled in
@@ -181,14 +182,17 @@ def test_memfit_simulate_prints_json_and_writes_the_trace(tmp_path):
     assert bad.exit_code != 0 and "unknown device 'tpu'" in bad.output
 
 
-def test_memfit_simulate_draws_memory_by_category(tmp_path):
-    pytest.importorskip("matplotlib")
+def test_memfit_simulate_draws_memory_by_category_scaled_to_the_step(tmp_path, saved_figures):
+    """Before: the axis ran to the device's capacity, so a small step was a flat line at zero."""
     from memfit_simulator.cli import simulate
 
     plot = tmp_path / "mem.png"
-    result = CliRunner().invoke(simulate, ["--batch", "2", "--seq", "32", "--plot", str(plot)])
+    result = CliRunner().invoke(simulate, ["--batch", "2", "--seq", "32", "--device", "h100", "--plot", str(plot)])
     assert result.exit_code == 0, result.output
     assert plot.read_bytes()[:4] == b"\x89PNG"
+    (ax,) = saved_figures[-1].axes
+    assert ax.get_ylabel() == "device memory (MiB)" and 1 < ax.get_ylim()[1] < 10  # the step peaks near 2.4 MiB
+    assert "device capacity 80.00 GiB (off the scale)" in [t.get_text() for t in ax.get_legend().get_texts()]
 
 
 def test_a_bigger_preset_is_simulated_on_the_meta_free_path():

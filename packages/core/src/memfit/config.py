@@ -16,7 +16,8 @@ Example:
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+import difflib
+from typing import Annotated, Any, TypeVar
 
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, TypeAdapter, ValidationError
 
@@ -49,14 +50,28 @@ def parse_size(value: str | int, *, what: str = "size") -> int:
         ) from exc
 
 
-def format_size(nbytes: float) -> str:
-    """Binary human size, e.g. ``format_size(3 * 2**30) == '3.00 GiB'``."""
-    value = float(nbytes)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{int(value)} {unit}" if unit == "B" else f"{value:.2f} {unit}"
-        value /= 1024
+_BINARY_UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
+
+
+def size_unit(nbytes: float) -> tuple[str, int]:
+    """The binary unit :func:`format_size` writes ``nbytes`` in, and its bytes.
+
+    ``size_unit(3 * 2**30) == ("GiB", 2**30)``
+    """
+    for power, unit in enumerate(_BINARY_UNITS):
+        if abs(nbytes) < 1024 ** (power + 1) or unit == _BINARY_UNITS[-1]:
+            return unit, 1024**power
     raise AssertionError("unreachable")
+
+
+def format_size(nbytes: float, unit: str | None = None) -> str:
+    """Binary human size, e.g. ``format_size(3 * 2**30) == '3.00 GiB'``.
+
+    ``unit`` (``"MiB"``, ...) writes it in that unit instead, so that sizes shown together compare
+    at a glance: ``format_size(2**29, unit="GiB") == '0.50 GiB'``.
+    """
+    name, scale = size_unit(nbytes) if unit is None else (unit, 1024 ** _BINARY_UNITS.index(unit))
+    return f"{int(nbytes)} B" if name == "B" else f"{nbytes / scale:.2f} {name}"
 
 
 class BackendConfig(MemfitModel):
@@ -85,17 +100,39 @@ class MemfitConfig(MemfitModel):
         Raises:
             MemfitError: naming every offending field by its dotted path.
         """
-        try:
-            return cls.model_validate(data)
-        except ValidationError as exc:
-            raise MemfitError(f"invalid memfit config:\n{describe_validation_error(exc)}") from exc
+        return validate_model(cls, data, what="memfit config")
 
 
-def describe_validation_error(exc: ValidationError) -> str:
-    """One line per problem: ``field.path: message (got value)``."""
+Model = TypeVar("Model", bound=MemfitModel)
+
+
+def validate_model(model: type[Model], data: Any, *, what: str) -> Model:
+    """Validate ``data`` as ``model``, turning errors into one :class:`MemfitError` that names each field.
+
+    A misspelt field also gets the field it probably meant (``margn: ...; did you mean 'margin'?``).
+
+    Raises:
+        MemfitError: ``invalid <what>:`` then one line per problem.
+    """
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise MemfitError(f"invalid {what}:\n{describe_validation_error(exc, model)}") from exc
+
+
+def describe_validation_error(exc: ValidationError, model: type[MemfitModel] | None = None) -> str:
+    """One line per problem: ``field.path: message (got value)``.
+
+    With ``model``, an unknown top-level field also gets the closest known one, or the list of them.
+    """
     lines = []
     for err in exc.errors():
         path = ".".join(str(part) for part in err["loc"]) or "<root>"
         got = f" (got {err['input']!r})" if "input" in err and not isinstance(err["input"], dict) else ""
-        lines.append(f"  {path}: {err['msg']}{got}")
+        hint = ""
+        if model is not None and err["type"] == "extra_forbidden" and len(err["loc"]) == 1:
+            known = list(model.model_fields)
+            close = difflib.get_close_matches(str(err["loc"][0]), known, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else f"; known fields: {', '.join(known)}"
+        lines.append(f"  {path}: {err['msg']}{got}{hint}")
     return "\n".join(lines)

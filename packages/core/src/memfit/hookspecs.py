@@ -79,22 +79,39 @@ class RegistrationSpecs:
 
     @hookspec
     def register_planners(self) -> Iterable[PlannerSpec]:
-        """Register planners by name; the planner itself implements ``plan_memory``.
+        """Register planners by name, with their options; the planner itself implements ``plan_memory``.
+
+        A planner's options are a :class:`memfit.config.MemfitModel` (unknown fields are errors).
+        They are validated when planning starts (:meth:`memfit.plugins.Hooks.validate_planner_options`;
+        a swap session does it when it starts), and ``plan_memory`` reads them, validated, with
+        :meth:`memfit.types.PlanningProblem.planner_options`. ``variations`` are option settings
+        worth trying as separate plan candidates (:meth:`memfit.plugins.Hooks.plan_candidates`).
 
         Example:
             ```python
             from memfit import hookimpl
+            from memfit.config import MemfitModel
             from memfit.types import PlannerSpec
+
+
+            class CautiousOptions(MemfitModel):
+                headroom_fraction: float = 0.1  # part of the budget to keep free
 
 
             @hookimpl
             def register_planners():
-                yield PlannerSpec(name="do-nothing", description="plans nothing; for tests")
+                yield PlannerSpec(
+                    name="cautious",
+                    description="plans nothing; says whether the step fits with headroom",
+                    options=CautiousOptions,
+                    variations=({}, {"headroom_fraction": 0.2}),
+                )
 
 
             @hookimpl
             def plan_memory(problem):
-                return None  # never proposes a plan
+                options = problem.planner_options("cautious", CautiousOptions)
+                ...
             ```
         """
 
@@ -205,8 +222,14 @@ class PlanningSpecs:
     def plan_memory(self, problem: PlanningProblem) -> MemoryPlan | None:
         """Propose a plan for a trace and budget; return ``None`` when not applicable.
 
-        Every planner is asked; :meth:`memfit.plugins.Hooks.choose_plan` keeps the feasible
-        plan (predicted peak within the budget) with the lowest predicted overhead.
+        Every planner is asked (or those the caller names); :meth:`memfit.plugins.Hooks.choose_plan`
+        prefers plans that keep their margin, then plans within the budget, then the lowest
+        predicted overhead.
+
+        When the step cannot be brought under the planner's limit, do not raise: return the
+        best-effort plan, with ``predicted.peak_bytes`` the lowest peak reachable, ``margin_bytes``
+        the headroom aimed for and ``shortfall`` saying what would help (see :mod:`memfit.plan`).
+        Callers show it (``memfit plan``) or warn with it (a swap session).
 
         Example:
             ```python

@@ -4,9 +4,22 @@ Plans are pydantic models, versioned by ``schema_version`` and round-tripped thr
 plan made on a laptop from a simulated trace can be applied on the cluster. Actions form a
 discriminated union on ``kind``.
 
+How well a plan fits, in three steps (:class:`PlanPrediction`):
+
+* :meth:`MemoryPlan.keeps_margin`: the predicted peak stays under the budget minus the headroom
+  the planner keeps free (``predicted.margin_bytes``; the swap planner's ``margin``) — the plan
+  the planner aimed for;
+* :meth:`MemoryPlan.is_feasible`: the predicted peak stays under the budget, but not under the
+  margin: usable, with less room for what the prediction misses (fragmentation, a longer
+  sequence);
+* neither: the planner could not fit the step. Planners still return their best-effort plan:
+  then ``predicted.peak_bytes`` is the **lowest peak the planner can reach** on this trace and
+  ``predicted.shortfall`` says, in words for users, why and what would help. Callers report
+  these (``memfit plan``; a swap session warns) without catching planner-specific exceptions.
+
 Example:
     ```python
-    from memfit.plan import MemoryPlan, PlanPrediction, PlanSource, Swap, TensorMatch
+    from memfit.plan import LogicalLayer, MemoryPlan, PlanPrediction, PlanSource, Swap, TensorMatch
 
     plan = MemoryPlan(
         planner="swap",
@@ -14,8 +27,9 @@ Example:
         source=PlanSource(kind="simulated", ops=1200, peak_bytes=3 * 2**30),
         actions=(
             Swap(tensor=TensorMatch(nbytes=2**20, dtype="bfloat16", op_count=2, op_tag=5, op_call_stack=0x0102),
-                 swap_out_after_op=10, release_at_op=12, swap_in_layer=7),
+                 swap_out_after_op=10, release_at_op=12, swap_in_layer=1),
         ),
+        layers=(LogicalLayer(start_op=0, phase="FWD"), LogicalLayer(start_op=600, phase="BWD")),
         predicted=PlanPrediction(peak_bytes=2**30 - 4096, swap_bytes=2 * 2**20),
     )
     assert MemoryPlan.from_json(plan.to_json()) == plan
@@ -26,7 +40,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveInt, ValidationError, model_validator
 
@@ -36,7 +50,13 @@ from memfit.errors import MemfitError
 if TYPE_CHECKING:
     from memfit.trace import Trace
 
-PLAN_SCHEMA_VERSION = 1
+PLAN_SCHEMA_VERSION = 2
+"""Bumped whenever a field is added or changes meaning; the previous version stays readable.
+
+1 → 2: ``predicted.margin_bytes`` and ``predicted.shortfall`` added (a version-1 plan reads
+with no margin and no shortfall), and a plan with swaps must list its logical layers (the
+swap planner always did).
+"""
 
 
 class InvalidPlanError(MemfitError, ValueError):
@@ -125,6 +145,12 @@ class PlanPrediction(MemfitModel):
     """What the planner predicts for a step under the plan."""
 
     peak_bytes: NonNegativeInt
+    """Device bytes at the step's peak under the plan. When the plan does not keep the margin, the
+    lowest peak the planner can reach on this trace (see the module docs)."""
+    margin_bytes: NonNegativeInt = 0
+    """Headroom the planner aimed to keep free below the budget (the swap planner's ``margin``)."""
+    shortfall: str = ""
+    """When the plan does not keep the margin: why, and what would help, for users; empty otherwise."""
     swap_bytes: NonNegativeInt = 0
     """Bytes moved between device and host per step (both directions)."""
     stall_seconds: NonNegativeFloat = 0.0
@@ -138,7 +164,7 @@ class PlanPrediction(MemfitModel):
 class MemoryPlan(MemfitModel):
     """A versioned, validated plan: actions plus the budget and what it was planned from."""
 
-    schema_version: Literal[1] = PLAN_SCHEMA_VERSION
+    schema_version: Literal[2] = PLAN_SCHEMA_VERSION
     planner: str
     budget_bytes: PositiveInt
     source: PlanSource
@@ -147,13 +173,27 @@ class MemoryPlan(MemfitModel):
     """Logical layers the actions refer to, in operator order (empty when no action needs them)."""
     predicted: PlanPrediction
 
+    @model_validator(mode="before")
+    @classmethod
+    def _upgrade_version_1(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("schema_version") == 1:
+            return {**data, "schema_version": PLAN_SCHEMA_VERSION}  # 2 only added fields with defaults
+        return data
+
     @model_validator(mode="after")
     def _layers_are_ordered_and_referenced(self) -> MemoryPlan:
         starts = [layer.start_op for layer in self.layers]
         if starts != sorted(set(starts)):
             raise ValueError("layers must have strictly increasing start_op")
         for i, action in enumerate(self.actions):
-            if isinstance(action, Swap) and self.layers and action.swap_in_layer >= len(self.layers):
+            if not isinstance(action, Swap):
+                continue
+            if not self.layers:
+                raise ValueError(
+                    f"actions.{i} is a swap, whose swap_in_layer indexes the plan's layers, but the plan has no "
+                    "layers: a planner that swaps must list its logical layers (MemoryPlan.layers)"
+                )
+            if action.swap_in_layer >= len(self.layers):
                 raise ValueError(
                     f"actions.{i}: swap_in_layer {action.swap_in_layer} but the plan has {len(self.layers)} layers"
                 )
@@ -162,6 +202,10 @@ class MemoryPlan(MemfitModel):
     def is_feasible(self) -> bool:
         """The predicted peak fits the budget."""
         return self.predicted.peak_bytes <= self.budget_bytes
+
+    def keeps_margin(self) -> bool:
+        """The predicted peak fits the budget with the planner's margin to spare (implies :meth:`is_feasible`)."""
+        return self.predicted.peak_bytes <= self.budget_bytes - self.predicted.margin_bytes
 
     def to_json(self) -> str:
         return self.model_dump_json(indent=2)

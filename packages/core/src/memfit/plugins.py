@@ -12,13 +12,14 @@ Environment variables:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import importlib.metadata
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import pluggy
 
@@ -37,6 +38,9 @@ from memfit.types import (
     PlanningProblem,
     PluginInfo,
 )
+
+if TYPE_CHECKING:
+    from memfit.plan import MemoryPlan
 
 hookimpl = pluggy.HookimplMarker(PROJECT)
 """Marker for hook implementations: ``@memfit.hookimpl``."""
@@ -262,23 +266,131 @@ class Hooks:
         return self.pm.hook.on_fault(event=event)
 
     # -- planning ---------------------------------------------------------------------------
-    def plan_memory(self, problem: PlanningProblem) -> list:  # list[MemoryPlan]
-        """Every plan proposed for ``problem`` (planners that pass are left out)."""
-        return [plan for plan in self.pm.hook.plan_memory(problem=problem) if plan is not None]
+    def validate_planner_options(self, options: Mapping[str, Any]) -> dict[str, Any]:
+        """Check ``{planner: {option: value}}`` against the installed planners, before any work starts.
 
-    def choose_plan(self, problem: PlanningProblem):  # -> MemoryPlan
-        """The feasible plan with the lowest predicted overhead.
+        Returns the options every planner will see: for each planner that declares an options
+        model (:attr:`memfit.types.PlannerSpec.options`), that model validated (its defaults where
+        the caller gave nothing); for others, what the caller gave.
 
         Raises:
-            MemfitError: no installed planner produced a plan within the budget.
+            MemfitError: a planner that is not installed (names those that are); options for a
+                planner that takes none; an unknown or invalid option (names the planner and the field).
         """
-        plans = self.plan_memory(problem)
-        feasible = [p for p in plans if p.is_feasible()]
-        if not feasible:
-            planners = ", ".join(sorted(self.planners())) or "none installed (pip install memfit-policies)"
-            rejected = "; ".join(f"{p.planner}: peak {p.predicted.peak_bytes} B" for p in plans) or "no proposals"
-            raise MemfitError(f"no plan fits a budget of {problem.budget_bytes} B (planners: {planners}; {rejected})")
-        return min(feasible, key=lambda p: (p.predicted.overhead_seconds, p.predicted.peak_bytes))
+        from memfit.config import validate_model  # pydantic: only when planning
+
+        specs = self.planners()
+        unknown = sorted(name for name in options if name.lower() not in specs)
+        if unknown:
+            raise MemfitError(
+                f"options for unknown planner{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
+                f"installed planners: {', '.join(sorted(specs)) or 'none (pip install memfit-policies)'}"
+            )
+        given = {name.lower(): value for name, value in options.items()}
+        validated: dict[str, Any] = {}
+        for name, spec in specs.items():
+            value = given.get(name)
+            if spec.options is not None:
+                validated[name] = validate_model(spec.options, value or {}, what=f"options of planner {name!r}")
+            elif value:
+                raise MemfitError(f"planner {name!r} takes no options, got {dict(value)!r}")
+        return validated
+
+    def _planner_plugins(self, planners: Iterable[str] | None) -> tuple[set[str] | None, list[Any]]:
+        """The selected planner names (``None``: all) and the plugins that do not serve any of them."""
+        if planners is None:
+            return None, []
+        records = self._named_records("register_planners", "planner")
+        wanted = {name.lower() for name in planners}
+        unknown = sorted(wanted - set(records))
+        if unknown:
+            raise MemfitError(
+                f"unknown planner {', '.join(map(repr, unknown))}; installed planners: "
+                f"{', '.join(sorted(records)) or 'none (pip install memfit-policies)'}"
+            )
+        serving = {records[name][1] for name in wanted}
+        others = [plugin for name, plugin in self.pm.list_name_plugin() if plugin is not None and name not in serving]
+        return wanted, others
+
+    def plan_memory(self, problem: PlanningProblem, planners: Iterable[str] | None = None) -> list[MemoryPlan]:
+        """Every plan proposed for ``problem`` (planners that pass are left out).
+
+        The options are validated first (:meth:`validate_planner_options`) and each planner finds
+        its options model in ``problem.options``. ``planners`` asks only those planners (names as
+        registered); ``None`` asks every installed one, and any other ``plan_memory`` implementation.
+
+        A planner that cannot fit the step still proposes its best-effort plan: see
+        :mod:`memfit.plan` for how to tell (``keeps_margin``, ``is_feasible``, ``predicted.shortfall``).
+
+        Raises:
+            MemfitError: invalid options, or an unknown planner name.
+        """
+        wanted, others = self._planner_plugins(planners)
+        problem = dataclasses.replace(problem, options=self.validate_planner_options(problem.options))
+        hook = self.pm.subset_hook_caller("plan_memory", remove_plugins=others) if others else self.pm.hook.plan_memory
+        return [p for p in hook(problem=problem) if p is not None and (wanted is None or p.planner in wanted)]
+
+    def plan_candidates(
+        self, problem: PlanningProblem, variations: int, planners: Iterable[str] | None = None
+    ) -> list[MemoryPlan]:
+        """Plans under each planner's first ``variations`` option settings, to try one after another.
+
+        Setting ``k`` of a planner is its ``PlannerSpec.variations[k]`` laid under the caller's
+        options (``problem.options`` as the user gave them: the caller's win). Plans come in
+        setting order (every planner's first, then every planner's second, ...); a plan equal to
+        an earlier one is left out.
+
+        Raises:
+            MemfitError: as :meth:`plan_memory`.
+        """
+        specs = self.planners()
+        selected = sorted(specs) if planners is None else [name.lower() for name in planners]
+        self.validate_planner_options(problem.options)  # before anything is planned
+        given = {name.lower(): dict(value) for name, value in problem.options.items()}
+        plans: list[MemoryPlan] = []
+        for k in range(variations):
+            varied = [name for name in selected if name in specs and k < len(specs[name].variations)]
+            if k and not varied:
+                break
+            options = {**given, **{name: {**specs[name].variations[k], **given.get(name, {})} for name in varied}}
+            # the first setting asks every planner asked for (and unregistered plan_memory implementations)
+            asked = planners if k == 0 else varied
+            for plan in self.plan_memory(dataclasses.replace(problem, options=options), asked):
+                if plan not in plans:
+                    plans.append(plan)
+        return plans
+
+    def choose_plan(
+        self, problem: PlanningProblem, planners: Iterable[str] | None = None, *, require_feasible: bool = True
+    ) -> MemoryPlan:
+        """The best plan: keeping its margin, then within the budget, then the lowest predicted overhead.
+
+        With ``require_feasible=False`` a plan over the budget is returned too when no plan fits
+        (the one with the lowest peak), so the caller can show why.
+
+        Raises:
+            MemfitError: no planner proposed a plan; or, with ``require_feasible``, none fits the budget.
+        """
+        plans = self.plan_memory(problem, planners)
+        if not plans:
+            installed = ", ".join(sorted(self.planners())) or "none installed (pip install memfit-policies)"
+            raise MemfitError(
+                f"no plan fits a budget of {problem.budget_bytes} B: no planner proposed one (planners: {installed})"
+            )
+        best = min(plans, key=plan_preference)
+        if require_feasible and not best.is_feasible():
+            rejected = "; ".join(f"{p.planner}: peak {p.predicted.peak_bytes} B" for p in plans)
+            raise MemfitError(
+                f"no plan fits a budget of {problem.budget_bytes} B ({rejected}). {best.predicted.shortfall}".strip()
+            )
+        return best
+
+
+def plan_preference(plan: MemoryPlan) -> tuple:
+    """Sort key of plans, best first: keeps its margin, fits the budget, lower overhead; over the budget: lower peak."""
+    if not plan.is_feasible():
+        return (2, plan.predicted.peak_bytes, plan.predicted.overhead_seconds)
+    return (0 if plan.keeps_margin() else 1, plan.predicted.overhead_seconds, plan.predicted.peak_bytes)
 
 
 def _bind_event_arg(impl: pluggy.HookImpl) -> Callable[[OpDispatchEvent], None]:

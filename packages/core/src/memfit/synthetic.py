@@ -49,7 +49,7 @@ def training_trace(
         seed: for the jitter and for which activation each forward operator reads.
     """
     rng = np.random.default_rng(seed)
-    b = TraceBuilder(capacity_bytes=capacity_bytes, source="synthetic")
+    b = TraceBuilder(capacity_bytes=capacity_bytes, source="synthetic", op_level="dispatcher")
     params = [b.add_tensor(nbytes=param_bytes, dtype="bfloat16", shape=(param_bytes // 2,), is_param=True)
               for _ in range(n_layers)]  # fmt: skip
     live = param_bytes * n_layers

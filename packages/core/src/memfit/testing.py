@@ -5,6 +5,8 @@ Fixtures:
     hooks: :class:`memfit.plugins.Hooks` over ``plugin_manager``.
     register_plugin: ``register_plugin(obj, name)`` registers a plugin for the test only.
     cpu_sim: a :class:`~memfit.backends.cpu_sim.CpuSimBackend` with a 1 GiB capacity.
+    saved_figures: the matplotlib figures saved during the test (still written), to check what a
+        picture shows: its title, axis labels and limits, legend.
 
 Contract suites: subclass :class:`BackendContract` to check a backend the way memfit's own are
 checked::
@@ -87,6 +89,21 @@ def cpu_sim():
     backend = CpuSimBackend(capacity="1GiB")
     yield backend
     backend.close()
+
+
+@pytest.fixture
+def saved_figures(monkeypatch):
+    """Every matplotlib figure saved during the test, in order (skips the test without matplotlib)."""
+    figure = pytest.importorskip("matplotlib.figure")
+    saved: list = []
+    savefig = figure.Figure.savefig
+
+    def record(self, *args, **kwargs):
+        saved.append(self)
+        return savefig(self, *args, **kwargs)
+
+    monkeypatch.setattr(figure.Figure, "savefig", record)
+    return saved
 
 
 class BackendContract:

@@ -10,8 +10,16 @@ Tables:
     tensors: one row per tensor (storage) the trace refers to; operators refer to rows here.
     swaps: one row per swap that happened while tracing (active from a plan, or passive on OOM).
 
+Operator level: a trace says which operators it counts (:data:`OP_LEVELS`). ``"dispatcher"``:
+the operators a ``TorchDispatchMode`` sees, below autograd, after composite operators are
+decomposed (``aten::mm``) -- the simulator, the profiler's Python fallback, synthetic traces.
+``"record_function"``: the ``at::RecordFunction`` scopes the profiler's native recorder sees,
+composite operators included (``aten::linear`` and, inside it, ``aten::mm``). Operator indices
+and names of two traces compare only at the same level.
+
 Files are ``.npz`` archives (no pickle) with a JSON header; :meth:`Trace.save` and
-:meth:`Trace.load` round-trip exactly.
+:meth:`Trace.load` round-trip exactly. :meth:`Trace.load` also reads files of the previous schema
+version, upgrading them (see :data:`TRACE_SCHEMA_VERSION`).
 
 Example:
     ```python
@@ -33,17 +41,38 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import zipfile
+import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal, get_args
 
 import numpy as np
 
 from memfit.errors import TraceFormatError
 from memfit.types import Phase
 
-TRACE_SCHEMA_VERSION = 1
-"""Bumped whenever a column is added, removed or changes meaning."""
+TRACE_SCHEMA_VERSION = 2
+"""Bumped whenever a column is added, removed or changes meaning.
+
+1 → 2: ``op_level`` added. Version-1 files are upgraded on load: a simulated or synthetic trace
+was recorded at the dispatcher level; a measured one at the RecordFunction level when its
+operator names include composite operators that only RecordFunction sees (``aten::linear``,
+``aten::matmul``, ...), at the dispatcher level (the Python fallback recorder) otherwise.
+"""
+
+OpLevel = Literal["dispatcher", "record_function"]
+OP_LEVELS: tuple[str, ...] = get_args(OpLevel)
+"""Which operators a trace counts; see the module docs."""
+
+# CompositeImplicitAutograd operators: a TorchDispatchMode never sees them (they are decomposed
+# above it), RecordFunction does. Only used to upgrade version-1 measured traces.
+_RECORD_FUNCTION_ONLY_OPS = frozenset(
+    {
+        "aten::linear", "aten::matmul", "aten::dropout", "aten::layer_norm", "aten::group_norm",
+        "aten::batch_norm", "aten::conv1d", "aten::conv2d", "aten::conv3d", "aten::cross_entropy_loss",
+    }
+)  # fmt: skip
 
 
 def _column(dtype: str) -> Any:
@@ -176,9 +205,14 @@ class Trace:
     """``measured`` (profiler), ``simulated`` (simulator) or ``synthetic`` (tests)."""
     backend: str = ""
     iteration: int = 0
+    op_level: OpLevel = dataclasses.field(kw_only=True)
+    """Which operators the op table counts: ``dispatcher`` or ``record_function`` (module docs).
+    Required: only the producer knows."""
     schema_version: int = TRACE_SCHEMA_VERSION
 
     def __post_init__(self) -> None:
+        if self.op_level not in OP_LEVELS:
+            raise TraceFormatError(f"op_level must be one of {', '.join(OP_LEVELS)}, got {self.op_level!r}")
         n_tensors = len(self.tensors)
         for col in ("inputs_values", "outputs_values"):
             refs = getattr(self.ops, col)
@@ -237,6 +271,17 @@ class Trace:
         order = np.argsort(ops, kind="stable")
         return ops[order], tensors[order]
 
+    def last_forward_use(self) -> np.ndarray:
+        """Per tensor row, the index of the last forward operator that used it; -1 if none did.
+
+        Where a swap-out can start: after it, forward no longer needs the tensor.
+        """
+        use_ops, use_tensors = self.tensor_uses()
+        last = np.full(len(self.tensors), -1, dtype=np.int64)
+        forward = self.ops.phase[use_ops] == Phase.FWD
+        np.maximum.at(last, use_tensors[forward], use_ops[forward])
+        return last
+
     def no_swap_memory_curve(self) -> np.ndarray:
         """Device bytes after each operator as they would have been without the recorded swaps.
 
@@ -275,6 +320,7 @@ class Trace:
             "source": self.source,
             "backend": self.backend,
             "iteration": self.iteration,
+            "op_level": self.op_level,
         }
 
     def save(self, path: str | os.PathLike[str]) -> None:
@@ -285,23 +331,26 @@ class Trace:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Trace:
-        """Read a trace written by :meth:`save`.
+        """Read a trace written by :meth:`save` (this schema version or the previous one).
 
         Raises:
-            TraceFormatError: the file is not a memfit trace, is from a newer schema, or is inconsistent.
+            TraceFormatError: the file is missing, is not a memfit trace (says what it looks like
+                instead), is damaged, is from a newer schema, or is inconsistent.
         """
-        try:
-            with np.load(path, allow_pickle=False) as archive:
-                arrays = {key: archive[key] for key in archive.files}
-        except (OSError, ValueError) as exc:
-            raise TraceFormatError(f"{os.fspath(path)} is not a readable memfit trace (.npz): {exc}") from exc
+        name = os.fspath(path)
+        arrays = _read_archive(name)
         if "__meta__" not in arrays:
-            raise TraceFormatError(f"{os.fspath(path)} is an .npz archive but not a memfit trace (no __meta__)")
+            raise TraceFormatError(
+                f"{name} is an .npz archive of numpy arrays but not a memfit trace (it has no __meta__ header); "
+                f"{_WHERE_TRACES_COME_FROM}"
+            )
         meta = json.loads(str(arrays.pop("__meta__")))
         version = meta.get("schema_version")
-        if version != TRACE_SCHEMA_VERSION:
+        if version == 1:
+            meta = _upgrade_v1(meta)
+        elif version != TRACE_SCHEMA_VERSION:
             raise TraceFormatError(
-                f"{os.fspath(path)} has trace schema_version {version}; this memfit reads {TRACE_SCHEMA_VERSION}. "
+                f"{name} has trace schema_version {version}; this memfit reads {TRACE_SCHEMA_VERSION} and 1. "
                 "Upgrade memfit or re-record the trace."
             )
         return cls(
@@ -315,6 +364,7 @@ class Trace:
             source=meta["source"],
             backend=meta["backend"],
             iteration=int(meta["iteration"]),
+            op_level=meta["op_level"],
         )
 
     def __eq__(self, other: object) -> bool:
@@ -325,6 +375,56 @@ class Trace:
             other.tensors,
             other.swaps,
         )
+
+
+_WHERE_TRACES_COME_FROM = "traces are written by memfit profile --out, memfit simulate --out or Trace.save()"
+_ZIP_MAGIC = b"PK\x03\x04"
+_NPY_MAGIC = b"\x93NUMPY"
+
+
+def _read_archive(name: str) -> dict[str, np.ndarray]:
+    """Every array of a trace archive, or a :class:`TraceFormatError` that says what the file is instead."""
+    try:
+        fh = open(name, "rb")  # ours, not np.load's: np.load leaks its handle when the zip is damaged
+    except OSError as exc:
+        raise TraceFormatError(f"cannot read trace {name}: {exc.strerror or exc}") from exc
+    with fh:
+        head = fh.read(64)
+        if not head.startswith(_ZIP_MAGIC):
+            raise TraceFormatError(
+                f"{name} is not a memfit trace: {_what_it_looks_like(head)}; {_WHERE_TRACES_COME_FROM}"
+            )
+        fh.seek(0)
+        try:
+            with np.load(fh, allow_pickle=False) as archive:
+                return {key: archive[key] for key in archive.files}
+        except (zipfile.BadZipFile, EOFError, zlib.error, OSError, ValueError, KeyError) as exc:
+            raise TraceFormatError(
+                f"{name} is a damaged or truncated .npz archive ({type(exc).__name__}: {exc}); copy it again, or "
+                f"re-record it ({_WHERE_TRACES_COME_FROM})"
+            ) from exc
+
+
+def _what_it_looks_like(head: bytes) -> str:
+    if not head:
+        return "the file is empty"
+    if head.startswith(_NPY_MAGIC):
+        return "it is a single numpy array (.npy), not a trace archive (.npz)"
+    if head.lstrip().startswith((b"{", b"[")):
+        return "it looks like JSON (a memfit plan, perhaps), not an .npz archive"
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError:
+        return "it is not an .npz (zip) archive"
+    return "it is a text file, not an .npz (zip) archive"
+
+
+def _upgrade_v1(meta: dict[str, Any]) -> dict[str, Any]:
+    """A version-1 header as version 2: infer ``op_level`` (see :data:`TRACE_SCHEMA_VERSION`)."""
+    names = set(meta["op_names"])
+    record_function = meta.get("source") == "measured" and not names.isdisjoint(_RECORD_FUNCTION_ONLY_OPS)
+    level = "record_function" if record_function else "dispatcher"
+    return {**meta, "schema_version": TRACE_SCHEMA_VERSION, "op_level": level}
 
 
 def to_csr(rows: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
@@ -339,8 +439,17 @@ def to_csr(rows: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
 class TraceBuilder:
     """Build a :class:`Trace` row by row (profiler, simulator, tests); arrays are made once in :meth:`build`."""
 
-    def __init__(self, *, capacity_bytes: int, source: str = "measured", backend: str = "", iteration: int = 0):
+    def __init__(
+        self,
+        *,
+        capacity_bytes: int,
+        source: str = "measured",
+        backend: str = "",
+        iteration: int = 0,
+        op_level: OpLevel = "dispatcher",
+    ):
         self.capacity_bytes, self.source, self.backend, self.iteration = capacity_bytes, source, backend, iteration
+        self.op_level = op_level
         self._op_tokens: dict[str, int] = {}
         self._dtypes: dict[str, int] = {}
         self._ops: list[tuple[int, int, int, float]] = []
@@ -439,4 +548,5 @@ class TraceBuilder:
             source=self.source,
             backend=self.backend,
             iteration=self.iteration,
+            op_level=self.op_level,
         )

@@ -10,13 +10,16 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 if TYPE_CHECKING:
     import click
 
     from memfit.backends.base import Backend
+    from memfit.config import MemfitModel
     from memfit.trace import Trace
+
+OptionsModel = TypeVar("OptionsModel", bound="MemfitModel")
 
 
 class Phase(enum.IntEnum):
@@ -129,13 +132,31 @@ class PlanningProblem:
         budget_bytes: device bytes the plan must stay under.
         host_to_device_bytes_per_s: copy bandwidth to assume for swaps, or ``None`` for the
             planner's default.
-        options: planner-specific options keyed by planner name.
+        options: planner-specific options keyed by planner name: ``{option: value}`` mappings from
+            the caller; :meth:`memfit.plugins.Hooks.plan_memory` replaces them, before any planner
+            runs, with each planner's validated options model (:attr:`PlannerSpec.options`).
+            Planners read theirs with :meth:`planner_options`.
     """
 
     trace: Trace
     budget_bytes: int
     host_to_device_bytes_per_s: float | None = None
-    options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    def planner_options(self, planner: str, model: type[OptionsModel]) -> OptionsModel:
+        """The options of ``planner`` as its ``model``: the instance the hooks validated, or defaults.
+
+        A mapping (from a caller that bypassed :class:`memfit.plugins.Hooks`) is validated here.
+
+        Raises:
+            MemfitError: an option is unknown or invalid; names the planner and the field.
+        """
+        from memfit.config import validate_model
+
+        value = self.options.get(planner, {})
+        if isinstance(value, model):
+            return value
+        return validate_model(model, value, what=f"options of planner {planner!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,15 +185,23 @@ class PlannerSpec:
     """Registration record of a planner (yielded from ``register_planners``).
 
     The planner itself answers ``plan_memory``; this record names it, so users can list and
-    select planners and plans can say which planner made them.
+    select planners and plans can say which planner made them, and declares its options, so they
+    are checked before any work starts (:meth:`memfit.plugins.Hooks.validate_planner_options`).
 
     Attributes:
-        name: short unique name, e.g. ``"swap"``.
+        name: short unique name, e.g. ``"swap"``; the ``planner`` of the plans it makes.
         description: one line for ``memfit plugins``.
+        options: the pydantic model (a :class:`memfit.config.MemfitModel`) of its options, whose
+            defaults must make a usable planner; ``None`` when it takes none.
+        variations: option settings worth trying as separate plan candidates (a swap session
+            applies each for an iteration and keeps the fastest); each is laid over the caller's
+            options, which win where both set an option. The first is usually ``{}``: the defaults.
     """
 
     name: str
     description: str = ""
+    options: type[MemfitModel] | None = None
+    variations: tuple[Mapping[str, Any], ...] = ({},)
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,13 +7,10 @@ from collections import Counter
 from pathlib import Path
 
 import click
-from memfit.cli.scripts import run_python_command
+from memfit.cli.scripts import PythonCommand, console_after_script, print_script_traceback
 from memfit.config import format_size
 from memfit.errors import MemfitError
-from rich.console import Console
 from rich.table import Table
-
-console = Console()
 
 
 @click.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
@@ -48,33 +45,42 @@ console = Console()
 def run(backend, budget, report_path, matcher, release_mode, verbose, command):
     """Run COMMAND (python train.py ...) under memfit's swap executor, within BUDGET.
 
-    The script needs no change: iterations end at each optimizer step.
+    The script needs no change: iterations end at each optimizer step. Whatever the script does
+    (returns, exits, raises), the summary and the report come first; then, if it raised, its
+    traceback, and the exit status is the script's.
 
         memfit run --backend cpu-sim --budget 4GiB --report run.json -- python train.py
     """
     from memfit_executor.session import SwapSession  # imports torch: only when the command runs
 
+    try:
+        script = PythonCommand.parse(command, cli_name="memfit run")  # before anything runs
+    except MemfitError as exc:
+        raise click.ClickException(str(exc)) from exc
     if verbose:
         logging.basicConfig(level=logging.INFO, format="%(message)s")
     session = SwapSession(budget, backend, matcher=matcher, release_mode=release_mode)
-    failure: BaseException | None = None
+    failure: MemfitError | None = None
+    script_error: BaseException | None = None
     exit_code: int | str | None = None
     try:
         with session:
-            try:
-                run_python_command(command, cli_name="memfit run")
-            except SystemExit as exc:  # the script's own sys.exit(): report first, then exit with its code
-                exit_code = exc.code
-    except MemfitError as exc:
+            exit_code = script.run()
+    except MemfitError as exc:  # memfit's own (the budget, an out-of-memory it could not handle)
         failure = exc
-    report = session.report() if session.runtime is not None else None
-    if report is not None:
-        console.print(summary(report))
-        if report_path is not None:
-            session.write_report(report_path)
-            console.print(f"report written to {report_path}")
+    except (Exception, KeyboardInterrupt) as exc:  # the script's: report first, as for sys.exit
+        script_error = exc
+    if session.runtime is not None:
+        with console_after_script() as console:
+            console.print(summary(session.report()))
+            if report_path is not None:
+                session.write_report(report_path)
+                console.print(f"report written to {report_path}")
     if failure is not None:
         raise click.ClickException(str(failure)) from failure
+    if script_error is not None:
+        print_script_traceback(script_error)
+        raise SystemExit(130 if isinstance(script_error, KeyboardInterrupt) else 1)
     if exit_code not in (None, 0):
         raise SystemExit(exit_code)
 

@@ -42,14 +42,6 @@ Signature = tuple[int, Any, tuple[int, ...], int]
 """(storage nbytes, dtype, shape of the saved view, context: the saving operator and the two before it)."""
 
 
-def _last_forward_use(trace: Trace) -> np.ndarray:
-    use_ops, use_tensors = trace.tensor_uses()
-    last = np.full(len(trace.tensors), -1, dtype=np.int64)
-    forward = trace.ops.phase[use_ops] == 0
-    np.maximum.at(last, use_tensors[forward], use_ops[forward])
-    return last
-
-
 def _rows_by_features(trace: Trace, last_fwd: np.ndarray, rows: np.ndarray) -> dict[tuple, list[int]]:
     """Trace rows by what a :class:`~memfit.plan.Swap` names them by: swap-out op, size, Appendix A features."""
     t = trace.tensors
@@ -159,7 +151,7 @@ def bind(plan: MemoryPlan, trace: Trace, save_log: SaveLog, phase_ops: tuple[int
       the fractions are the identity, so its operator indices are used as they are.
     """
     t = trace.tensors
-    last_fwd = _last_forward_use(trace)
+    last_fwd = trace.last_forward_use()
     use_ops, use_tensors = trace.tensor_uses()
     backward_use = np.zeros(len(t), dtype=bool)
     backward_use[use_tensors[trace.ops.phase[use_ops] == 1]] = True

@@ -1,4 +1,4 @@
-"""memfit-executor's plugin module: the swap executor's OOM handler and the ``memfit run`` command.
+"""memfit-executor's plugin module: the swap executor's OOM handler and the ``memfit run`` and ``memfit demo`` commands.
 
 Importing it does not import torch.
 """
@@ -27,7 +27,9 @@ def on_oom(event: OOMEvent) -> OOMResponse | None:
 
 @hookimpl
 def register_commands():
-    """``memfit run``."""
+    """``memfit run`` and ``memfit demo``."""
     from memfit_executor.cli import run
+    from memfit_executor.demo import demo
 
     yield CommandSpec(name="run", command=run)
+    yield CommandSpec(name="demo", command=demo)

@@ -11,7 +11,7 @@ handle back in backward and returns a tensor over the same bytes. Everything is 
 * **release** at the plan's release position: the compute stream waits for the copy's event (the
   paper's custom recordStream; ``record_stream`` behind ``release_mode``) and the block is freed
   in place (``storage.resize_(0)``) — but only when nothing except the handle holds the storage
-  (:func:`~memfit_executor.storage_swap.sole_owner`). A tensor the program still holds cannot be
+  (:func:`~memfit.tensors.sole_owner`). A tensor the program still holds cannot be
   freed and is not: no operator can ever read a freed block, by construction;
 * **swap-in** at the plan's swap-in position; the unpack hook waits for it, or, if it was never
   started (the sequence changed), brings the bytes back synchronously. Never wrong data.
@@ -47,11 +47,12 @@ import torch
 from memfit.config import format_size
 from memfit.errors import MemfitError
 from memfit.native import hidden_from_profilers, record_function_switch
+from memfit.tensors import sole_owner, storage_key
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memfit_executor.matching import Binding, Entry, FirstSave, Identity, Matcher, SaveLog, make_matcher
 from memfit_executor.oracle import IdentityOracle
-from memfit_executor.storage_swap import StorageSwapper, SwapIn, SwapOut, sole_owner, storage_bytes
+from memfit_executor.storage_swap import StorageSwapper, SwapIn, SwapOut, storage_bytes
 
 log = logging.getLogger("memfit.executor")
 
@@ -253,7 +254,7 @@ class SwapRuntime:
         for t in tensors:
             if t is not None:
                 storage = t.untyped_storage()
-                self._static[int(storage._cdata)] = weakref.ref(storage)
+                self._static[storage_key(storage)] = weakref.ref(storage)
 
     def _is_static(self, key: int) -> bool:
         ref = self._static.get(key)
@@ -307,7 +308,7 @@ class SwapRuntime:
         nbytes = storage.nbytes()
         self._forwards[-1][1] += nbytes
         identity = self.oracle.identity(token) if self.oracle is not None else None
-        key = int(storage._cdata)
+        key = storage_key(storage)
         floor = self.min_swap_bytes
         if not self.track_below_plan and self.matcher is not None:
             floor = max(floor, self.matcher.min_nbytes)
@@ -451,9 +452,10 @@ class SwapRuntime:
         Read the count before the event: a copy found pending afterwards still held its reference
         when the count was read (the worker drops it before completing the event).
         """
-        uses = torch._C._storage_Use_Count(storage._cdata)
-        pending = 1 if self.backend.copy_holds_tensors and not swap.event.query() else 0
-        return uses == 1 + pending + len(swap._keepalive)
+        if_copy_pending = sole_owner(storage, 1 + len(swap._keepalive))
+        if_copy_done = sole_owner(storage, len(swap._keepalive))
+        pending = self.backend.copy_holds_tensors and not swap.event.query()
+        return if_copy_pending if pending else if_copy_done
 
     def _start_swap_in(self, stored: Stored) -> None:
         if stored.state != OUT or stored.swap_out is None:

@@ -53,6 +53,7 @@ import torch
 from memfit.config import MemfitModel, Size, format_size
 from memfit.errors import MemfitError
 from memfit.plugins import Hooks, get_hooks
+from memfit.tensors import optimizer_tensors
 from memfit.types import PlanningProblem
 from pydantic import Field
 from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -307,12 +308,7 @@ class SwapSession:
         if self.runtime is None or id(optimizer) in self._seen_optimizers:
             return
         self._seen_optimizers.add(id(optimizer))
-        tensors: list[torch.Tensor] = []
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                tensors.append(p)
-                tensors.extend(v for v in optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor))
-        self.runtime.protect(tensors)
+        self.runtime.protect(optimizer_tensors(optimizer, gradients=False))
 
     def _oom_error(self, exc: BaseException) -> SwapOutOfMemoryError:
         assert self.runtime is not None
@@ -541,7 +537,8 @@ class SwapSession:
     def report(self) -> dict[str, Any]:
         """What happened, as a JSON-ready dict (``memfit run --report`` writes it)."""
         stats = self.runtime.stats if self.runtime is not None else None
-        peak = self.profiler.peak_device_bytes if self.profiler is not None else self.backend.max_memory_allocated()
+        # finished iterations (the profiler's run peak) and the one in progress (the backend's since its last reset)
+        peak = max(self.backend.max_memory_allocated(), self.profiler.peak_device_bytes if self.profiler else 0)
         feasible = [p.feasible for p in self._plans.values() if p.feasible is not None]
         lowest = [p.lowest_peak_bytes for p in self._plans.values() if p.lowest_peak_bytes is not None]
         return {

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 from memfit.errors import MemfitError
+from memfit.tensors import storage_key
 
 
 class SwapError(MemfitError):
@@ -44,14 +45,6 @@ class SwapError(MemfitError):
 def storage_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
     """A flat uint8 tensor over the whole storage, with a version counter of its own."""
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
-
-
-def sole_owner(storage: torch.UntypedStorage) -> bool:
-    """Whether nothing but this Python storage object holds the storage (no tensor, no view).
-
-    Only then may its block be freed in place: no operator can read a storage no tensor refers to.
-    """
-    return torch._C._storage_Use_Count(storage._cdata) == 1
 
 
 class HostBufferPool:
@@ -197,12 +190,12 @@ class StorageSwapper:
 
     def protect(self, tensors: Any) -> None:
         """Never swap these tensors' storages (e.g. ``model.parameters()``)."""
-        self.protected.update(int(t.untyped_storage()._cdata) for t in tensors)
+        self.protected.update(storage_key(t.untyped_storage()) for t in tensors)
 
     def check(self, tensor: torch.Tensor) -> torch.UntypedStorage:
         """The tensor's storage, if it may be swapped; otherwise :class:`SwapError` saying why."""
         storage = tensor.untyped_storage()
-        if isinstance(tensor, torch.nn.Parameter) or int(storage._cdata) in self.protected:
+        if isinstance(tensor, torch.nn.Parameter) or storage_key(storage) in self.protected:
             raise SwapError("parameters, buffers and optimizer states are never swapped")
         if tensor.device.type != self.backend.device_type:
             raise SwapError(f"tensor is on {tensor.device}, the backend's device is {self.backend.device_type}")

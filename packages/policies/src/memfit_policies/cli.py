@@ -1,68 +1,111 @@
-"""``memfit plan TRACE --budget SIZE``: a swap plan from a trace, with a summary and a picture."""
+"""``memfit plan TRACE --budget SIZE``: the best plan of the installed planners, with a summary and a picture.
+
+Every installed planner is asked (``--planner`` names some), through the same hooks a swap
+session uses; the swap planner's options have flags of their own. The outcome is one of three
+(:mod:`memfit.plan`): the plan keeps its margin (written); it fits the budget but not the margin
+(written, with a warning); it does not fit (not written; the lowest reachable peak and what to
+do are said, and exit status 1). ``--plot`` is drawn in every case, to show why.
+"""
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 import click
 import numpy as np
 from memfit.config import format_size, parse_size
 from memfit.errors import MemfitError
-from memfit.plan import MemoryPlan
+from memfit.plan import MemoryPlan, Swap
+from memfit.plotting import ByteAxis, pyplot
+from memfit.plugins import get_hooks
 from memfit.trace import Trace
+from memfit.types import PlanningProblem
 from rich.console import Console
 from rich.table import Table
 
-from memfit_policies.swap import CannotFit, SwapPlannerConfig, generate_swap_plan, predicted_memory_curve
+from memfit_policies.swap import predicted_memory_curve
 
 console = Console()
 
 
+def planned_memory_curve(trace: Trace, plan: MemoryPlan) -> np.ndarray:
+    """Device bytes after each operator under ``plan``: the planner's own curve when it gave one, else its swaps'."""
+    if plan.predicted.memory_curve:
+        return np.asarray(plan.predicted.memory_curve, dtype=np.int64)
+    return predicted_memory_curve(trace, plan)
+
+
 def plot_memory(trace: Trace, plan: MemoryPlan, path: Path) -> None:
-    """Draw the no-swap and the planned memory curves against the budget and the limit (PNG).
+    """Draw the memory curves without and with the plan against the budget and the margin (PNG).
 
     Raises:
         MemfitError: matplotlib is not installed.
     """
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        raise MemfitError("--plot needs matplotlib: pip install 'memfit-policies[plot]'") from exc
-    before = trace.no_swap_memory_curve() / 2**30
-    after = predicted_memory_curve(trace, plan) / 2**30
+    plt = pyplot("pip install 'memfit-policies[plot]'")
+    before = trace.no_swap_memory_curve()
+    after = planned_memory_curve(trace, plan)
+    levels = {"budget": plan.budget_bytes}
+    if plan.predicted.margin_bytes:
+        levels["budget - margin"] = plan.budget_bytes - plan.predicted.margin_bytes
     fig, ax = plt.subplots(figsize=(10, 4.5), dpi=120)
+    axis = ByteAxis.fit(ax, top_bytes=float(max(before.max(initial=0), after.max(initial=0))), levels=levels)
     ops = np.arange(trace.n_ops)
-    ax.plot(ops, before, label="without swapping", color="#999999", linewidth=1)
-    ax.plot(ops, after, label=f"with the plan ({len(plan.actions)} swaps)", color="#1f77b4", linewidth=1.2)
-    ax.axhline(plan.budget_bytes / 2**30, color="#d62728", linestyle="--", linewidth=1, label="budget")
-    for layer in plan.layers:
-        if layer.phase == "BWD":
-            ax.axvline(layer.start_op, color="#dddddd", linewidth=0.5, zorder=0)
-            break
+    ax.plot(ops, axis.scaled(before), label="without the plan", color="#999999", linewidth=1)
+    ax.plot(ops, axis.scaled(after), label=f"with the plan ({_actions(plan)})", color="#1f77b4", linewidth=1.2)
+    axis.draw_levels(
+        ax,
+        {
+            "budget": {"color": "#d62728", "linestyle": "--", "linewidth": 1},
+            "budget - margin": {"color": "#ff9896", "linestyle": ":", "linewidth": 1},
+        },
+    )
+    backward = next((layer.start_op for layer in plan.layers if layer.phase == "BWD"), None)
+    if backward is not None:
+        ax.axvline(backward, color="#bbbbbb", linewidth=0.6, zorder=0, label="backward begins")
     ax.set_xlabel("operator")
-    ax.set_ylabel("device memory (GiB)")
-    ax.set_title(f"memfit plan: peak {format_size(trace.peak_bytes())} -> {format_size(plan.predicted.peak_bytes)}")
-    ax.legend(loc="upper right")
+    if plan.keeps_margin():
+        verdict = "fits, margin kept"
+    else:
+        verdict = "fits, margin NOT kept" if plan.is_feasible() else "DOES NOT FIT"
+    ax.set_title(
+        f"memfit plan ({plan.planner}): peak {axis.format(before.max(initial=0))} -> "
+        f"{axis.format(plan.predicted.peak_bytes)}, budget {axis.format(plan.budget_bytes)}: {verdict}"
+    )
+    ax.legend(loc="upper right", fontsize="small")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
 
 
+def _actions(plan: MemoryPlan) -> str:
+    counts = Counter(action.kind for action in plan.actions)
+    return ", ".join(f"{n} {kind}{'s' if n != 1 else ''}" for kind, n in counts.items()) or "no actions"
+
+
 def summary(trace: Trace, plan: MemoryPlan) -> Table:
-    """Peak before and after, budget, swaps, traffic, stall, layers, and whether it fits."""
-    table = Table(title="memfit plan (swap)", show_header=False)
+    """Peak before and after, budget and margin, the actions and their cost, and how well the plan fits."""
+    predicted = plan.predicted
+    table = Table(title=f"memfit plan ({plan.planner})", show_header=False)
     table.add_row("trace", f"{trace.source}, {trace.n_ops} operators, {len(trace.tensors)} tensors")
-    table.add_row("peak without swapping", format_size(int(trace.no_swap_memory_curve().max())))
+    table.add_row("peak without the plan", format_size(int(trace.no_swap_memory_curve().max(initial=0))))
     table.add_row("budget", format_size(plan.budget_bytes))
-    table.add_row("predicted peak", format_size(plan.predicted.peak_bytes))
-    table.add_row("tensors swapped", str(len(plan.actions)))
-    table.add_row("swap traffic per step", format_size(plan.predicted.swap_bytes))
-    table.add_row("predicted stall per step", f"{plan.predicted.stall_seconds * 1e3:.2f} ms")
-    table.add_row("logical layers", str(len(plan.layers)))
-    table.add_row("fits", "yes" if plan.is_feasible() else "NO")
+    if predicted.margin_bytes:
+        table.add_row("margin kept free", format_size(predicted.margin_bytes))
+    table.add_row("predicted peak", format_size(predicted.peak_bytes))
+    swaps = sum(isinstance(action, Swap) for action in plan.actions)
+    if swaps or not plan.actions:
+        table.add_row("tensors swapped", str(swaps))
+    if len(plan.actions) > swaps:
+        table.add_row("actions", _actions(plan))
+    table.add_row("swap traffic per step", format_size(predicted.swap_bytes))
+    table.add_row("predicted stall per step", f"{predicted.stall_seconds * 1e3:.2f} ms")
+    if plan.layers:
+        table.add_row("logical layers", str(len(plan.layers)))
+    fits = "yes" if plan.is_feasible() else f"NO (the lowest peak reachable is {format_size(predicted.peak_bytes)})"
+    table.add_row("fits the budget", fits)
+    if predicted.margin_bytes:
+        table.add_row("keeps the margin", "yes" if plan.keeps_margin() else "no")
     return table
 
 
@@ -79,39 +122,61 @@ def summary(trace: Trace, plan: MemoryPlan) -> Table:
     help="Plan from a simulated step of the reference model instead of TRACE (needs memfit-simulator), "
     "e.g. tiny:8x128 or llama2-7b:1x4096:bfloat16.",
 )
+@click.option(
+    "--planner",
+    "planners",
+    multiple=True,
+    metavar="NAME",
+    help="Ask only this planner (repeat for several); default: every installed one (memfit plugins lists them).",
+)
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), help="Write the plan here (JSON).")
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), help="Draw memory before/after (PNG).")
-@click.option("--margin", default=None, help="Bytes kept free below the budget (default: min(2GiB, 10%)).")
 @click.option("--bandwidth", default="12GB", show_default=True, help="Host-device bytes per second, e.g. 25GB.")
-@click.option("--layers-per-phase", type=click.IntRange(1), default=None, help="Logical layers per phase.")
-@click.option("--model-layers", type=click.IntRange(1), default=None, help="The model's layer count.")
-@click.option("--min-tensor", default=None, help="Smallest tensor to swap (default: min(20MiB, budget/256)).")
-def plan(trace_path, budget, simulate_spec, out, plot, margin, bandwidth, layers_per_phase, model_layers, min_tensor):
-    """Plan swaps for the step in TRACE (or a simulated one, --simulate) so that it fits in --budget."""
+@click.option("--margin", default=None, help="swap planner: bytes kept free below the budget (min(2GiB, 10%)).")
+@click.option("--layers-per-phase", type=click.IntRange(1), default=None, help="swap planner: logical layers a phase.")
+@click.option("--model-layers", type=click.IntRange(1), default=None, help="swap planner: the model's layer count.")
+@click.option("--min-tensor", default=None, help="swap planner: smallest tensor to swap (min(20MiB, budget/256)).")
+def plan(trace_path, budget, simulate_spec, planners, out, plot, bandwidth, **swap_flags):
+    """Plan for the step in TRACE (or a simulated one, --simulate) so that it fits in --budget."""
+    # the swap planner's flags, under its option names
+    renamed = {"min_tensor": "min_tensor_bytes"}
+    swap_options = {renamed.get(flag, flag): value for flag, value in swap_flags.items() if value is not None}
     try:
+        if swap_options and planners and "swap" not in {name.lower() for name in planners}:
+            raise MemfitError(
+                "--margin, --layers-per-phase, --model-layers and --min-tensor are options of the swap planner, "
+                f"which --planner {' --planner '.join(planners)} does not ask"
+            )
         trace = _simulated_trace(simulate_spec) if simulate_spec else _load(trace_path)
-        config = SwapPlannerConfig(
-            margin=margin, layers_per_phase=layers_per_phase, model_layers=model_layers, min_tensor_bytes=min_tensor
+        problem = PlanningProblem(
+            trace=trace,
+            budget_bytes=parse_size(budget, what="budget"),
+            host_to_device_bytes_per_s=parse_size(bandwidth, what="bandwidth"),
+            options={"swap": swap_options} if swap_options else {},
         )
-        budget_bytes = parse_size(budget, what="budget")
-        bandwidth_bytes = parse_size(bandwidth, what="bandwidth")
-        try:
-            result = generate_swap_plan(trace, budget_bytes, config, bandwidth_bytes)
-        except CannotFit as exc:
-            console.print(summary(trace, exc.plan))
-            raise click.ClickException(str(exc)) from exc
+        result = get_hooks().choose_plan(problem, planners or None, require_feasible=False)
+        console.print(summary(trace, result))
+        if plot is not None:
+            plot_memory(trace, result, plot)
+            console.print(f"memory curves drawn to {plot}")
     except MemfitError as exc:
         raise click.ClickException(str(exc)) from exc
-    console.print(summary(trace, result))
+    if not result.is_feasible():
+        why = result.predicted.shortfall or (
+            f"the lowest peak reachable is {format_size(result.predicted.peak_bytes)}. Raise the budget, or reduce "
+            "the batch size or sequence length."
+        )
+        unwritten = f" No plan written to {out}." if out is not None else ""
+        fits_not = f"no plan fits the budget of {format_size(result.budget_bytes)} ({result.planner} planner)"
+        raise click.ClickException(f"{fits_not}: {why}{unwritten}")
+    if not result.keeps_margin():
+        console.print(
+            f"[yellow]warning[/]: the plan fits the budget but not its margin of "
+            f"{format_size(result.predicted.margin_bytes)}: {result.predicted.shortfall}"
+        )
     if out is not None:
         result.save(out)
         console.print(f"plan written to {out}")
-    if plot is not None:
-        try:
-            plot_memory(trace, result, plot)
-        except MemfitError as exc:
-            raise click.ClickException(str(exc)) from exc
-        console.print(f"memory curves drawn to {plot}")
 
 
 def _load(trace_path: Path | None) -> Trace:

@@ -13,19 +13,36 @@ from memfit.types import CommandSpec, PlannerSpec, PlanningProblem
 
 log = logging.getLogger("memfit.policies")
 
+SWAP_VARIATIONS = (
+    {},
+    {"size_weight": 1.0},
+    {"size_weight": 4.0},
+    {"layers_per_phase": 20},
+    {"size_weight": 0.5},
+)
+"""Settings a swap session tries as plan candidates, after the defaults: the weight C of the size
+term in Eq. 2 and finer logical layers (REF-CODE also searches C and the margin)."""
+
 
 @hookimpl
 def register_planners():
-    """The swap policy generator (Chameleon, Algorithm 2)."""
-    yield PlannerSpec(name="swap", description="swap activations to host memory (Chameleon policy generator)")
+    """The swap policy generator (Chameleon, Algorithm 2), its options and the settings worth trying."""
+    from memfit_policies.swap import SwapPlannerConfig
+
+    yield PlannerSpec(
+        name="swap",
+        description="swap activations to host memory (Chameleon policy generator)",
+        options=SwapPlannerConfig,
+        variations=SWAP_VARIATIONS,
+    )
 
 
 @hookimpl
 def plan_memory(problem: PlanningProblem) -> MemoryPlan | None:
-    """Propose a swap plan; when the step cannot fit, the best-effort (infeasible) plan, so the caller can say why."""
+    """Propose a swap plan; when the step cannot fit, the best-effort plan, whose prediction says so (memfit.plan)."""
     from memfit_policies.swap import CannotFit, SwapPlannerConfig, generate_swap_plan
 
-    config = SwapPlannerConfig.model_validate(dict(problem.options.get("swap", {})))
+    config = problem.planner_options("swap", SwapPlannerConfig)
     try:
         return generate_swap_plan(problem.trace, problem.budget_bytes, config, problem.host_to_device_bytes_per_s)
     except CannotFit as exc:

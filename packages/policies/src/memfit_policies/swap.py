@@ -52,15 +52,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
-from memfit.config import MemfitModel, Size
+from memfit.config import MemfitModel, Size, format_size
 from memfit.errors import MemfitError
 from memfit.plan import LogicalLayer, MemoryPlan, PlanPrediction, PlanSource, Swap, TensorMatch
 from memfit.trace import Trace
+from memfit.types import Phase
 from pydantic import Field, PositiveFloat
 
 DEFAULT_BANDWIDTH = 12e9
 """Bytes per second when nobody says: an effective PCIe 3.0 x16 link."""
-_PHASES = ("FWD", "BWD", "OPT")
 
 
 class SwapPlannerConfig(MemfitModel):
@@ -83,19 +83,39 @@ class SwapPlannerConfig(MemfitModel):
 
 
 class CannotFit(MemfitError):
-    """Even swapping every candidate cannot bring the step under the limit."""
+    """Even swapping every candidate cannot bring the step under the limit (the budget minus the margin).
+
+    Only :func:`generate_swap_plan` raises it; the ``plan_memory`` hook returns :attr:`plan`
+    instead, whose ``predicted.shortfall`` is this message (see :mod:`memfit.plan`).
+    """
 
     def __init__(self, lowest_peak_bytes: int, limit_bytes: int, budget_bytes: int, plan: MemoryPlan) -> None:
         self.lowest_peak_bytes = lowest_peak_bytes
         self.limit_bytes = limit_bytes
         self.budget_bytes = budget_bytes
         self.plan = plan
-        """The best-effort plan (infeasible): every useful candidate swapped over its widest window."""
-        super().__init__(
-            f"cannot fit the step under {limit_bytes} B (budget {budget_bytes} B minus margin): swapping every "
-            f"candidate still peaks at {lowest_peak_bytes} B. Raise the budget, lower the margin or "
-            f"min_tensor_bytes, or reduce the batch or sequence."
+        """The best-effort plan: every useful candidate swapped over its widest window."""
+        super().__init__(plan.predicted.shortfall)
+
+
+def _shortfall(lowest_peak: int, budget: int, margin: int, margin_given: bool) -> str:
+    """What a user reads when the step cannot be brought under the budget minus the margin."""
+    limit = budget - margin
+    # the smallest budget whose limit is the lowest peak: with the default margin, 10% of it up to 2 GiB
+    needed = lowest_peak + margin if margin_given else min(-(-lowest_peak * 10 // 9), lowest_peak + 2 * 2**30)
+    if lowest_peak <= budget:
+        return (
+            f"swapping every candidate still peaks at {format_size(lowest_peak)} ({lowest_peak} B): within the "
+            f"budget of {format_size(budget)} but not under it minus the margin ({format_size(limit)}), which "
+            f"leaves room for what the prediction misses. Lower the margin (if the prediction is exact enough) or "
+            f"min_tensor_bytes, raise the budget, or reduce the batch size or sequence length."
         )
+    return (
+        f"cannot fit the step under {format_size(limit)} ({limit} B; the budget of {format_size(budget)} minus a "
+        f"margin of {format_size(margin)}): swapping every candidate still peaks at {format_size(lowest_peak)} "
+        f"({lowest_peak} B). Raise the budget to at least {format_size(needed)}, lower "
+        f"min_tensor_bytes, or reduce the batch size or sequence length."
+    )
 
 
 @dataclass
@@ -111,12 +131,12 @@ def logical_layers(trace: Trace, per_phase: int) -> _Layers:
     """Split FWD and BWD operators each into ``per_phase`` equal groups by count; OPT is one group."""
     phases = trace.ops.phase
     groups: list[tuple[np.ndarray, str]] = []
-    for value, name in enumerate(_PHASES):
-        ops = np.flatnonzero(phases == value)
+    for phase in Phase:
+        ops = np.flatnonzero(phases == phase)
         if ops.size == 0:
             continue
-        parts = np.array_split(ops, min(per_phase, ops.size)) if name != "OPT" else [ops]
-        groups.extend((p, name) for p in parts)
+        parts = np.array_split(ops, min(per_phase, ops.size)) if phase is not Phase.OPT else [ops]
+        groups.extend((p, phase.name) for p in parts)
     groups.sort(key=lambda g: int(g[0][0]))
     durations = trace.ops.duration_s
     per_op = np.full(trace.n_ops, trace.step_seconds / max(1, trace.n_ops))
@@ -163,11 +183,9 @@ def _candidates(trace: Trace, layers: _Layers, min_bytes: int) -> _Candidates:
     """Tensors used in forward and again later in backward, big enough, not parameters, with a window."""
     n_tensors = len(trace.tensors)
     use_ops, use_tensors = trace.tensor_uses()
-    phase_of_use = trace.ops.phase[use_ops]
-    fwd = phase_of_use == 0
-    last_fwd = np.full(n_tensors, -1, dtype=np.int64)
-    np.maximum.at(last_fwd, use_tensors[fwd], use_ops[fwd])
-    later_bwd = (phase_of_use == 1) & (use_ops > last_fwd[use_tensors]) & (last_fwd[use_tensors] >= 0)
+    last_fwd = trace.last_forward_use()
+    backward_use = trace.ops.phase[use_ops] == Phase.BWD
+    later_bwd = backward_use & (use_ops > last_fwd[use_tensors]) & (last_fwd[use_tensors] >= 0)
     first_bwd = np.full(n_tensors, np.iinfo(np.int64).max, dtype=np.int64)
     np.minimum.at(first_bwd, use_tensors[later_bwd], use_ops[later_bwd])
     ok = (
@@ -261,8 +279,10 @@ def generate_swap_plan(
         gain = widest_cover - chosen_cover  # what choosing or widening would add
         useful = np.flatnonzero(gain > 0)
         if useful.size == 0:
-            raise CannotFit(_lowest_peak(memory, cand), limit, budget_bytes,
-                            _plan(trace, budget_bytes, layers, cand, need + limit, margin))  # fmt: skip
+            lowest = _lowest_peak(memory, cand)
+            best_effort = _plan(trace, budget_bytes, layers, cand, need + limit, margin,
+                                _shortfall(lowest, budget_bytes, margin, config.margin is not None))  # fmt: skip
+            raise CannotFit(lowest, limit, budget_bytes, best_effort)
         score = _minmax(gain[useful].astype(float)) + config.size_weight * _minmax(np.cbrt(cand.size[useful]))
         order = useful[np.argsort(-score, kind="stable")][: config.search_width]
         placed = False
@@ -318,7 +338,9 @@ def _lowest_peak(memory: np.ndarray, cand: _Candidates) -> int:
     return int((memory - np.cumsum(delta)[:-1]).max())
 
 
-def _plan(trace: Trace, budget: int, layers: _Layers, cand: _Candidates, curve: np.ndarray, margin: int) -> MemoryPlan:
+def _plan(
+    trace: Trace, budget: int, layers: _Layers, cand: _Candidates, curve: np.ndarray, margin: int, shortfall: str = ""
+) -> MemoryPlan:
     chosen = np.flatnonzero(cand.hi > cand.lo)
     chosen = chosen[np.argsort(cand.last_fwd[chosen], kind="stable")]
     t = trace.tensors
@@ -352,6 +374,8 @@ def _plan(trace: Trace, budget: int, layers: _Layers, cand: _Candidates, curve: 
         ),
         predicted=PlanPrediction(
             peak_bytes=int(curve.max()) if curve.size else 0,
+            margin_bytes=margin,
+            shortfall=shortfall,
             swap_bytes=2 * int(cand.size[chosen].sum()),
             stall_seconds=stall,
             overhead_seconds=stall,

@@ -17,7 +17,6 @@ from memfit_profiler.__about__ import __version__
 _EXPORTS = {
     "IterationRecord": "memfit_profiler.profiler",
     "OnlineProfiler": "memfit_profiler.profiler",
-    "storage_key": "memfit_profiler.recorder",
     "Observation": "memfit_profiler.stages",
     "Similarity": "memfit_profiler.stages",
     "Stage": "memfit_profiler.stages",

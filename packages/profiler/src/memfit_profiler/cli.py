@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import click
 import numpy as np
-from memfit.cli.scripts import run_python_command
+from memfit.cli.scripts import PythonCommand
 from memfit.config import format_size
 from memfit.errors import MemfitError
 from memfit.trace import Trace
@@ -116,13 +116,14 @@ def profile(backend, capacity, out, mode, stable_before_genpolicy, stable_before
         logging.basicConfig(level=logging.INFO, format="%(message)s")
     options = {"capacity": capacity} if capacity else {}
     try:
+        script = PythonCommand.parse(command, cli_name="memfit profile")  # before anything runs
         device = get_hooks().create_backend(backend, **options)
     except MemfitError as exc:
         raise click.ClickException(str(exc)) from exc
     profiler = OnlineProfiler(device, m=stable_before_genpolicy, n=stable_before_stable, mode=mode)
     try:
         with device.activate(), profiler:
-            run_python_command(command, cli_name="memfit profile")
+            exit_code = script.run()
     except MemfitError as exc:
         raise click.ClickException(str(exc)) from exc
     finally:
@@ -139,3 +140,5 @@ def profile(backend, capacity, out, mode, stable_before_genpolicy, stable_before
         console.print(f"trace of iteration {profiler.traces[-1].iteration} written to {out}")
     counts = Counter(i.stage.value for i in profiler.iterations)
     console.print("iterations per stage: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
+    if exit_code not in (None, 0):  # the script's own sys.exit(), after the summary
+        raise SystemExit(exit_code)

@@ -39,11 +39,12 @@ import torch
 from memfit.errors import MemfitError
 from memfit.features import tensor_features
 from memfit.plugins import Hooks, get_hooks
+from memfit.tensors import optimizer_tensors, storage_key
 from memfit.trace import OpTable, SwapTable, TensorTable, Trace
 from memfit.types import OpDispatchEvent, Phase
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from memfit_profiler.recorder import DETAILED, LIGHTWEIGHT, OFF, RawIteration, make_recorder, storage_key
+from memfit_profiler.recorder import DETAILED, LIGHTWEIGHT, OFF, RawIteration, make_recorder
 from memfit_profiler.stages import Observation, Similarity, Stage, StageMachine
 
 log = logging.getLogger("memfit.profiler")
@@ -265,7 +266,7 @@ class OnlineProfiler:
     def _after_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.recorder.set_optimizer_phase(False)
         if self._detailed:  # only Detailed traces mark static storages; skip the walk otherwise
-            self._static_keys.update(_optimizer_storage_keys(optimizer))
+            self._static_keys.update(_storage_keys(optimizer_tensors(optimizer, gradients=True)))
         self._end_iteration("optimizer")
 
     def _begin_iteration(self) -> None:
@@ -398,6 +399,7 @@ class OnlineProfiler:
             source="measured",
             backend=self.backend.name if self.backend is not None else "",
             iteration=iteration,
+            op_level=self.recorder.op_level,
         )
         use_ops, use_tensors = trace.tensor_uses()
         count, tag, stack = tensor_features(tokens, phases, use_ops, use_tensors, n_tensors)
@@ -424,16 +426,4 @@ def _deliver(trace: Trace, callbacks: tuple[Callable[[OpDispatchEvent], None], .
 
 
 def _storage_keys(tensors: Iterable[torch.Tensor]) -> set[int]:
-    return {storage_key(t) for t in tensors if t is not None}
-
-
-def _optimizer_storage_keys(optimizer: torch.optim.Optimizer) -> set[int]:
-    """Parameters, their gradients and optimizer states: static memory, never swap candidates."""
-    tensors: list[torch.Tensor] = []
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            tensors.append(p)
-            if p.grad is not None:
-                tensors.append(p.grad)
-            tensors.extend(v for v in optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor))
-    return _storage_keys(tensors)
+    return {storage_key(t.untyped_storage()) for t in tensors if t is not None}

@@ -19,7 +19,9 @@ from typing import Any
 import numpy as np
 import torch
 from memfit.errors import NativeBuildError
-from memfit.trace import to_csr
+from memfit.tensors import storage_key
+from memfit.trace import OpLevel, to_csr
+from memfit.types import Phase
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -28,7 +30,6 @@ log = logging.getLogger("memfit.profiler")
 OFF, LIGHTWEIGHT, DETAILED = 0, 1, 2
 CALLBACK_FLOOR = 3
 """Native only, for benchmarks: a callback that records nothing: the cost of RecordFunction itself."""
-FWD, BWD, OPT = 0, 1, 2
 CONTEXT_OPS = 3
 """Operators folded into the context :meth:`NativeRecorder.position` reports (the native side has its own copy)."""
 
@@ -60,15 +61,11 @@ class RawIteration:
     detail: dict[str, np.ndarray] | None = None
 
 
-def storage_key(tensor: torch.Tensor) -> int:
-    """The identity the recorders give a tensor's storage (its StorageImpl address)."""
-    return int(tensor.untyped_storage()._cdata)
-
-
 class NativeRecorder:
     """The ``at::RecordFunction`` recorder (see ``native/op_recorder.cpp``)."""
 
     native = True
+    op_level: OpLevel = "record_function"
 
     def __init__(self) -> None:
         from memfit.native import load_extension
@@ -138,6 +135,7 @@ class PythonRecorder:
     """Fallback recorder over a ``TorchDispatchMode``; same results, far slower."""
 
     native = False
+    op_level: OpLevel = "dispatcher"
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -153,7 +151,7 @@ class PythonRecorder:
         self._tokens: list[int] = []
         self._phases: list[int] = []
         self._boundaries: list[int] = []
-        self._last_phase = FWD
+        self._last_phase = Phase.FWD
         self._detail_base = 0
         self._ops: list[tuple[list[int], list[int], int]] = []
         self._rows: list[tuple[weakref.ref, int, int, int, tuple[int, ...]]] = []
@@ -190,7 +188,7 @@ class PythonRecorder:
 
     def _row(self, t: torch.Tensor) -> int:
         storage = t.untyped_storage()
-        key = int(storage._cdata)
+        key = storage_key(storage)
         row = self._row_by_key.get(key)
         if row is not None and self._rows[row][0]() is not None:
             return row
@@ -222,10 +220,13 @@ class PythonRecorder:
         name = func.name()
         if name.startswith("profiler::"):  # range bookkeeping (e.g. Optimizer.step#...), not computation
             return func(*args, **kwargs)
-        phase = OPT if self._optimizer else (BWD if torch._C._current_graph_task_id() >= 0 else FWD)
+        if self._optimizer:
+            phase = Phase.OPT
+        else:
+            phase = Phase.BWD if torch._C._current_graph_task_id() >= 0 else Phase.FWD
         with self._lock:
             index = len(self._tokens)
-            if phase == FWD and self._last_phase == BWD:
+            if phase is Phase.FWD and self._last_phase is Phase.BWD:
                 self._boundaries.append(index)
             self._last_phase = phase
             token = self._token_by_name.setdefault(name, len(self._token_by_name))

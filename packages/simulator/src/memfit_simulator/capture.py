@@ -314,6 +314,7 @@ def to_trace(
         source="simulated",
         backend="simulator",
         iteration=0,
+        op_level="dispatcher",  # a TorchDispatchMode under fake tensors
     )
     use_ops, use_tensors = trace.tensor_uses()
     count, tag, stack = tensor_features(trace.ops.token, trace.ops.phase, use_ops, use_tensors, n)

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import click
+import numpy as np
 from memfit.config import format_size
 from memfit.errors import MemfitError
 from rich.console import Console
@@ -95,22 +96,29 @@ def simulate(model, layers, device, batch, seq, dtype, optimizer, as_json, plot,
 
 
 def _plot(result, path: Path) -> None:
-    try:
-        import matplotlib
-    except ModuleNotFoundError as exc:
-        raise click.ClickException("--plot needs matplotlib: pip install matplotlib") from exc
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """Stacked memory by category over the step, scaled to the step; the capacity is drawn when in range."""
+    from memfit.plotting import ByteAxis, pyplot
 
     from memfit_simulator.capture import CATEGORIES
 
-    gib = 2**30
-    fig, ax = plt.subplots(figsize=(10, 4))
-    curves = [result.memory.by_category[c] / gib for c in CATEGORIES]
-    ax.stackplot(range(result.step.n_ops), *curves, labels=CATEGORIES)
-    ax.axhline(result.spec.capacity_bytes / gib, color="black", linestyle="--", label="device capacity")
-    ax.set(xlabel="operator", ylabel="GiB", title="predicted device memory by category")
-    ax.legend(loc="upper left", fontsize="small")
+    try:
+        plt = pyplot("pip install matplotlib")
+    except MemfitError as exc:
+        raise click.ClickException(str(exc)) from exc
+    fig, ax = plt.subplots(figsize=(11, 4))
+    curves = [result.memory.by_category[c] for c in CATEGORIES]
+    total = np.sum(curves, axis=0)
+    capacity = result.spec.capacity_bytes
+    axis = ByteAxis.fit(ax, top_bytes=float(total.max(initial=0)), levels={"device capacity": capacity})
+    ax.stackplot(range(result.step.n_ops), *(axis.scaled(c) for c in curves), labels=CATEGORIES)
+    axis.draw_levels(ax, {"device capacity": {"color": "black", "linestyle": "--"}})
+    share = 100 * result.memory.peak_bytes / capacity
+    ax.set(
+        xlabel="operator",
+        title=f"predicted device memory by category: peak {axis.format(result.memory.peak_bytes)} "
+        f"({'<0.1' if share < 0.1 else f'{share:.1f}'}% of the {result.spec.name} capacity)",
+    )
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small")  # beside the data, never over it
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

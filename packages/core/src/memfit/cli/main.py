@@ -1,13 +1,13 @@
 """``memfit``: the entry point. Built-in commands live here; packages contribute the rest.
 
-A subcommand registered by a package (``profile``, ``plan``, ``run``, ``simulate``, ...) exists
-exactly when that package is installed: :class:`MemfitGroup` asks the plugin manager for them.
+A subcommand registered by a package (``profile``, ``plan``, ``run``, ``simulate``, ``demo``, ...)
+exists exactly when that package is installed: :class:`MemfitGroup` asks the plugin manager for
+them, and names the package to install when one of memfit's own is missing.
 """
 
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import click
 from rich.console import Console
@@ -38,7 +38,33 @@ class MemfitGroup(click.Group):
         return sorted([*self.commands, *self._plugin_commands()])
 
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
-        return self.commands.get(cmd_name) or self._plugin_commands().get(cmd_name)
+        command = self.commands.get(cmd_name) or self._plugin_commands().get(cmd_name)
+        if command is None and cmd_name in COMMAND_PACKAGES:
+            return _needs_package(cmd_name, COMMAND_PACKAGES[cmd_name])
+        return command
+
+
+COMMAND_PACKAGES = {
+    "profile": "memfit-profiler",
+    "plan": "memfit-policies",
+    "simulate": "memfit-simulator",
+    "run": "memfit-executor",
+    "demo": "memfit-executor",
+}
+"""The subcommands memfit's own packages add, by the distribution that adds each: typed without
+that package installed, they say what to install instead of "No such command"."""
+
+
+def _needs_package(name: str, distribution: str) -> click.Command:
+    def explain() -> None:
+        raise click.ClickException(f"memfit {name} is part of {distribution}: pip install {distribution}")
+
+    return click.Command(
+        name,
+        callback=explain,
+        context_settings={"ignore_unknown_options": True, "allow_extra_args": True, "help_option_names": []},
+        add_help_option=False,
+    )
 
 
 @click.group(cls=MemfitGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -64,37 +90,6 @@ def plugins() -> None:
     for info in infos:
         table.add_row(info.name, info.kind, info.distribution, info.version)
     console.print(table)
-
-
-@cli.command()
-@click.option("--model", default="tiny", show_default=True, help="Reference model preset.")
-@click.option(
-    "--layers", default=8, show_default=True, type=click.IntRange(1), help="Decoder layers (overrides the preset)."
-)
-@click.option("--steps", default=20, show_default=True, type=click.IntRange(1), help="Training steps.")
-@click.option("--batch-size", default=8, show_default=True, type=click.IntRange(1))
-@click.option("--seq-len", default=128, show_default=True, type=click.IntRange(2))
-@click.option(
-    "--budget", default=None, help="Device memory to train in, e.g. 16MiB; default: a quarter of the unswapped peak."
-)
-@click.option(
-    "--plot",
-    type=click.Path(dir_okay=False, path_type=Path),
-    default=Path("memfit-demo.png"),
-    show_default=True,
-    help="Where to draw the memory timeline (PNG).",
-)
-def demo(model: str, layers: int, steps: int, batch_size: int, seq_len: int, budget: str | None, plot: Path) -> None:
-    """Train the bundled Llama on cpu-sim in a quarter of the memory it needs, with memfit's swap executor."""
-    from memfit.cli.demo import run_demo
-
-    try:
-        run_demo(
-            console, model=model, layers=layers, steps=steps, batch_size=batch_size, seq_len=seq_len,
-            budget=budget, plot=plot,
-        )  # fmt: skip
-    except MemfitError as exc:
-        raise click.ClickException(str(exc)) from exc
 
 
 def main() -> None:

@@ -3,25 +3,26 @@
 It first measures the step's unswapped peak on a roomy cpu-sim device, then trains under a budget
 (default: a quarter of that peak) with memfit's swap executor, showing per step the loss, the
 profiler's stage, the peak against the budget and the swap traffic, and draws the memory timeline
-to a PNG. Without memfit-executor installed it trains unswapped and says what to install.
+to a PNG. It lives in memfit-executor because it shows the executor at work; with core alone,
+``memfit demo`` says to install memfit-executor.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import importlib.util
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import click
+from memfit.config import format_size, parse_size
+from memfit.errors import MemfitError
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from memfit.config import format_size, parse_size
-from memfit.errors import MemfitError
+console = Console()
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,6 @@ class DemoResult:
     unswapped_peak_bytes: int
     peak_device_bytes: int
     budget_bytes: int
-    swapped: bool
     plot: Path | None
 
 
@@ -80,6 +80,9 @@ def run_demo(
     plot: Path | None,
 ) -> DemoResult:
     """Train under a budget and print per-step loss, stage, peak and swap traffic; see the module docs."""
+    import memfit
+    from memfit.models import build_training
+
     config = _config(model, layers)
     peak = measure_unswapped_peak(config, batch_size, seq_len)
     budget_bytes = parse_size(budget, what="budget") if budget is not None else peak // 4
@@ -90,17 +93,6 @@ def run_demo(
         f"on cpu-sim. Unswapped peak {format_size(peak)}; budget {format_size(budget_bytes)} "
         f"({100 * budget_bytes / peak:.0f}% of it)"
     )
-    if importlib.util.find_spec("memfit_executor") is None:
-        console.print("memfit-executor is not installed, so the demo trains unswapped (pip install memfit-executor)")
-        capacity = budget_bytes if budget is not None else 64 * 2**30
-        return _train_unswapped(console, config, steps, batch_size, seq_len, peak, capacity)
-    return _train_swapped(console, config, steps, batch_size, seq_len, peak, budget_bytes, plot)
-
-
-def _train_swapped(console, config, steps, batch_size, seq_len, peak, budget_bytes, plot) -> DemoResult:
-    import memfit
-    from memfit.models import build_training
-
     mib = 2**20
     table = Table(
         "step", "loss", "stage", "time", f"peak MiB (budget {budget_bytes / mib:.1f})", "swapped MiB", "passive"
@@ -128,40 +120,7 @@ def _train_swapped(console, config, steps, batch_size, seq_len, peak, budget_byt
         f"generated, {format_size(report['swapped_out_bytes'])} swapped out, {report['passive_swaps']} passive swaps"
     )
     written = _plot(console, plot, session.iterations, trace, peak, budget_bytes) if plot is not None else None
-    return DemoResult(
-        losses, run.step_seconds, peak, report["peak_device_bytes"], budget_bytes, swapped=True, plot=written
-    )
-
-
-def _train_unswapped(console, config, steps, batch_size, seq_len, peak, capacity) -> DemoResult:
-    from memfit.backends.cpu_sim import CpuSimBackend
-    from memfit.models import build_training
-
-    backend = CpuSimBackend(capacity=capacity)
-    table = Table("step", "loss", "step time", "peak device memory")
-    with backend.activate(), _oom_as_error(backend), _progress(console) as progress:
-        run = build_training(config, batch_size=batch_size, seq_len=seq_len, device=backend.device)
-        task = progress.add_task("train", total=steps)
-        losses = []
-        for step in range(steps):
-            backend.reset_peak_memory_stats()
-            losses.append(run.step())
-            table.add_row(str(step), f"{losses[-1]:.4f}", f"{run.step_seconds[-1] * 1e3:.1f} ms",
-                          format_size(backend.max_memory_allocated()))  # fmt: skip
-            progress.advance(task)
-    console.print(table)
-    console.print(f"final loss {losses[-1]:.4f}; peak device memory {format_size(peak)}")
-    return DemoResult(losses, run.step_seconds, peak, peak, capacity, swapped=False, plot=None)
-
-
-@contextlib.contextmanager
-def _oom_as_error(backend: Any) -> Iterator[None]:
-    try:
-        yield
-    except Exception as exc:
-        if backend.is_oom(exc):
-            raise MemfitError(f"{exc}\nThe demo needs more than --budget allows without memfit-executor.") from exc
-        raise
+    return DemoResult(losses, run.step_seconds, peak, report["peak_device_bytes"], budget_bytes, plot=written)
 
 
 def _plot(console: Console, path: Path, iterations: list[dict], trace: Any, peak: int, budget: int) -> Path | None:
@@ -169,26 +128,62 @@ def _plot(console: Console, path: Path, iterations: list[dict], trace: Any, peak
     if importlib.util.find_spec("matplotlib") is None:
         console.print(f"no plot written to {path}: matplotlib is not installed (pip install matplotlib)")
         return None
-    import matplotlib
+    from matplotlib.ticker import MaxNLocator
+    from memfit.plotting import ByteAxis, pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    mib = 2**20
-    fig, (steps_ax, ops_ax) = plt.subplots(1, 2, figsize=(12, 4))
-    steps_ax.bar(range(len(iterations)), [it["peak_device_bytes"] / mib for it in iterations], color="tab:blue")
-    steps_ax.axhline(budget / mib, color="tab:red", label="budget")
-    steps_ax.axhline(peak / mib, color="tab:gray", linestyle="--", label="unswapped peak")
-    steps_ax.set(xlabel="step", ylabel="MiB", title="peak device memory per step")
-    steps_ax.legend()
-    if trace is not None:
-        ops_ax.plot(trace.no_swap_memory_curve() / mib, color="tab:gray", label="without swaps (reconstructed)")
-        ops_ax.plot(trace.ops.device_bytes / mib, color="tab:blue", label="measured")
-        ops_ax.axhline(budget / mib, color="tab:red", label="budget")
-        ops_ax.set(xlabel="operator", ylabel="MiB", title=f"device memory through step {trace.iteration}")
-        ops_ax.legend()
+    plt = pyplot("pip install matplotlib")
+    levels = {"budget": budget, "unswapped peak": peak}
+    styles = {"budget": {"color": "tab:red"}, "unswapped peak": {"color": "tab:gray", "linestyle": "--"}}
+    # the operator panel only once a step was traced (the profiler traces from its GenPolicy stage on)
+    fig, axes = plt.subplots(1, 2 if trace is not None else 1, figsize=(12 if trace is not None else 6, 4.4))
+    steps_ax, *ops_axes = axes if trace is not None else [axes]
+    step_peaks = [it["peak_device_bytes"] for it in iterations]
+    # up to the unswapped peak: the picture is the budget against what the step needs without memfit
+    axis = ByteAxis.fit(steps_ax, top_bytes=max([*step_peaks, peak]), levels=levels)
+    steps_ax.bar(range(len(iterations)), axis.scaled(step_peaks), color="tab:blue", label="peak of the step")
+    axis.draw_levels(steps_ax, styles)
+    steps_ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole
+    steps_ax.set(xlabel="step", title="peak device memory per step")
+    for ops_ax in ops_axes:
+        unswapped = trace.no_swap_memory_curve()
+        axis = ByteAxis.fit(ops_ax, top_bytes=float(unswapped.max(initial=0)), levels={"budget": budget})
+        ops_ax.plot(axis.scaled(unswapped), color="tab:gray", label="without swaps (reconstructed)")
+        ops_ax.plot(axis.scaled(trace.ops.device_bytes), color="tab:blue", label="measured")
+        axis.draw_levels(ops_ax, styles)
+        ops_ax.set(xlabel="operator", title=f"device memory through step {trace.iteration}")
+    for ax in (steps_ax, *ops_axes):  # under the axes: the data reaches the top of each
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, fontsize="small", frameon=False)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=100, bbox_inches="tight")  # the legends below the axes included
     plt.close(fig)
     console.print(f"memory timeline written to {path}")
     return path
+
+
+@click.command()
+@click.option("--model", default="tiny", show_default=True, help="Reference model preset.")
+@click.option(
+    "--layers", default=8, show_default=True, type=click.IntRange(1), help="Decoder layers (overrides the preset)."
+)
+@click.option("--steps", default=20, show_default=True, type=click.IntRange(1), help="Training steps.")
+@click.option("--batch-size", default=8, show_default=True, type=click.IntRange(1))
+@click.option("--seq-len", default=128, show_default=True, type=click.IntRange(2))
+@click.option(
+    "--budget", default=None, help="Device memory to train in, e.g. 16MiB; default: a quarter of the unswapped peak."
+)
+@click.option(
+    "--plot",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=Path("memfit-demo.png"),
+    show_default=True,
+    help="Where to draw the memory timeline (PNG).",
+)
+def demo(model: str, layers: int, steps: int, batch_size: int, seq_len: int, budget: str | None, plot: Path) -> None:
+    """Train the bundled Llama on cpu-sim in a quarter of the memory it needs, with memfit's swap executor."""
+    try:
+        run_demo(
+            console, model=model, layers=layers, steps=steps, batch_size=batch_size, seq_len=seq_len,
+            budget=budget, plot=plot,
+        )  # fmt: skip
+    except MemfitError as exc:
+        raise click.ClickException(str(exc)) from exc

@@ -1,0 +1,43 @@
+"""``memfit demo``: the executor at work on the bundled Llama, on cpu-sim."""
+
+import importlib.util
+
+from click.testing import CliRunner
+from memfit.cli.main import cli
+from memfit.synthetic import training_trace
+from memfit_executor.demo import _plot
+from rich.console import Console
+
+SMALL = ["--layers", "2", "--seq-len", "16", "--budget", "256MiB"]
+
+
+def test_demo_trains_and_reports(tmp_path):
+    result = CliRunner().invoke(cli, ["demo", "--steps", "2", *SMALL, "--plot", str(tmp_path / "demo.png")])
+    assert result.exit_code == 0, result.output
+    assert "Unswapped" in result.output and "final loss" in result.output
+    if importlib.util.find_spec("matplotlib"):
+        assert (tmp_path / "demo.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_demo_picture_counts_whole_steps_in_one_unit(tmp_path, saved_figures):
+    """Before: fractional ticks (0.5, 1.5, ...) on the axis of whole steps."""
+    steps = [{"peak_device_bytes": n} for n in (2_300_000, 3_290_000, 3_290_000)]
+    trace = training_trace(n_layers=2, ops_per_layer=4, activation_bytes=2**20, param_bytes=2**20)
+    _plot(Console(file=None), tmp_path / "demo.png", steps, trace, peak=3_300_000, budget=256 * 2**20)
+    steps_ax, ops_ax = saved_figures[-1].axes
+    assert steps_ax.get_xlabel() == "step"
+    assert all(float(tick).is_integer() for tick in steps_ax.get_xticks())
+    assert steps_ax.get_ylabel() == ops_ax.get_ylabel() == "device memory (MiB)"
+    legend = [t.get_text() for t in steps_ax.get_legend().get_texts()]
+    assert "budget 256.00 MiB (off the scale)" in legend  # a roomy budget does not flatten the bars
+
+
+def test_demo_rejects_a_bad_budget():
+    result = CliRunner().invoke(cli, ["demo", "--layers", "1", "--seq-len", "8", "--budget", "lots"])
+    assert result.exit_code != 0 and "invalid budget 'lots'" in result.output
+
+
+def test_demo_too_small_a_budget_is_a_clear_error():
+    result = CliRunner().invoke(cli, ["demo", "--steps", "1", "--layers", "1", "--seq-len", "8", "--budget", "64KiB"])
+    assert result.exit_code != 0
+    assert "out of memory" in result.output and "budget" in result.output
