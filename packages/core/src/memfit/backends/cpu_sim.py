@@ -16,6 +16,7 @@ block counted by a backend leaves that backend's count when freed, whichever is 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import queue
 import threading
@@ -81,6 +82,9 @@ class HostStream:
 class SimCopyStream:
     """A FIFO of copies executed by one worker thread, each taking at least ``nbytes / bandwidth``."""
 
+    event_type: type[SimEvent] = SimEvent
+    """What :meth:`submit` returns (a test backend may count the host waits on them)."""
+
     def __init__(self, bytes_per_second: float, name: str = "memfit-cpu-sim-copy") -> None:
         self.bytes_per_second = bytes_per_second
         self._queue: queue.SimpleQueue[tuple[Callable[[], None], int, SimEvent] | None] = queue.SimpleQueue()
@@ -114,7 +118,7 @@ class SimCopyStream:
 
     def submit(self, work: Callable[[], None], nbytes: int = 0) -> SimEvent:
         """Queue ``work``; returns the event completed after it."""
-        event = SimEvent()
+        event = self.event_type()
         with self._pending_lock:
             self._pending += 1
         self._queue.put((work, nbytes, event))
@@ -218,6 +222,9 @@ class CpuSimBackend(Backend):
 
     def copy_bandwidth(self) -> float:
         return float(self.copy_bandwidth_bytes_per_s)
+
+    def memory_allocated_reader(self) -> Callable[[], int]:
+        return functools.partial(self._native.current, self._slot)
 
     def native_memory_source(self) -> tuple[str, int]:
         return ("counter", int(self._native.counter_address(self._slot)))
