@@ -152,6 +152,32 @@ def test_a_tensor_the_program_still_holds_is_never_freed():
     assert torch.equal(x.grad, torch.exp(x.detach()))
 
 
+@pytest.mark.parametrize("mode", ["event", "record_stream"])
+def test_release_modes_free_where_the_paper_says_and_count_reuse_from_the_swap_out(mode):
+    """Event mode frees at the plan's release (8 saves later); the record_stream baseline at the swap-out's dispatch."""
+    sim = CpuSimBackend(capacity="64MiB")
+    runtime = SwapRuntime(sim, clock=Counter(), min_swap_bytes=KiB, release_mode=mode)
+    with sim.activate():
+        x = torch.randn(256, 256, requires_grad=True)
+        runtime.install(Hooks(build_plugin_manager()))
+        try:
+            runtime.apply(binding_for([entry(256 * 256 * 4, position=0, release=8, swap_in=50, shape=(256, 256))]))
+            loss = torch.sigmoid(x).sum()  # sigmoid saves its output (swapped out); the program drops it at once
+            sim.copy_stream().synchronize()  # the copy is done: when the block is freed depends on the mode alone
+            stored = next(iter(runtime._live.values()))
+            later = []
+            for i in range(12):  # each save moves the clock one position on
+                later.append(torch.sigmoid(x * float(i)))
+                if stored.state == OUT:
+                    break
+            loss.backward()
+        finally:
+            runtime.uninstall()
+    sim.close()
+    expected = 8 if mode == "event" else 1  # event: the planned release; record_stream: the first poll after dispatch
+    assert runtime.stats.reuse_intervals == [expected] and runtime.stats.released == 1
+
+
 def test_oom_that_cannot_be_handled_names_the_request():
     sim = CpuSimBackend(capacity="1MiB")
     runtime = SwapRuntime(sim)

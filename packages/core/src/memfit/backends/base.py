@@ -133,9 +133,6 @@ class Backend(abc.ABC):
     visible_devices_env: str | None = None
     """Environment variable that restricts visible devices, if any."""
     allocation_granularity: int = 1
-    copy_holds_tensors: bool = False
-    """Whether a queued :meth:`copy_async` holds a reference to its tensors until it has run
-    (cpu-sim's worker does; CUDA copies do not), for code that counts a storage's owners."""
     """Allocations are rounded up to a multiple of this many bytes by the device allocator."""
 
     # -- device and memory ------------------------------------------------------------------

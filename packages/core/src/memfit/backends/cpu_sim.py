@@ -170,7 +170,6 @@ class CpuSimBackend(Backend):
     name = "cpu-sim"
     device_type = "cpu"
     comm_backend = "gloo"
-    copy_holds_tensors = True
 
     def __init__(self, capacity: int | str = DEFAULT_CAPACITY, copy_bandwidth: int | str = DEFAULT_COPY_BANDWIDTH):
         from memfit.native import cpu_sim_allocator
