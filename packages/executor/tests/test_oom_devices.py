@@ -11,32 +11,12 @@ import pytest
 import torch
 from memfit.backends.cpu_sim import CpuSimBackend
 from memfit.errors import MemfitError
-from memfit.models import LlamaConfig, build_training
 from memfit.plugins import Hooks, build_plugin_manager
 from memfit.testing import FakeAcceleratorBackend
 from memfit_executor import runtime as runtime_module
 from memfit_executor.runtime import SwapRuntime
 
-CONFIG = dataclasses.replace(LlamaConfig.preset("tiny"), n_layers=4)
 MiB = 2**20
-
-
-def train(steps):
-    run = build_training(CONFIG, batch_size=8, seq_len=64)
-    losses = [run.step() for _ in range(steps)]
-    return losses, [p.detach().numpy().copy() for p in run.model.parameters()]  # numpy: not device memory
-
-
-@pytest.fixture(scope="module")
-def reference():
-    sim = CpuSimBackend(capacity="4GiB")
-    with sim.activate():
-        train(1)  # the first step creates the optimizer states
-        sim.reset_peak_memory_stats()
-        result = train(3)
-        peak = sim.max_memory_allocated()
-    sim.close()
-    return result, peak
 
 
 @pytest.fixture
@@ -51,60 +31,53 @@ def saved_exp(*sizes):
     return leaves, loss
 
 
-def test_an_npu_style_oom_is_retried_at_the_operator(hooks):
-    """An OOM raised as a plain RuntimeError is still Algorithm 3's: the operator is re-run after a passive swap."""
-    fake = FakeAcceleratorBackend(capacity="16MiB")
+def passive_swap_for(hooks, capacity, sizes, request):
+    """Save one activation of each size (autograd alone holds them), then ask for ``request`` bytes that do not fit."""
+    fake = FakeAcceleratorBackend(capacity=capacity)
     runtime = SwapRuntime(fake, min_swap_bytes=1024)
     with fake.activate():
         runtime.install(hooks)
         runtime.set_retry_mode("per-op")
         try:
-            leaves, loss = saved_exp(4 * MiB)  # 8 MiB in use
-            big = torch.zeros(10 * MiB, dtype=torch.uint8)  # does not fit until the activation is swapped out
-            assert big.numel() == 10 * MiB
+            leaves, loss = saved_exp(*sizes)
+            big = torch.zeros(request, dtype=torch.uint8)  # fits only once an activation is swapped out
             del big
-            loss.backward()
+            fake.set_capacity(256 * MiB)  # room for backward's gradients
+            loss.backward()  # the swapped activation comes back
         finally:
             runtime.uninstall()
     fake.close()
+    return runtime, leaves
+
+
+def test_an_npu_style_oom_is_retried_at_the_operator(hooks):
+    """An OOM raised as a plain RuntimeError is still Algorithm 3's: the operator is re-run after a passive swap."""
+    runtime, leaves = passive_swap_for(hooks, "16MiB", [4 * MiB], 10 * MiB)  # 8 MiB in use
     assert runtime.stats.passive_swaps == 1 and runtime.stats.ooms_survived == 1
     assert torch.equal(leaves[0].grad, torch.full_like(leaves[0], torch.e))  # the activation came back exact
 
 
 def test_the_passive_victim_is_the_activation_closest_to_the_request(hooks):
     """The request size comes from the error's text: 10 MiB asked, the 16 MiB activation goes (not the 1 MiB one)."""
-    fake = FakeAcceleratorBackend(capacity="56MiB")
-    runtime = SwapRuntime(fake, min_swap_bytes=1024)
-    with fake.activate():
-        runtime.install(hooks)
-        runtime.set_retry_mode("per-op")
-        try:
-            leaves, loss = saved_exp(1 * MiB, 8 * MiB, 16 * MiB)  # 50 MiB in use, 6 MiB free
-            big = torch.zeros(10 * MiB, dtype=torch.uint8)
-            del big
-            fake.set_capacity(256 * MiB)  # room for backward's gradients
-            loss.backward()
-        finally:
-            runtime.uninstall()
-    fake.close()
+    runtime, leaves = passive_swap_for(hooks, "56MiB", [1 * MiB, 8 * MiB, 16 * MiB], 10 * MiB)  # 50 MiB in use
     assert (runtime.stats.passive_swaps, runtime.stats.passive_bytes) == (1, 16 * MiB)
     assert [float(x.grad[0]) for x in leaves] == [pytest.approx(torch.e)] * 3
 
 
-def test_passive_swaps_do_not_wait_on_the_host_and_training_stays_exact(reference, hooks):
-    (losses, params), peak = reference
+def test_passive_swaps_do_not_wait_on_the_host_and_training_stays_exact(reference, train_reference, hooks):
+    losses, params, peak = reference
     fake = FakeAcceleratorBackend(capacity=peak // 2)
     runtime = SwapRuntime(fake)  # no clock: Algorithm 3 only, as in WarmUp
     with fake.activate():
         runtime.install(hooks)
         runtime.set_retry_mode("per-op")
         try:
-            got_losses, got_params = train(3)
+            got_losses, got_params = train_reference(4)
         finally:
             runtime.uninstall()
         assert fake.max_memory_allocated() <= peak // 2
     fake.close()
-    assert got_losses == losses and all((a == b).all() for a, b in zip(got_params, params, strict=True))
+    assert got_losses == losses and all(torch.equal(a, b) for a, b in zip(got_params, params, strict=True))
     assert runtime.stats.passive_swaps > 0
     assert fake.host_waits == []  # not one host synchronisation, let alone one per passive swap
     assert fake.stream_waits >= runtime.stats.passive_swaps  # each passive swap: the compute stream waits instead

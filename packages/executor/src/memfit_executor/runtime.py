@@ -469,12 +469,17 @@ class SwapRuntime:
                 if (stored := heapq.heappop(self._swap_ins)[2]()) is not None:
                     self._start_swap_in(stored)
 
-    def _release(self, stored: Stored, passive: bool = False) -> bool:
-        """Free the block of a swapped-out storage if nothing else holds it; returns whether it did."""
+    def _release(self, stored: Stored, passive: bool = False, stream_ordered: bool | None = None) -> bool:
+        """Free the block of a swapped-out storage if nothing else holds it; returns whether it did.
+
+        ``stream_ordered``: free it now after a compute-stream wait for the copy (default: in
+        ``event`` mode, and for passive swaps — Algorithm 3 frees stream-ordered in any mode).
+        """
         if stored.state != COPYING or stored.swap_out is None:
             return False
         swap = stored.swap_out
-        stream_ordered = passive or self.swapper.release_mode == "event"  # passive swaps: Algorithm 3, step 4
+        if stream_ordered is None:
+            stream_ordered = passive or self.swapper.release_mode == "event"
         if stream_ordered:
             swap.wait_on_compute()  # a device-side wait (cpu-sim: the host's); the copy's references are gone after
         if not self._sole_owner(stored.storage, swap):
@@ -552,13 +557,13 @@ class SwapRuntime:
             stored.swap_in.wait()
             stored.state = RESIDENT
 
-    def _flush_releases(self) -> int:
+    def _flush_releases(self, stream_ordered: bool | None = None) -> int:
         freed = 0
         pending = [ref for _, _, ref in self._releases] + self._held
         self._releases, self._held = [], []
         for ref in pending:
             stored = ref()
-            if stored is not None and self._release(stored):
+            if stored is not None and self._release(stored, stream_ordered=stream_ordered):
                 freed += stored.nbytes
         return freed
 
@@ -609,8 +614,8 @@ class SwapRuntime:
 
     def handle_oom(self, request: int, attempt: int) -> tuple[int, str] | None:
         """One step of Algorithm 3 for a failed allocation of ``request`` bytes; ``(freed, note)`` or ``None``."""
-        if attempt == 0:
-            freed = self._flush_releases()
+        if attempt == 0:  # Algorithm 3, lines 3-5: every block swapped out or being swapped out, stream-ordered
+            freed = self._flush_releases(stream_ordered=True)
             compute = self.backend.current_stream()
             for pending in list(self.swapper._pending_release):  # record_stream on cpu-sim: wait, then free
                 compute.wait_event(pending.event)
