@@ -22,7 +22,7 @@ Prints progress, a table, and one JSON object with keys ``max_batch`` and ``max_
 ``{native, memfit, full_recompute}``), ``step_time_s`` (``{equal_size: {...}, at_max_batch:
 {...}}``), ``overhead_when_fits`` and the settings.
 
-Run: python benchmarks/swap_capacity.py [--capacity 24MiB] [--layers 8] [--batch 8] [--seq 128]
+Run: python benchmarks/swap_capacity.py [--backend cpu-sim|cuda] [--capacity 24MiB] [--layers 8] [--batch 8] [--seq 128]
 """
 
 from __future__ import annotations
@@ -38,23 +38,25 @@ from _isolated import run_trial
 MODES = ("native", "memfit", "full_recompute")
 
 
-def trial(mode: str, batch: int, seq: int, capacity: str, layers: int, steps: int, model: str = "tiny") -> dict:
+def trial(
+    mode: str, batch: int, seq: int, capacity: str, layers: int, steps: int, model: str = "tiny", backend_name="cpu-sim"
+) -> dict:
     """One training run in this process; ``{"ok", "step_s"}`` (median of the measured steps)."""
-    import torch
-    from memfit.backends.cpu_sim import CpuSimBackend
     from memfit.config import parse_size
     from memfit.models import LlamaConfig, build_training
+    from memfit.plugins import get_hooks
 
     preset = LlamaConfig.preset(model)
     config = dataclasses.replace(preset, n_layers=layers or preset.n_layers, max_seq_len=max(seq, preset.max_seq_len))
     budget = parse_size(capacity)
     times: list[float] = []
+    backend = get_hooks().create_backend(backend_name, capacity=budget)
     try:
         if mode == "memfit":
             import memfit
 
-            with memfit.swap(budget=budget, backend="cpu-sim") as session:
-                run = build_training(config, batch_size=batch, seq_len=seq)
+            with memfit.swap(budget=budget, backend=backend) as session:
+                run = build_training(config, batch_size=batch, seq_len=seq, device=backend.device)
                 for _ in range(steps):
                     run.step()
             stable = [it["seconds"] for it in session.iterations if it["stage"] == "Stable"]
@@ -62,9 +64,8 @@ def trial(mode: str, batch: int, seq: int, capacity: str, layers: int, steps: in
                 return {"ok": False, "step_s": None, "why": "never reached Stable"}
             times = stable
         else:
-            sim = CpuSimBackend(capacity=budget)
-            with sim.activate():
-                run = build_training(config, batch_size=batch, seq_len=seq)
+            with backend.activate():
+                run = build_training(config, batch_size=batch, seq_len=seq, device=backend.device)
                 if mode == "full_recompute":
                     from torch.utils.checkpoint import checkpoint
 
@@ -72,10 +73,14 @@ def trial(mode: str, batch: int, seq: int, capacity: str, layers: int, steps: in
                         block.forward = _checkpointed(block.forward, checkpoint)
                 for _ in range(steps):
                     run.step()
-            sim.close()
+                backend.synchronize()
             times = run.step_seconds[2:]  # the first steps create optimizer states and warm caches
-    except torch.OutOfMemoryError as exc:
+    except Exception as exc:
+        if not backend.is_oom(exc):  # on NPU an OOM may be a plain RuntimeError: the backend knows
+            raise
         return {"ok": False, "step_s": None, "why": str(exc).splitlines()[0][:160]}
+    finally:
+        backend.close()
     return {"ok": True, "step_s": statistics.median(times)}
 
 
@@ -88,7 +93,7 @@ def _checkpointed(forward, checkpoint):
 
 def trial_in_process(mode: str, batch: int, seq: int, args: argparse.Namespace, fits: bool = False) -> dict:
     steps = args.steps if mode == "memfit" else args.native_steps
-    trial_args = ["--trial", mode, str(batch), str(seq), "--steps", str(steps)]
+    trial_args = ["--trial", mode, str(batch), str(seq), "--steps", str(steps), "--backend", args.backend]
     if fits:  # a compute-bound step on a device it fits
         trial_args += ["--capacity", "16GiB", "--layers", "0", "--model", args.fits_model]
     else:
@@ -125,6 +130,7 @@ def largest(mode: str, start: int, step: int, fits, args) -> tuple[int, dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backend", default="cpu-sim", help="cpu-sim (default) or cuda")
     parser.add_argument("--capacity", default="24MiB")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--batch", type=int, default=8, help="batch size of the sequence-length search")
@@ -138,7 +144,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.trial:
         mode, batch, seq = args.trial[0], int(args.trial[1]), int(args.trial[2])
-        print(json.dumps(trial(mode, batch, seq, args.capacity, args.layers, args.steps, args.model)))
+        print(json.dumps(trial(mode, batch, seq, args.capacity, args.layers, args.steps, args.model, args.backend)))
         return
 
     started = time.perf_counter()
@@ -158,6 +164,7 @@ def main() -> None:
         memfit_t.append(trial_in_process("memfit", 8, 256, args, fits=True)["step_s"])
     overhead = statistics.median(memfit_t) / statistics.median(native_t) - 1
     result = {
+        "backend": args.backend,
         "capacity": args.capacity,
         "layers": args.layers,
         "seq_for_batch_search": args.seq,

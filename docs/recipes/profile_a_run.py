@@ -42,7 +42,8 @@ def main() -> None:
         seen = "seen before" if it.same_sequence else "new"
         print(
             f"iteration {it.index:2d}  {it.stage.value:<9}  sequence {it.sequence} ({seen})  ops {it.n_ops} "
-            f"(FWD {fwd}, BWD {bwd}, OPT {opt})  cosine {it.similarity.cosine:.4f}  peak {it.peak_device_bytes / 2**20:.2f} MiB"
+            f"(FWD {fwd}, BWD {bwd}, OPT {opt})  cosine {it.similarity.cosine:.4f}  "
+            f"peak {it.peak_device_bytes / 2**20:.2f} MiB"
         )
 
     trace = profiler.traces[-1]

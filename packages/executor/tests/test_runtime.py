@@ -1,37 +1,14 @@
 """The swap runtime with only core installed: passive swaps (Algorithm 3), planned swaps, views, safety."""
 
-import dataclasses
-
 import pytest
 import torch
 from memfit.backends.cpu_sim import CpuSimBackend
-from memfit.models import LlamaConfig, build_training
 from memfit.plan import MemoryPlan, PlanPrediction, PlanSource
 from memfit.plugins import Hooks, build_plugin_manager
 from memfit_executor.matching import Binding, Entry, FuzzyMatcher, PositionMatcher
 from memfit_executor.runtime import OUT, RESIDENT, SwapRuntime
 
-CONFIG = dataclasses.replace(LlamaConfig.preset("tiny"), n_layers=4)
 KiB = 1024
-
-
-def train(steps, backend=None):
-    """Losses and final parameters of the reference run (on ``backend``'s device when given)."""
-    run = build_training(CONFIG, batch_size=8, seq_len=64)
-    losses = [run.step() for _ in range(steps)]
-    return losses, [p.detach().clone() for p in run.model.parameters()]
-
-
-@pytest.fixture(scope="module")
-def reference():
-    sim = CpuSimBackend(capacity="4GiB")
-    with sim.activate():
-        train(1)  # the first step creates the optimizer states
-        sim.reset_peak_memory_stats()
-        losses, params = train(4)
-        peak = sim.max_memory_allocated()
-    sim.close()
-    return losses, params, peak
 
 
 @pytest.fixture
@@ -39,7 +16,7 @@ def hooks():
     return Hooks(build_plugin_manager())
 
 
-def test_passive_swaps_keep_training_exact_under_half_the_peak(reference, hooks):
+def test_passive_swaps_keep_training_exact_under_half_the_peak(reference, train_reference, hooks):
     losses, params, peak = reference
     budget = peak // 2
     sim = CpuSimBackend(capacity=budget)
@@ -48,7 +25,7 @@ def test_passive_swaps_keep_training_exact_under_half_the_peak(reference, hooks)
         sim.reset_peak_memory_stats()
         runtime.install(hooks)
         try:
-            got_losses, got_params = train(4)
+            got_losses, got_params = train_reference(4)
         finally:
             runtime.uninstall()
         assert sim.max_memory_allocated() <= budget
@@ -59,11 +36,11 @@ def test_passive_swaps_keep_training_exact_under_half_the_peak(reference, hooks)
     assert runtime.stats.passive_bytes > 0
 
 
-def test_without_an_oom_handler_the_same_budget_fails(reference):
+def test_without_an_oom_handler_the_same_budget_fails(reference, train_reference):
     *_, peak = reference
     sim = CpuSimBackend(capacity=peak // 2)
     with sim.activate(), pytest.raises(torch.OutOfMemoryError):
-        train(2)
+        train_reference(2)
     sim.close()
 
 
@@ -150,6 +127,52 @@ def test_a_tensor_the_program_still_holds_is_never_freed():
             runtime.uninstall()
     sim.close()
     assert torch.equal(x.grad, torch.exp(x.detach()))
+
+
+@pytest.mark.parametrize("mode", ["event", "record_stream"])
+def test_release_modes_free_where_the_paper_says_and_count_reuse_from_the_swap_out(mode):
+    """Event mode frees at the plan's release (8 saves later); the record_stream baseline at the swap-out's dispatch."""
+    sim = CpuSimBackend(capacity="64MiB")
+    runtime = SwapRuntime(sim, clock=Counter(), min_swap_bytes=KiB, release_mode=mode)
+    with sim.activate():
+        x = torch.randn(256, 256, requires_grad=True)
+        runtime.install(Hooks(build_plugin_manager()))
+        try:
+            runtime.apply([binding_for([entry(256 * 256 * 4, position=0, release=8, swap_in=50, shape=(256, 256))])])
+            loss = torch.sigmoid(x).sum()  # sigmoid saves its output (swapped out); the program drops it at once
+            sim.copy_stream().synchronize()  # the copy is done: when the block is freed depends on the mode alone
+            stored = next(iter(runtime._live.values()))
+            later = []
+            for i in range(12):  # each save moves the clock one position on
+                later.append(torch.sigmoid(x * float(i)))
+                if stored.state == OUT:
+                    break
+            loss.backward()
+        finally:
+            runtime.uninstall()
+    sim.close()
+    expected = 8 if mode == "event" else 1  # event: the planned release; record_stream: the first poll after dispatch
+    assert runtime.stats.reuse_intervals == [expected] and runtime.stats.released == 1
+
+
+def test_an_oom_frees_record_stream_blocks_whose_copy_is_still_running():
+    """Algorithm 3's first step frees every block being swapped out, stream-ordered, whatever the release mode."""
+    sim = CpuSimBackend(capacity="2MiB", copy_bandwidth="4MB")  # a 512 KiB copy takes ~130 ms
+    runtime = SwapRuntime(sim, clock=Counter(), min_swap_bytes=KiB, release_mode="record_stream")
+    with sim.activate():
+        x = torch.randn(128, 1024, requires_grad=True)
+        runtime.install(Hooks(build_plugin_manager()))
+        try:
+            runtime.apply([binding_for([entry(512 * KiB, position=0, release=8, swap_in=50, shape=(128, 1024))])])
+            loss = torch.sigmoid(x).sum()  # its saved output is being copied out; the program dropped it
+            big = torch.empty(1280 * KiB, dtype=torch.uint8)  # fits once that block is freed
+            assert runtime.stats.passive_swaps == 0 and runtime.stats.ooms_survived == 1
+            del big
+            loss.backward()
+        finally:
+            runtime.uninstall()
+    sim.close()
+    assert torch.equal(x.grad, torch.sigmoid(x.detach()) * (1 - torch.sigmoid(x.detach())))
 
 
 def test_oom_that_cannot_be_handled_names_the_request():

@@ -80,7 +80,7 @@ def test_backend_facts_and_oom_classification(monkeypatch):
     device_module = types.SimpleNamespace(get_device_properties=lambda device: props)
     monkeypatch.setattr(torch, "get_device_module", lambda device_type: device_module)
     monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 0)
-    monkeypatch.setattr(torch, "device", lambda *args: ("device",) + args)
+    monkeypatch.setattr(torch, "device", lambda *args: types.SimpleNamespace(type=args[0], index=args[1]))
     backend = npu_plugin.NPUBackend()
     assert (backend.name, backend.device_type, backend.comm_backend) == ("npu", "npu", "hccl")
     assert backend.visible_devices_env == "ASCEND_RT_VISIBLE_DEVICES"
@@ -89,6 +89,8 @@ def test_backend_facts_and_oom_classification(monkeypatch):
     assert backend.is_oom(RuntimeError("NPU out of memory. Tried to allocate 2.00 GiB"))
     assert backend.is_oom(torch.OutOfMemoryError("NPU out of memory"))
     assert not backend.is_oom(RuntimeError("shape mismatch"))
+    # no observer binding in this torch_npu: the request size comes from the message
+    assert backend.oom_request_bytes(RuntimeError("NPU out of memory. Tried to allocate 2.00 GiB")) == 2 * 2**30
 
 
 @pytest.mark.npu

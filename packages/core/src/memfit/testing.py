@@ -7,6 +7,10 @@ Fixtures:
     cpu_sim: a :class:`~memfit.backends.cpu_sim.CpuSimBackend` with a 1 GiB capacity.
     saved_figures: the matplotlib figures saved during the test (still written), to check what a
         picture shows: its title, axis labels and limits, legend.
+    fake_accelerator: a :class:`FakeAcceleratorBackend` with a 1 GiB capacity.
+
+:class:`FakeAcceleratorBackend` is cpu-sim scripted to behave like an accelerator whose allocator
+cannot retry (CUDA, NPU), for testing OOM handling without one; it records host waits.
 
 Contract suites: subclass :class:`BackendContract` to check a backend the way memfit's own are
 checked::
@@ -23,10 +27,14 @@ Tests marked ``gpu`` are skipped unless ``torch.accelerator`` has a device; ``np
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+from collections.abc import Iterator
 
 import pytest
 
+from memfit.backends.base import Backend, is_out_of_memory_error
+from memfit.backends.cpu_sim import CpuSimBackend, HostStream, SimEvent
 from memfit.plugins import Hooks, build_plugin_manager
 
 MiB = 2**20
@@ -104,6 +112,106 @@ def saved_figures(monkeypatch):
 
     monkeypatch.setattr(figure.Figure, "savefig", record)
     return saved
+
+
+class _CountedEvent(SimEvent):
+    """A cpu-sim event that notes every host wait on it in its backend's ``host_waits``."""
+
+    __slots__ = ("_log",)
+
+    def __init__(self, log: list[str], done: bool = False) -> None:
+        super().__init__(done)
+        self._log = log
+
+    def synchronize(self) -> None:
+        self._log.append("event")
+        super().synchronize()
+
+
+class _DeviceSideStream(HostStream):
+    """The compute stream of :class:`FakeAcceleratorBackend`: ``wait_event`` is a device-side wait.
+
+    On a GPU, ``wait_event`` queues the wait and the host goes on; here compute runs on the host,
+    so the wait is made without counting it as a host synchronisation (it is not one on a device).
+    """
+
+    def __init__(self, backend: FakeAcceleratorBackend) -> None:
+        self.backend = backend
+
+    def record_event(self) -> SimEvent:
+        return _CountedEvent(self.backend.host_waits, done=True)
+
+    def wait_event(self, event: SimEvent) -> None:  # type: ignore[override]
+        self.backend.stream_waits += 1
+        event._done.wait()
+        if event._error is not None:
+            SimEvent.synchronize(event)  # raises the copy's error, as a device would on the next sync
+
+    def synchronize(self) -> None:
+        self.backend.host_waits.append("stream")
+
+
+class FakeAcceleratorBackend(CpuSimBackend):
+    """cpu-sim scripted to behave like CUDA or an NPU where the OOM paths differ from cpu-sim's.
+
+    * **No allocator-level retry**: :meth:`set_oom_handler` declines, as the CUDA caching
+      allocator must (it calls its observers, then raises), so OOM reaches the operator.
+    * **OOM as older torch_npu raises it**: a plain ``RuntimeError("NPU out of memory. Tried to
+      allocate 2.00 MiB (NPU 0; ...)")``, not ``torch.OutOfMemoryError``; :meth:`is_oom` accepts
+      both, like :class:`~memfit.backends.accelerator.AcceleratorBackend`.
+    * **No request size of its own**: :meth:`oom_request_bytes` is :class:`Backend`'s, which reads
+      the error's text.
+    * **Host waits are recorded**: ``host_waits`` lists every ``synchronize`` of an event, a
+      stream or the device (``"event"``, ``"stream"``, ``"device"``); ``stream_waits`` counts
+      the compute stream's ``wait_event`` (a device-side wait on a real accelerator).
+
+    Memory is counted exactly as on cpu-sim, so training under it is a real measurement.
+    """
+
+    name = "fake-accelerator"
+
+    def __init__(self, capacity: int | str = "1GiB", copy_bandwidth: int | str = "12GB") -> None:
+        super().__init__(capacity, copy_bandwidth)
+        self.host_waits: list[str] = []
+        self.stream_waits = 0
+        self._compute = _DeviceSideStream(self)
+
+    def set_oom_handler(self, handler) -> bool:
+        return False
+
+    oom_request_bytes = Backend.oom_request_bytes
+
+    def is_oom(self, exc: BaseException) -> bool:
+        return is_out_of_memory_error(exc)
+
+    def copy_stream(self):
+        first = self._copy is None
+        stream = super().copy_stream()
+        if first:
+            log = self.host_waits
+            stream.event_type = lambda: _CountedEvent(log)  # type: ignore[assignment]
+        return stream
+
+    def synchronize(self) -> None:
+        self.host_waits.append("device")
+        super().synchronize()
+
+    @contextlib.contextmanager
+    def activate(self) -> Iterator[FakeAcceleratorBackend]:
+        with super().activate():
+            previous = self._native.set_npu_style_errors(True)
+            try:
+                yield self
+            finally:
+                self._native.set_npu_style_errors(previous)
+
+
+@pytest.fixture
+def fake_accelerator():
+    """A :class:`FakeAcceleratorBackend` with a 1 GiB capacity, closed after the test."""
+    backend = FakeAcceleratorBackend(capacity="1GiB")
+    yield backend
+    backend.close()
 
 
 class BackendContract:

@@ -291,6 +291,11 @@ class FuzzyMatcher:
     def drift(self) -> int:
         return self._cursors[self.locked].drift if self.locked is not None else 0
 
+    @property
+    def tolerance(self) -> int:
+        """The position tolerance of the plan this pass runs on (or of the most likely one)."""
+        return self._cursors[self.locked or 0].tolerance if self._cursors else 0
+
     def reset(self) -> None:
         """A new forward pass: every entry is pending again, no plan chosen yet."""
         self.locked = None

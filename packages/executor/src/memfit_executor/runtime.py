@@ -9,10 +9,12 @@ handle back in backward and returns a tensor over the same bytes. Everything is 
   pooled host buffer is queued on the copy stream at once — a saved value never changes again
   (autograd would reject it), so the first save is as good as the last forward use;
 * **release** at the plan's release position: the compute stream waits for the copy's event (the
-  paper's custom recordStream; ``record_stream`` behind ``release_mode``) and the block is freed
-  in place (``storage.resize_(0)``) — but only when nothing except the handle holds the storage
+  paper's custom recordStream) and the block is freed in place (``storage.resize_(0)``) — but
+  only when nothing except the handle holds the storage
   (:func:`~memfit.tensors.sole_owner`). A tensor the program still holds cannot be
-  freed and is not: no operator can ever read a freed block, by construction;
+  freed and is not: no operator can ever read a freed block, by construction. The paper's
+  baseline (``release_mode="record_stream"``) instead frees at the swap-out's dispatch, as soon
+  as the program lets go, and leaves the block's reuse to the allocator's event query;
 * **swap-in** at the plan's swap-in position; the unpack hook waits for it, or, if it was never
   started (the sequence changed), brings the bytes back synchronously. Never wrong data.
 
@@ -20,21 +22,55 @@ There is no Python call per operator: the clock is the profiler's native operato
 pack and unpack calls, which happen throughout forward and backward.
 
 Out of memory (Chameleon Appendix B, Algorithm 3), asked by the allocator before it gives up
-(cpu-sim) or by an operator-level retry (other backends, outside the Stable stage):
+(cpu-sim) or by an operator-level retry (CUDA, NPU: see below):
 
 1. release every block whose swap-out is pending release; the compute stream waits on the copy
    events (no host–device synchronisation); empty the allocator cache (the defragmentation step;
    on CUDA, ``expandable_segments`` is the closer equivalent); retry;
 2. then, once per further attempt, **passive swap**: swap out and free the tracked activation
    whose size is closest to the request (REF-CODE's rule: the smallest one at least as large, else
-   the largest one), and retry;
-3. when nothing is left to free, the allocation fails and :class:`SwapOutOfMemoryError` says why.
+   the largest one; the request comes from :meth:`Backend.oom_request_bytes`), and retry. The
+   block is freed at once, after the compute stream has queued a wait for the copy's event —
+   stream-ordered, as the paper's step 4 says ("again with inter-stream synchronisation only"):
+   the host never waits for the copy, so the device's queue is not drained per passive swap;
+3. when nothing is left to free, the allocation fails: the runtime keeps what it saw at that
+   moment (:class:`OOMFailure`) and :class:`SwapOutOfMemoryError` says why.
 
 Passive swaps are reported to the profiler, so the next plan accounts for them.
+
+**Who catches the OOM** (:meth:`SwapRuntime.set_retry_mode`). cpu-sim's allocator asks the
+handler inside the allocation and retries (``Backend.set_oom_handler``), at no cost per operator.
+The CUDA caching allocator cannot: it calls its out-of-memory observers, then raises (see
+``c10/cuda/CUDACachingAllocator.cpp``, ``malloc``), and torch_npu's does the same. There the OOM is
+caught around operators by a ``TorchDispatchMode`` (:class:`_RetryOnOOM`) that asks Algorithm 3
+and re-runs the operator — a Python call per operator, too dear for the Stable stage. So the
+runtime has three retry modes:
+
+* ``per-op``: the mode is on the dispatch stack for every operator (WarmUp, GenPolicy: passive
+  swaps are expected there);
+* ``armed`` (Stable): no Python per operator in the common case. The runtime pushes the mode
+  when the iteration is at risk, judged from calls it gets anyway — the saved-tensor pack and
+  unpack hooks, which also drive planned releases and swap-ins: device bytes in use (read
+  through :meth:`Backend.memory_allocated_reader`, a native read, not CUDA's stats dict) above
+  ``budget - headroom``, or the plan's peak plus the bytes of its swaps that should have been
+  found by now and were not. The headroom is half the margin the plan left (budget minus
+  predicted peak), at least twice the largest saved tensor seen: between two hooks an operator's
+  output and the next operator's can be allocated (a save of an input is seen before the kernel
+  runs, a save of an output after). Once armed in a forward pass it stays armed through that backward
+  pass and is dropped at the first check of a later forward pass that finds no risk: the
+  autograd engine gives every backward node the thread-local state of the moment
+  ``backward()`` was called (the dispatch-mode stack included), so a decision taken inside
+  backward lasts for that node only — which is what an unpack hook at risk does (it arms the
+  rest of its node), while arming in forward covers the whole backward that follows;
+* ``off``: OOM propagates.
+
+On a backend with allocator-level retry every mode keeps the allocator's handler: nothing runs
+per operator there in any mode.
 """
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 import logging
@@ -59,14 +95,35 @@ log = logging.getLogger("memfit.executor")
 RESIDENT, COPYING, OUT, INFLIGHT = "resident", "copying", "out", "inflight"
 
 
+RETRY_MODES = ("per-op", "armed", "off")
+_MAX_RETRIES = 256  # as cpu-sim's allocator: a handler that keeps "freeing" cannot loop forever
+
+
 class SwapOutOfMemoryError(MemfitError, torch.OutOfMemoryError):
     """Out of memory even after releasing pending blocks and swapping every activation memfit could."""
+
+
+@dataclass(frozen=True, slots=True)
+class OOMFailure:
+    """What the device held when an allocation failed for good (read then, not after the stack unwound)."""
+
+    request_bytes: int
+    in_use_bytes: int
+    capacity_bytes: int
+    activation_bytes: int
+    """Tracked activations still on the device."""
+    static_bytes: int | None
+    """Parameters, their gradients and optimizer states, once an optimizer step has shown them; else ``None``."""
+    largest: tuple[tuple[int, str], ...]
+    """The largest tracked activations: (bytes, state)."""
 
 
 class Stored:
     """One storage saved for backward in this iteration, and where its bytes are."""
 
-    __slots__ = ("__weakref__", "entry", "key", "nbytes", "passive", "state", "storage", "swap_in", "swap_out")
+    __slots__ = (
+        "__weakref__", "entry", "key", "nbytes", "out_at", "passive", "state", "storage", "swap_in", "swap_out",
+    )  # fmt: skip
 
     def __init__(self, storage: torch.UntypedStorage, key: int, nbytes: int) -> None:
         self.storage = storage
@@ -77,6 +134,7 @@ class Stored:
         self.swap_in: SwapIn | None = None
         self.entry: Entry | None = None
         self.passive = False
+        self.out_at = 0  # position of the swap-out (reuse intervals are counted from it)
 
 
 class SavedRef:
@@ -120,8 +178,12 @@ class RuntimeStats:
     """Planned releases that found their copy to the host not finished, so compute waited for it:
     the copy stream is behind the plan."""
     reuse_intervals: list[int] = field(default_factory=list)
-    """Per planned release: operators between the release request and the block being free again
-    (0 with stream-event release; with ``record_stream``, until a poll finds the copy done)."""
+    """Per planned swap freed: operators from its swap-out to the block being free for reuse — with
+    stream-event release, the planned release (freed there, stream-ordered); with ``record_stream``,
+    the first poll (the stand-in for the allocator's event query) that finds the block released
+    and its copy done."""
+    arms: int = 0
+    """Times the ``armed`` retry mode put the operator-level retry on (see :meth:`SwapRuntime.set_retry_mode`)."""
     per_iteration: list[dict[str, int]] = field(default_factory=list)
 
 
@@ -187,7 +249,21 @@ class SwapRuntime:
         self._last_op = -1
         self._ordinal = 0
         self._hooks: Any = None
-        self._retry_mode: _RetryOnOOM | None = None
+        self._retry = _RetryOnOOM(self)
+        self.retry_mode = "off"
+        """``per-op``, ``armed`` or ``off``: see :meth:`set_retry_mode`."""
+        self._risk_check: Callable[[int], None] | None = None  # armed mode: called by the hooks
+        self._read_allocated: Callable[[], int] = backend.memory_allocated
+        self._headroom: int | None = None
+        self._arm_key: tuple[Any, int] | None = None  # (binding, largest saved) the threshold was computed for
+        self._arm_above = 0
+        self._largest_saved = 0
+        self._armed_in_forward: int | None = None  # forward base at which a forward check armed
+        self._plan_positions: tuple[Any, list[int], list[int]] = (None, [], [0])  # binding, positions, byte sums
+        self._forward_swapped_bytes = 0
+        self.failure: OOMFailure | None = None
+        """What the device held at the last allocation that failed for good (for the final error)."""
+        self._grad_owners: list[weakref.ref[torch.Tensor]] = []
         self._allocator_retry = False
         self._oom_hooks: Any = None
         self._iteration = RuntimeStats()
@@ -210,24 +286,45 @@ class SwapRuntime:
         """Leave the hooks and remove the OOM handler; tensors already saved keep working."""
         if self._hooks is None:
             return
-        self.set_operator_retry(False)
+        self.set_retry_mode("off")
         if self._allocator_retry:
             self.backend.set_oom_handler(None)
         self._hooks.__exit__(None, None, None)
         self._hooks = None
         _set_active(None)
 
-    def set_operator_retry(self, on: bool) -> None:
-        """Catch OOM around every operator and retry after handling it (backends without allocator retry).
+    def set_retry_mode(self, mode: str, *, headroom: int | None = None) -> None:
+        """Who catches OOM on a backend whose allocator cannot retry (see the module docs).
 
-        It costs a Python call per operator, so the session turns it off in the Stable stage.
+        Args:
+            mode: ``"per-op"`` (catch around every operator: a Python call each), ``"armed"``
+                (catch around operators only while the iteration is at risk; for Stable) or ``"off"``.
+            headroom: armed mode: arm once device bytes in use pass ``budget - headroom``
+                (default: half the margin the plan left, at least twice the largest saved tensor).
+
+        On a backend with allocator-level retry (cpu-sim) the allocator asks the handler itself,
+        so every mode leaves nothing to do per operator. Call it from the thread that trains.
         """
-        if on and self._retry_mode is None and not self._allocator_retry:
-            self._retry_mode = _RetryOnOOM(self)
-            self._retry_mode.__enter__()
-        elif not on and self._retry_mode is not None:
-            self._retry_mode.__exit__(None, None, None)
-            self._retry_mode = None
+        if mode not in RETRY_MODES:
+            raise MemfitError(f"retry mode must be one of {', '.join(map(repr, RETRY_MODES))}, got {mode!r}")
+        if headroom is not None and headroom < 0:
+            raise MemfitError(f"the armed retry's headroom must be >= 0 bytes, got {headroom}")
+        self.retry_mode, self._headroom, self._arm_key = mode, headroom, None
+        self._risk_check, self._armed_in_forward = None, None
+        if self._allocator_retry:
+            return
+        if mode == "per-op":
+            if not _on_dispatch_stack(self._retry):
+                _push_dispatch_mode(self._retry)
+            return
+        _remove_dispatch_mode(self._retry)
+        if mode == "armed":
+            self._read_allocated = self.backend.memory_allocated_reader()
+            self._risk_check = self._check_risk
+
+    def set_operator_retry(self, on: bool) -> None:
+        """``set_retry_mode("per-op" if on else "off")``; kept for callers of the earlier API."""
+        self.set_retry_mode("per-op" if on else "off")
 
     def apply(self, bindings: Sequence[Binding]) -> None:
         """Apply these plans from the next forward pass on (none: OOM handling only).
@@ -237,6 +334,14 @@ class SwapRuntime:
         """
         self.bindings = tuple(b for b in bindings if b.entries)
         self.matcher = make_matcher(self.matcher_kind, self.bindings) if self.bindings else None
+
+    @property
+    def binding(self) -> Binding | None:
+        """The plan this forward pass runs on: the one its saves matched, else the most likely one."""
+        if not self.bindings:
+            return None
+        locked = self.matcher.locked if self.matcher is not None else None
+        return self.bindings[locked if locked is not None else 0]
 
     def take_saved_bytes(self) -> list[tuple[int, int]]:
         """``(operator index where a forward pass began, bytes it saved for backward)`` since the last call.
@@ -255,6 +360,8 @@ class SwapRuntime:
             if t is not None:
                 storage = t.untyped_storage()
                 self._static[storage_key(storage)] = weakref.ref(storage)
+                if t.requires_grad:  # its gradient is static memory too (counted when an OOM is explained)
+                    self._grad_owners.append(weakref.ref(t))
 
     def _is_static(self, key: int) -> bool:
         ref = self._static.get(key)
@@ -309,6 +416,8 @@ class SwapRuntime:
         self._forwards[-1][1] += nbytes
         identity = self.oracle.identity(token) if self.oracle is not None else None
         key = storage_key(storage)
+        if self._risk_check is not None:  # armed retry: every save is a chance to look at memory
+            self._risk_check(nbytes)
         floor = self.min_swap_bytes
         if not self.track_below_plan and self.matcher is not None:
             floor = max(floor, self.matcher.min_nbytes)
@@ -335,6 +444,8 @@ class SwapRuntime:
         return SavedRef(stored, t)
 
     def _unpack(self, ref: Any) -> torch.Tensor:
+        if self._risk_check is not None:
+            self._risk_check(0)
         if not isinstance(ref, SavedRef):
             return ref
         stored = ref.stored
@@ -358,11 +469,13 @@ class SwapRuntime:
     def _new_forward(self, op_index: int) -> None:
         self._in_backward = False
         self._base = op_index
+        self._now = 0
         self._forwards.append([op_index, 0])
         if self.oracle is not None:
             self.oracle.new_forward()
         if self.observer is not None:
             self.observer.forward_began(op_index)
+        self._forward_swapped_bytes = 0
         self._flush_releases()
         self._swap_ins.clear()
         if self.matcher is not None:
@@ -377,10 +490,14 @@ class SwapRuntime:
             self._iteration.misswaps += 1
         with hidden_from_profilers():
             stored.swap_out = self.swapper.swap_out_storage(stored.storage)
-        stored.state, stored.entry = COPYING, entry
+        stored.state, stored.entry, stored.out_at = COPYING, entry, self._now
+        self._forward_swapped_bytes += stored.nbytes
         for s in (self.stats, self._iteration):
             s.swaps += 1
-        heapq.heappush(self._releases, (entry.release, next(self._seq), weakref.ref(stored)))
+        if self.swapper.release_mode == "record_stream":  # the baseline frees at dispatch (once the program lets go)
+            self._release(stored)
+        else:
+            heapq.heappush(self._releases, (entry.release, next(self._seq), weakref.ref(stored)))
 
     def _tick(self, position: int, backward: bool = False) -> None:
         drift = self.matcher.drift if self.matcher is not None else 0
@@ -402,16 +519,22 @@ class SwapRuntime:
                 if (stored := heapq.heappop(self._swap_ins)[2]()) is not None:
                     self._start_swap_in(stored)
 
-    def _release(self, stored: Stored, passive: bool = False) -> bool:
-        """Free the block of a swapped-out storage if nothing else holds it; returns whether it did."""
+    def _release(self, stored: Stored, passive: bool = False, stream_ordered: bool | None = None) -> bool:
+        """Free the block of a swapped-out storage if nothing else holds it; returns whether it did.
+
+        ``stream_ordered``: free it now after a compute-stream wait for the copy (default: in
+        ``event`` mode, and for passive swaps — Algorithm 3 frees stream-ordered in any mode).
+        """
         if stored.state != COPYING or stored.swap_out is None:
             return False
         swap = stored.swap_out
         if not passive and not swap.event.query():  # compute will wait for the copy: it is behind the plan
             self.stats.copy_waits += 1
             self._iteration.copy_waits += 1
-        if self.swapper.release_mode == "event":
-            self.backend.current_stream().wait_event(swap.event)  # on the device; cpu-sim: the host
+        if stream_ordered is None:
+            stream_ordered = passive or self.swapper.release_mode == "event"
+        if stream_ordered:
+            swap.wait_on_compute()  # a device-side wait (cpu-sim: the host's); the copy's references are gone after
         if not self._sole_owner(stored.storage, swap):
             if not passive and not self._in_backward:  # the program still holds it: try again later
                 self._held.append(weakref.ref(stored))
@@ -423,13 +546,11 @@ class SwapRuntime:
             with hidden_from_profilers():
                 self.on_swap(storage_bytes(stored.storage), False, passive)
         with hidden_from_profilers():
-            stored.swap_out.release()
-        if not passive:
-            if stored.storage.nbytes() == 0:
-                self.stats.reuse_intervals.append(0)
-            else:
-                self._awaiting_free.append((self._now, stored))
+            swap.release(stream_ordered=stream_ordered)
         stored.state = OUT
+        if not passive:
+            self._awaiting_free.append(stored)
+            self._note_freed()
         for s in (self.stats, self._iteration):
             s.swapped_out_bytes += stored.nbytes
             s.released += 1
@@ -438,30 +559,41 @@ class SwapRuntime:
         return True
 
     def _note_freed(self) -> None:
+        """Record the reuse interval of released blocks that have become free for reuse since the last poll.
+
+        Stream-event release frees the block for the compute stream at once (its later work waits
+        for the copy); with ``record_stream`` the block is reusable once the copy is done — the
+        allocator's event query, which this poll stands in for (cpu-sim: the poll frees it).
+        """
         still = []
-        for requested, stored in self._awaiting_free:
-            if stored.storage.nbytes() == 0 or stored.state != OUT:
-                self.stats.reuse_intervals.append(max(0, self._now - requested))
+        for stored in self._awaiting_free:
+            swap = stored.swap_out
+            free = (
+                stored.state != OUT
+                or swap is None
+                or (stored.storage.nbytes() == 0 and (swap.stream_ordered or swap.event.query()))
+            )
+            if free:
+                self.stats.reuse_intervals.append(max(0, self._now - stored.out_at))
             else:
-                still.append((requested, stored))
+                still.append(stored)
         self._awaiting_free = still
 
     def _sole_owner(self, storage: torch.UntypedStorage, swap: SwapOut) -> bool:
-        """Whether only the record holds ``storage``, not counting a queued copy's own reference.
+        """Whether only the record (and the swap's ``record_stream`` keepalive) holds ``storage``.
 
-        Read the count before the event: a copy found pending afterwards still held its reference
-        when the count was read (the worker drops it before completing the event).
+        A copy still queued on cpu-sim's worker holds a reference too, so such a storage reads as
+        held until the copy has run: on a device a queued copy holds none, and stream-ordered
+        release waits for the copy before asking — never a wrong "sole" answer, at worst a later one.
         """
-        if_copy_pending = sole_owner(storage, 1 + len(swap._keepalive))
-        if_copy_done = sole_owner(storage, len(swap._keepalive))
-        pending = self.backend.copy_holds_tensors and not swap.event.query()
-        return if_copy_pending if pending else if_copy_done
+        return sole_owner(storage, len(swap._keepalive))
 
     def _start_swap_in(self, stored: Stored) -> None:
         if stored.state != OUT or stored.swap_out is None:
             return
         with hidden_from_profilers():
-            stored.swap_in = stored.swap_out.swap_in()
+            # the re-allocation is no operator: on a device without allocator retry, Algorithm 3 is asked here
+            stored.swap_in = _retrying(self, stored.swap_out.swap_in)
             if self.on_swap is not None:
                 self.on_swap(storage_bytes(stored.storage), True, stored.passive)
         stored.state = INFLIGHT
@@ -478,44 +610,68 @@ class SwapRuntime:
             stored.swap_in.wait()
             stored.state = RESIDENT
 
-    def _flush_releases(self) -> int:
+    def _flush_releases(self, stream_ordered: bool | None = None) -> int:
         freed = 0
         pending = [ref for _, _, ref in self._releases] + self._held
         self._releases, self._held = [], []
         for ref in pending:
             stored = ref()
-            if stored is not None and self._release(stored):
+            if stored is not None and self._release(stored, stream_ordered=stream_ordered):
                 freed += stored.nbytes
         return freed
 
     # -- out of memory (Algorithm 3) -----------------------------------------------------------
-    def _allocator_oom(self, request: int, attempt: int) -> bool:
+    def _allocator_oom(self, request: int, attempt: int, error: BaseException | None = None) -> bool:
+        """Ask the ``on_oom`` handlers about a failed allocation; whether to retry it."""
         from memfit.types import OOMEvent
 
-        if not self.oom_enabled:
-            return False
-        event = OOMEvent(
-            requested_bytes=request,
-            capacity_bytes=self.backend.capacity_bytes,
-            in_use_bytes=self.backend.memory_allocated(),
-            attempt=attempt,
-            backend=self.backend,
-            error=None,
-        )
-        response = self._oom_hooks.handle_oom(event)
-        if response is not None and response.action == "retry":
-            if attempt == 0:
-                self.stats.ooms_survived += 1
-                self._iteration.ooms_survived += 1
-            return True
+        in_use = self.backend.memory_allocated()
+        if self.oom_enabled and attempt < _MAX_RETRIES:
+            event = OOMEvent(
+                requested_bytes=request,
+                capacity_bytes=self.backend.capacity_bytes,
+                in_use_bytes=in_use,
+                attempt=attempt,
+                backend=self.backend,
+                error=error,
+            )
+            response = self._oom_hooks.handle_oom(event)
+            if response is not None and response.action == "retry":
+                if attempt == 0:
+                    self.stats.ooms_survived += 1
+                    self._iteration.ooms_survived += 1
+                return True
+            in_use = self.backend.memory_allocated()
+        self.failure = self._failure(request, in_use)
         return False
+
+    def _failure(self, request: int, in_use: int) -> OOMFailure:
+        device = (RESIDENT, COPYING, INFLIGHT)
+        activations = sum(s.nbytes for s in list(self._live.values()) if s.state in device)
+        static: dict[int, int] = {}
+        for key, ref in list(self._static.items()):
+            if (storage := ref()) is not None:
+                static[key] = storage.nbytes()
+        for ref in self._grad_owners:
+            if (owner := ref()) is not None and owner.grad is not None:
+                storage = owner.grad.untyped_storage()
+                static[int(storage._cdata)] = storage.nbytes()
+        return OOMFailure(
+            request_bytes=request,
+            in_use_bytes=in_use,
+            capacity_bytes=self.backend.capacity_bytes,
+            activation_bytes=activations,
+            static_bytes=sum(static.values()) if static else None,
+            largest=tuple(self.largest_live()),
+        )
 
     def handle_oom(self, request: int, attempt: int) -> tuple[int, str] | None:
         """One step of Algorithm 3 for a failed allocation of ``request`` bytes; ``(freed, note)`` or ``None``."""
-        if attempt == 0:
-            freed = self._flush_releases()
-            for pending in list(self.swapper._pending_release):  # record_stream mode: wait, then free
-                pending.event.synchronize()
+        if attempt == 0:  # Algorithm 3, lines 3-5: every block swapped out or being swapped out, stream-ordered
+            freed = self._flush_releases(stream_ordered=True)
+            compute = self.backend.current_stream()
+            for pending in list(self.swapper._pending_release):  # record_stream on cpu-sim: wait, then free
+                compute.wait_event(pending.event)
                 freed += pending.nbytes
             self.swapper.poll()
             self._note_freed()
@@ -528,8 +684,7 @@ class SwapRuntime:
         with hidden_from_profilers():
             victim.swap_out = self.swapper.swap_out_storage(victim.storage)
         victim.state, victim.passive = COPYING, True
-        victim.swap_out.event.synchronize()  # the passive swap's only wait: the copy must finish first
-        if not self._release(victim, passive=True):
+        if not self._release(victim, passive=True):  # stream-ordered: the host does not wait for the copy
             return None
         for s in (self.stats, self._iteration):
             s.passive_swaps += 1
@@ -558,23 +713,109 @@ class SwapRuntime:
         live = sorted(self._live.values(), key=lambda s: -s.nbytes)[:top]
         return [(s.nbytes, s.state) for s in live]
 
+    # -- armed retry -----------------------------------------------------------------------------
+    def _check_risk(self, nbytes: int) -> None:
+        """Armed mode, from the hooks: arm the operator-level retry while the iteration is at risk.
+
+        ``nbytes``: the saved storage's size (pack) or 0 (unpack). See the module docs.
+        """
+        if nbytes > self._largest_saved:
+            self._largest_saved = nbytes
+        if self._arm_key != (self.binding, self._largest_saved):
+            self._arm_above = self._arm_threshold()
+        forward = not self._in_backward
+        at_risk = self._read_allocated() > self._arm_above or (forward and self._projected_peak() > self._arm_above)
+        if at_risk:
+            if not _on_dispatch_stack(self._retry):
+                _push_dispatch_mode(self._retry)
+                self.stats.arms += 1
+            if forward:
+                self._armed_in_forward = self._base
+        elif forward and self._armed_in_forward != self._base and _on_dispatch_stack(self._retry):
+            _remove_dispatch_mode(self._retry)  # a forward pass that has not been at risk (yet)
+
+    def _arm_threshold(self) -> int:
+        self._arm_key = (self.binding, self._largest_saved)
+        capacity = self.backend.capacity_bytes
+        if self._headroom is not None:
+            return capacity - self._headroom
+        peak = self.binding.plan.predicted.peak_bytes if self.binding is not None else 0
+        spare = (capacity - peak) // 2 if 0 < peak < capacity else capacity // 10
+        return capacity - max(spare, 2 * self._largest_saved)
+
+    def _projected_peak(self) -> int:
+        """The plan's predicted peak plus the bytes of its swaps that should have matched by now and did not."""
+        matcher, binding = self.matcher, self.binding
+        if matcher is None or binding is None:
+            return 0
+        if self._plan_positions[0] is not binding:
+            entries = sorted(binding.entries, key=lambda e: e.position)
+            self._plan_positions = (binding, [e.position for e in entries], list(itertools.accumulate(
+                (e.nbytes for e in entries), initial=0)))  # fmt: skip
+        _, positions, cumulative = self._plan_positions
+        due = bisect.bisect_right(positions, self._now - matcher.drift - getattr(matcher, "tolerance", 0))
+        shortfall = cumulative[due] - self._forward_swapped_bytes
+        return binding.plan.predicted.peak_bytes + shortfall if shortfall > 0 else 0
+
+
+def _on_dispatch_stack(mode: TorchDispatchMode) -> bool:
+    """Whether ``mode`` is on this thread's dispatch-mode stack (a backward node's stack is its own)."""
+    return any(torch._C._get_dispatch_stack_at(i) is mode for i in range(torch._C._len_torch_dispatch_stack()))
+
+
+def _push_dispatch_mode(mode: TorchDispatchMode) -> None:
+    # The raw push, not ``__enter__``: inside backward the engine restores each node's thread-local
+    # state, which would drop the mode without an ``__exit__`` and leave its Python-side flags set.
+    torch._C._push_on_torch_dispatch_stack(mode)
+
+
+def _remove_dispatch_mode(mode: TorchDispatchMode) -> None:
+    """Take ``mode`` off this thread's stack, putting back any modes pushed above it since."""
+    if not _on_dispatch_stack(mode):
+        return
+    above = []
+    while (top := torch._C._pop_torch_dispatch_stack(None)) is not mode:
+        above.append(top)
+    for other in reversed(above):
+        torch._C._push_on_torch_dispatch_stack(other)
+
 
 class _RetryOnOOM(TorchDispatchMode):
-    """Operator-level Algorithm 3 for backends whose allocator cannot retry: catch OOM, handle, re-run."""
+    """Operator-level Algorithm 3 for backends whose allocator cannot retry: catch OOM, handle, re-run.
+
+    Which errors are OOM is the backend's call (``is_oom``): older torch_npu raises a plain
+    ``RuntimeError``, not ``torch.OutOfMemoryError``. The failing operator's inputs are held by
+    its arguments here, so a passive swap can never choose them.
+    """
 
     def __init__(self, runtime: SwapRuntime) -> None:
         super().__init__()
         self.runtime = runtime
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        attempt = 0
+        return _retrying(self.runtime, func, *args, **(kwargs or {}))
+
+
+def _retrying(runtime: SwapRuntime, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)``, re-run while Algorithm 3 frees memory after an OOM (the backend says what is one).
+
+    Outside the per-operator retry (mode ``off``, or an allocator that retries itself) it is a plain call.
+    """
+    if runtime._allocator_retry or runtime.retry_mode == "off":
+        return fn(*args, **kwargs)
+    backend = runtime.backend
+    try:
+        return fn(*args, **kwargs)
+    except Exception as exc:
+        if not backend.is_oom(exc) or not runtime._allocator_oom(backend.oom_request_bytes(exc), 0, exc):
+            raise
+    attempt = 1
+    with hidden_from_profilers():  # a re-run is no operator of the program's (cpu-sim's retry is not seen either)
         while True:
             try:
-                return func(*args, **kwargs)
-            except torch.OutOfMemoryError as exc:
-                backend = self.runtime.backend
-                if not self.runtime._allocator_oom(backend.oom_request_bytes(exc), attempt):
+                return fn(*args, **kwargs)
+            except Exception as exc:
+                if not backend.is_oom(exc) or not runtime._allocator_oom(backend.oom_request_bytes(exc), attempt, exc):
                     raise
                 attempt += 1
 

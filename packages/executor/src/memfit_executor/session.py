@@ -247,7 +247,7 @@ class SwapSession:
         if self.profiler is not None:
             self.profiler.set_saved_bytes_source(self.runtime.take_saved_bytes)
         self.runtime.install(self.hooks if self.options.oom_handler != "off" else _NoOOMHooks())
-        self.runtime.set_operator_retry(self.options.oom_handler != "off")
+        self.runtime.set_retry_mode("per-op" if self.options.oom_handler != "off" else "off")
         self._handles.append(register_optimizer_step_post_hook(self._protect_optimizer_state))
         if self.options.plan is not None:
             if self.options.plan_trace is None:
@@ -311,15 +311,52 @@ class SwapSession:
         self.runtime.protect(optimizer_tensors(optimizer, gradients=False))
 
     def _oom_error(self, exc: BaseException) -> SwapOutOfMemoryError:
+        """The final error, with the figures the runtime read at the failure (the stack has unwound since).
+
+        Memory read now would be lower than at the failure (the failed step's tensors are gone),
+        so figures come from the runtime's :class:`~memfit_executor.runtime.OOMFailure` when it saw
+        this failure, else from the device's own message, which is quoted at the end.
+        """
         assert self.runtime is not None
         request = self.backend.oom_request_bytes(exc)
-        live = ", ".join(f"{format_size(n)} ({state})" for n, state in self.runtime.largest_live()) or "none tracked"
+        failure = self.runtime.failure
+        budget = format_size(self.budget_bytes)
+        if failure is None or (request and abs(failure.request_bytes - request) > max(1, request // 100)):
+            return SwapOutOfMemoryError(
+                f"out of memory under memfit's swap executor: a request of {format_size(request)} did not fit the "
+                f"budget of {budget}, and memfit's OOM handler did not see the failure (it was outside the "
+                f"operators it watches, or OOM handling was off). Raise the budget, or lower the batch size or "
+                f"sequence length. ({exc})"
+            )
+        live = ", ".join(f"{format_size(n)} ({state})" for n, state in failure.largest) or "none"
+        other = failure.in_use_bytes - failure.activation_bytes
+        if failure.static_bytes is not None:
+            static = failure.static_bytes
+            held = (
+                f"{format_size(static)} parameters, gradients and optimizer states, "
+                f"{format_size(max(0, other - static))} other tensors the program holds"
+            )
+            what = "the parameters, gradients and optimizer states"
+        else:  # no optimizer step has run yet: parameters and the program's own tensors are not told apart
+            static = other
+            held = f"{format_size(other)} parameters, gradients, optimizer states and tensors the program holds"
+            what = "the parameters, gradients, optimizer states and tensors the program holds"
+        if static + failure.request_bytes > failure.capacity_bytes:
+            advice = (
+                f"{what[0].upper()}{what[1:]} alone ({format_size(static)}) leave no room for this request in "
+                f"the budget: swapping activations cannot make it fit. Raise the budget, or shard or offload them "
+                f"(e.g. FSDP/ZeRO, a smaller optimizer state)."
+            )
+        else:
+            advice = (
+                "memfit released pending swaps and swapped out every activation it could. Raise the budget, or "
+                "lower the batch size or sequence length."
+            )
         return SwapOutOfMemoryError(
-            f"out of memory under memfit's swap executor: a request of {format_size(request)} does not fit the "
-            f"budget of {format_size(self.budget_bytes)} ({format_size(self.backend.memory_allocated())} in use) "
-            f"after releasing pending swaps and swapping out every activation it could. Largest activations "
-            f"memfit tracks: {live}. The rest is parameters, gradients, optimizer states and tensors the program "
-            f"holds itself: raise the budget, or lower the batch size or sequence length. ({exc})"
+            f"out of memory under memfit's swap executor: a request of {format_size(failure.request_bytes)} did not "
+            f"fit the budget of {budget}. At the failure {format_size(failure.in_use_bytes)} were in use: "
+            f"{format_size(failure.activation_bytes)} activations memfit tracks (largest: {live}), {held}. "
+            f"{advice} ({exc})"
         )
 
     # -- the stages ---------------------------------------------------------------------------
@@ -362,13 +399,13 @@ class SwapSession:
         next_stage = self.profiler.machine.stage  # a re-plan may have moved it since the record was made
         if next_stage is Stage.STABLE:
             self.runtime.track_below_plan = False
-            self.runtime.set_operator_retry(False)
+            self.runtime.set_retry_mode("armed" if self.options.oom_handler == "always" else "off")
             if self.options.oom_handler == "until-stable":
                 self.runtime.oom_enabled = False
         else:
             self.runtime.track_below_plan = True
             if self.options.oom_handler != "off":
-                self.runtime.set_operator_retry(True)
+                self.runtime.set_retry_mode("per-op")
                 self.runtime.oom_enabled = True
         if next_stage is Stage.GENPOLICY or (self.options.plan is not None and self._external is None):
             self._log = self.runtime.observer = SaveLog()

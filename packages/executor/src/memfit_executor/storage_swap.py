@@ -7,8 +7,13 @@ not tensor, so every view of a swapped activation sees the same bytes when it co
   after the compute stream's pending work, into a pooled host buffer. The device block is **not**
   freed yet: :meth:`SwapOut.release` frees it later (at the plan's release point), after making
   the compute stream wait for the copy's event — a stream-to-stream wait, the paper's custom
-  recordStream, instead of ``Tensor.record_stream`` (kept as an option for the ablation), which
-  makes the allocator poll the event on later allocations.
+  recordStream. The block is free for the compute stream at once: its later work is queued
+  after the wait.
+* ``release_mode="record_stream"`` is the paper's baseline (Fig. 8 ablation): the swap-out marks
+  the block with ``Tensor.record_stream`` on the copy stream, and the release hands it to the
+  allocator, which reuses it only once an event query at a later allocation finds the copy
+  done. cpu-sim has no allocator-side stream tracking: there :meth:`StorageSwapper.poll`, called
+  by the runtime at its hooks, frees the block once the copy is done.
 * :meth:`SwapOut.swap_in` re-allocates the device block (``storage.resize_``), queues the
   host-to-device copy after the compute stream's pending work, and returns a :class:`SwapIn`;
   :meth:`SwapIn.wait` makes the compute stream wait for it before an operator reads the tensor.
@@ -114,21 +119,33 @@ class SwapOut:
     event: Any
     swapper: StorageSwapper
     released: bool = False
+    stream_ordered: bool = False
+    """Released after a compute-stream wait (free for the compute stream at once), not through ``record_stream``."""
     _keepalive: list[Any] = field(default_factory=list)
+    _waited: bool = False
 
-    def release(self) -> None:
+    def wait_on_compute(self) -> None:
+        """Make the compute stream wait for the copy out (once): a device-side wait, no host synchronisation."""
+        if not self._waited:
+            self.swapper.backend.current_stream().wait_event(self.event)
+            self._waited = True
+
+    def release(self, *, stream_ordered: bool | None = None) -> None:
         """Free the device block once the copy out of it has completed.
 
-        With stream-event release (the default) the compute stream waits for the copy's event
-        and the block goes back to the allocator now; with ``record_stream`` release the block is
-        handed to the allocator, which frees it when it sees the copy stream's work done.
+        Stream-ordered (the default in ``event`` mode; the OOM handler's passive swaps always): the
+        compute stream waits for the copy's event and the block goes back to the allocator now. In
+        ``record_stream`` mode the block is handed to the allocator, which lets it be reused when
+        it sees the copy stream's work done (cpu-sim: when :meth:`StorageSwapper.poll` does).
         """
         if self.released:
             return
         self.released = True
-        if self.swapper.release_mode == "event":
-            self.swapper.backend.current_stream().wait_event(self.event)
+        self.stream_ordered = self.swapper.release_mode == "event" if stream_ordered is None else stream_ordered
+        if self.stream_ordered:
+            self.wait_on_compute()
             self.storage.resize_(0)
+            self._keepalive.clear()
         elif self._keepalive:  # a device stream recorded on the block: the allocator defers its reuse
             self.storage.resize_(0)
             self._keepalive.clear()

@@ -12,6 +12,8 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
+from collections.abc import Callable
+from typing import Any
 
 from memfit import hookimpl
 from memfit.backends.accelerator import AcceleratorBackend
@@ -45,6 +47,11 @@ class NPUBackend(AcceleratorBackend):
     def __init__(self, *, capacity: int | str | None = None, index: int | None = None) -> None:
         importlib.import_module("torch_npu")  # registers the "npu" device with torch
         super().__init__("npu", name="npu", capacity=capacity, index=index)
+
+    def _oom_observer_binding(self) -> Callable[[Callable[..., None]], Any] | None:
+        """torch_npu's caching allocator observer (the same signature as CUDA's), where this release has it."""
+        torch_npu = importlib.import_module("torch_npu")
+        return getattr(getattr(torch_npu, "_C", None), "_npu_attach_out_of_memory_observer", None)
 
 
 @hookimpl

@@ -3,19 +3,40 @@
 Memory statistics come from ``torch.accelerator.memory`` (torch >= 2.9) and fall back to the
 device module (``torch.cuda``, ``torch.npu``) on older torch. Streams and events are the generic
 ``torch.Stream``/``torch.Event``.
+
+**The size of a failed allocation.** The OOM handler swaps out the activation closest in size to
+the request, so it must know the request. The caching allocators of CUDA and torch_npu call
+their *out-of-memory observers* with it (``torch._C._cuda_attach_out_of_memory_observer``,
+``torch_npu._C._npu_attach_out_of_memory_observer``: ``observer(device, alloc_size,
+allowed_or_total_bytes, device_free)``) just before they raise; the backend attaches one per
+process and device type (observers cannot be detached) that remembers the last failed request
+per device. The figure is the allocator's ``alloc_size``: the block it tried to get, already
+rounded (a 5 MiB tensor asks for a 20 MiB segment). The error's text names the same figure to
+two decimals ("Tried to allocate 20.00 MiB"); :meth:`AcceleratorBackend.oom_request_bytes` takes
+the observer's exact value when it belongs to this error (the text agrees with it, or names
+none) and the text otherwise (an OOM raised outside the caching allocator, or no observer
+binding in this build).
+
+The allocator calls its observers and then raises: it cannot retry an allocation once they have
+run. That is why the swap executor catches OOM around operators on these devices
+(``memfit_executor.runtime``) instead of retrying inside the allocator as on cpu-sim.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import json
+import logging
 import os
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from memfit.backends.base import Backend
+from memfit.backends.base import Backend, is_out_of_memory_error, parse_oom_request_bytes
 from memfit.config import parse_size
 from memfit.errors import MemfitError
 from memfit.plugins import hookimpl
@@ -28,7 +49,8 @@ if TYPE_CHECKING:
 _COMM_BACKEND = {"cuda": "nccl", "npu": "hccl", "xpu": "xccl"}
 _VISIBLE_DEVICES_ENV = {"cuda": "CUDA_VISIBLE_DEVICES", "npu": "ASCEND_RT_VISIBLE_DEVICES"}
 _GRANULARITY = {"cuda": 512, "npu": 512}  # the caching allocators' minimum block (_PYTORCH_MIN_ALLOCATE)
-_OOM_TEXT = ("out of memory",)
+
+log = logging.getLogger("memfit.backends")
 
 
 def accelerator_type() -> str | None:
@@ -41,6 +63,72 @@ def accelerator_type() -> str | None:
         return None
     acc = torch.accelerator.current_accelerator()
     return acc.type if acc is not None else None
+
+
+class FailedRequests:
+    """The last allocation each device's caching allocator failed, as its OOM observer reported it.
+
+    One per device type and process: allocator observers cannot be detached, so the backend
+    attaches :meth:`observe` once and every later backend of that type shares the record.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._last: dict[int, tuple[int, int]] = {}  # device index -> (sequence number, alloc_size)
+        self._claimed: dict[int, int] = {}  # device index -> sequence number an error has taken
+        self._sequence = 0
+
+    def observe(self, device: int, alloc_size: int, allowed_bytes: int = 0, device_free: int = 0) -> None:
+        """The allocator's observer callback. It must never raise: it runs inside a failing allocation."""
+        try:
+            with self._lock:
+                self._sequence += 1
+                self._last[int(device)] = (self._sequence, int(alloc_size))
+        except BaseException:  # noqa: S110 - an exception here would escape from inside the allocator
+            pass
+
+    def request_for(self, exc: BaseException, device: int) -> int:
+        """The failed request behind ``exc`` on ``device``: the observer's figure if it is this error's, else the text.
+
+        The observer's figure belongs to ``exc`` when the message names the same size (to its two
+        decimals) or names none and the figure has not been claimed by an earlier error.
+        """
+        claimed = getattr(exc, "_memfit_request_bytes", None)
+        if claimed is not None:
+            return int(claimed)
+        parsed = parse_oom_request_bytes(str(exc))
+        with self._lock:
+            sequence, observed = self._last.get(int(device), (0, 0))
+            fresh = sequence > self._claimed.get(int(device), 0)
+            if observed and (
+                (parsed is not None and abs(observed - parsed) <= max(1, parsed // 100)) or (parsed is None and fresh)
+            ):
+                self._claimed[int(device)] = sequence
+                request = observed
+            else:
+                request = parsed or 0
+        with contextlib.suppress(AttributeError, TypeError):  # remembered for a second question about it
+            exc._memfit_request_bytes = request  # type: ignore[attr-defined]
+        return request
+
+
+_failed_requests: dict[str, FailedRequests] = {}
+_failed_requests_lock = threading.Lock()
+
+
+def failed_requests(device_type: str, attach: Callable[[Callable[..., None]], Any] | None) -> FailedRequests:
+    """The process's record for ``device_type``; attaches its observer with ``attach`` the first time."""
+    with _failed_requests_lock:
+        record = _failed_requests.get(device_type)
+        if record is None:
+            record = _failed_requests[device_type] = FailedRequests()
+            if attach is not None:
+                try:
+                    attach(record.observe)
+                except Exception as exc:  # a build without the binding: the error text still says
+                    log.info("memfit: no out-of-memory observer for %s (%s); request sizes come from the error text",
+                             device_type, exc)  # fmt: skip
+        return record
 
 
 class AcceleratorBackend(Backend):
@@ -78,6 +166,8 @@ class AcceleratorBackend(Backend):
         self._total = int(self.module.get_device_properties(self._device).total_memory)
         self._capacity = self._total
         self._copy_stream: torch.Stream | None = None
+        self._reader: Callable[[], int] | None = None
+        self._failed = failed_requests(device_type, self._oom_observer_binding())
         if capacity is not None:
             self.set_capacity(parse_size(capacity, what=f"{device_type} capacity"))
 
@@ -152,13 +242,41 @@ class AcceleratorBackend(Backend):
     def native_memory_source(self) -> tuple[str, int]:
         return ("device", int(self._device.index or 0))
 
-    def is_oom(self, exc: BaseException) -> bool:
+    def memory_allocated_reader(self) -> Callable[[], int]:
+        """Reads the allocator's device stats natively (``memfit.native.device_stats``), not through a dict.
+
+        Falls back to :meth:`memory_allocated` (slow on CUDA, ~tens of µs) where the extension
+        cannot be built or the device has no accelerator stats.
+        """
+        if self._reader is None:
+            from memfit.errors import NativeBuildError
+            from memfit.native import device_stats
+
+            try:
+                reader = functools.partial(device_stats().allocated, int(self._device.index or 0))
+                reader()
+            except (NativeBuildError, RuntimeError) as exc:
+                log.warning("memfit: reading %s memory natively failed (%s); using memory_allocated()", self.name, exc)
+                reader = self.memory_allocated
+            self._reader = reader
+        return self._reader
+
+    def _oom_observer_binding(self) -> Callable[[Callable[..., None]], Any] | None:
+        """The device module's ``attach_out_of_memory_observer`` binding, if this build has one."""
         import torch
 
-        # Older torch_npu raises RuntimeError("NPU out of memory ..."), newer torch.OutOfMemoryError.
-        return isinstance(exc, torch.OutOfMemoryError) or (
-            isinstance(exc, RuntimeError) and any(t in str(exc).lower() for t in _OOM_TEXT)
-        )
+        if self.device_type == "cuda":
+            return getattr(torch._C, "_cuda_attach_out_of_memory_observer", None)
+        return None
+
+    def oom_request_bytes(self, exc: BaseException) -> int:
+        """The failed request: the allocator observer's exact figure, else the error text's (see the module docs)."""
+        if not self.is_oom(exc):
+            return 0
+        return self._failed.request_for(exc, int(self._device.index or 0))
+
+    def is_oom(self, exc: BaseException) -> bool:
+        return is_out_of_memory_error(exc)
 
     def synchronize(self) -> None:
         import torch

@@ -7,7 +7,12 @@ Code outside ``memfit.backends`` (and ``memfit_npu``) never calls ``torch.cuda``
 * streams and events, so that copies overlap compute;
 * host buffers for swapped-out data (pinned where the device has pinned memory; never counted
   against the device);
-* ``is_oom(exc)``, because devices spell "out of memory" differently.
+* ``is_oom(exc)``, because devices spell "out of memory" differently, and
+  ``oom_request_bytes(exc)``, the size of the allocation that failed (the OOM handler swaps out
+  the activation closest to it). Every backend can answer it: by default from the error's text
+  ("Tried to allocate 20.00 MiB", which CUDA, torch_npu and cpu-sim all write), better from the
+  allocator itself where the backend has a hook (cpu-sim's counter, CUDA's OOM observer);
+* :meth:`Backend.memory_allocated_reader`, a callable cheap enough for per-tensor hooks.
 
 Example:
     ```python
@@ -28,12 +33,59 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     import torch
+
+
+_UNIT_BYTES = {
+    "b": 1, "byte": 1, "bytes": 1,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    # Older torch and torch_npu releases print KB/MB/GB for the same 1024-based figures.
+    "kb": 2**10, "mb": 2**20, "gb": 2**30, "tb": 2**40,
+}  # fmt: skip
+_REQUEST_RE = re.compile(
+    r"tried to allocate\s+(\d+(?:\.\d+)?)\s*(tib|gib|mib|kib|tb|gb|mb|kb|bytes|byte|b)\b(?:\s*\((\d+) bytes\))?",
+    re.IGNORECASE,
+)
+
+
+def parse_oom_request_bytes(message: str) -> int | None:
+    """The request size an out-of-memory message names ("Tried to allocate 20.00 MiB"), or ``None``.
+
+    CUDA's caching allocator and torch_npu write two decimals in binary units (B, KiB, MiB, GiB;
+    older releases spell them KB, MB, GB with the same 1024-based meaning), so the figure is exact
+    to 0.5% of its unit; where the message also gives the exact count ("(4194304 bytes)", as
+    cpu-sim writes) that is used.
+
+    Example:
+        ```python
+        parse_oom_request_bytes("CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 ...")  # 20971520
+        ```
+    """
+    found = _REQUEST_RE.search(message)
+    if found is None:
+        return None
+    if found.group(3) is not None:
+        return int(found.group(3))
+    return round(float(found.group(1)) * _UNIT_BYTES[found.group(2).lower()])
+
+
+def is_out_of_memory_error(exc: BaseException) -> bool:
+    """``torch.OutOfMemoryError``, or a ``RuntimeError`` whose text says "out of memory".
+
+    Older torch_npu raises ``RuntimeError("NPU out of memory. Tried to allocate ...")``, newer
+    releases and CUDA ``torch.OutOfMemoryError``; accelerator backends accept both.
+    """
+    import torch
+
+    return isinstance(exc, torch.OutOfMemoryError) or (
+        isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
+    )
 
 
 class Event(Protocol):
@@ -81,9 +133,6 @@ class Backend(abc.ABC):
     visible_devices_env: str | None = None
     """Environment variable that restricts visible devices, if any."""
     allocation_granularity: int = 1
-    copy_holds_tensors: bool = False
-    """Whether a queued :meth:`copy_async` holds a reference to its tensors until it has run
-    (cpu-sim's worker does; CUDA copies do not), for code that counts a storage's owners."""
     """Allocations are rounded up to a multiple of this many bytes by the device allocator."""
 
     # -- device and memory ------------------------------------------------------------------
@@ -134,6 +183,14 @@ class Backend(abc.ABC):
         g = self.allocation_granularity
         return -(-nbytes // g) * g if g > 1 else nbytes
 
+    def memory_allocated_reader(self) -> Callable[[], int]:
+        """A zero-argument callable returning :meth:`memory_allocated`, cheap enough to call per saved tensor.
+
+        ``memory_allocated`` may build the allocator's whole statistics dictionary (CUDA: tens of
+        microseconds); backends that can read the one figure natively return a reader that does.
+        """
+        return self.memory_allocated
+
     def native_memory_source(self) -> tuple[str, int] | None:
         """Where native code (the profiler's recorder) reads live device bytes without calling Python.
 
@@ -148,8 +205,14 @@ class Backend(abc.ABC):
         """Whether ``exc`` is this device's out-of-memory error."""
 
     def oom_request_bytes(self, exc: BaseException) -> int:
-        """Size of the allocation that failed with ``exc``; 0 when the backend cannot tell."""
-        return 0
+        """Size of the allocation that failed with ``exc``; 0 when it is not this device's OOM or nothing says.
+
+        This default reads the error's text (:func:`parse_oom_request_bytes`); backends whose
+        allocator reports the failed request exactly override it.
+        """
+        if not self.is_oom(exc):
+            return 0
+        return parse_oom_request_bytes(str(exc)) or 0
 
     def set_oom_handler(self, handler: Callable[[int, int], bool] | None) -> bool:
         """Have the allocator ask ``handler(request_bytes, attempt)`` before an allocation fails.

@@ -16,6 +16,7 @@ block counted by a backend leaves that backend's count when freed, whichever is 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import queue
 import threading
@@ -81,6 +82,9 @@ class HostStream:
 class SimCopyStream:
     """A FIFO of copies executed by one worker thread, each taking at least ``nbytes / bandwidth``."""
 
+    event_type: type[SimEvent] = SimEvent
+    """What :meth:`submit` returns (a test backend may count the host waits on them)."""
+
     def __init__(self, bytes_per_second: float, name: str = "memfit-cpu-sim-copy") -> None:
         self.bytes_per_second = bytes_per_second
         self._queue: queue.SimpleQueue[tuple[Callable[[], None], int, SimEvent] | None] = queue.SimpleQueue()
@@ -119,7 +123,7 @@ class SimCopyStream:
 
     def submit(self, work: Callable[[], None], nbytes: int = 0) -> SimEvent:
         """Queue ``work``; returns the event completed after it."""
-        event = SimEvent()
+        event = self.event_type()
         with self._pending_lock:
             self._pending += 1
         self._queue.put((work, nbytes, event))
@@ -177,7 +181,6 @@ class CpuSimBackend(Backend):
     name = "cpu-sim"
     device_type = "cpu"
     comm_backend = "gloo"
-    copy_holds_tensors = True
 
     def __init__(self, capacity: int | str = DEFAULT_CAPACITY, copy_bandwidth: int | str = DEFAULT_COPY_BANDWIDTH):
         from memfit.native import cpu_sim_allocator
@@ -241,6 +244,9 @@ class CpuSimBackend(Backend):
 
     def copy_throughput(self) -> tuple[int, float]:
         return self._copy.take_throughput() if self._copy is not None else (0, 0.0)
+
+    def memory_allocated_reader(self) -> Callable[[], int]:
+        return functools.partial(self._native.current, self._slot)
 
     def native_memory_source(self) -> tuple[str, int]:
         return ("counter", int(self._native.counter_address(self._slot)))

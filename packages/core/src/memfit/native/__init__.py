@@ -90,6 +90,11 @@ def cpu_sim_allocator() -> ModuleType:
     return load_extension("memfit_cpu_sim_allocator", (NATIVE_SOURCE_DIR / "cpu_sim_allocator.cpp",))
 
 
+def device_stats() -> ModuleType:
+    """Reads an accelerator's live bytes without building the statistics dict (``allocated(index)``)."""
+    return load_extension("memfit_device_stats", (NATIVE_SOURCE_DIR / "device_stats.cpp",))
+
+
 @contextlib.contextmanager
 def hidden_from_profilers() -> Iterator[None]:
     """Operators the calling thread runs inside the block are invisible to ``RecordFunction`` observers.

@@ -13,6 +13,11 @@
 // handler runs with the GIL taken here and no allocator lock held (there is none: counters are
 // atomics), so it may free and allocate; a thread already inside the handler is not re-entered.
 //
+// To test the code paths of devices whose allocator cannot retry, the failure can also be raised
+// the way older torch_npu does: a plain c10::Error (RuntimeError in Python) reading "NPU out of
+// memory. Tried to allocate ...", instead of c10::OutOfMemoryError (memfit.testing's fake
+// accelerator uses it).
+//
 // Each cpu-sim backend is its own device: it counts in its own slot (an "epoch"), so bytes a
 // previous backend's program still holds (caches, fixtures, leftovers) never count against the
 // next one. Each block carries a 64-byte header (keeps c10's 64-byte alignment) recording its
@@ -50,6 +55,7 @@ std::atomic<int64_t> g_num_allocs{0};
 std::atomic<int64_t> g_num_ooms{0};
 std::atomic<int64_t> g_last_oom_request{0};
 std::atomic<bool> g_counting{false};
+std::atomic<bool> g_npu_style_errors{false};
 thread_local bool t_exempt = false;
 thread_local bool t_in_handler = false;
 // (request_bytes, attempt) -> bool: retry? Owned reference, changed and read under the GIL only,
@@ -86,13 +92,18 @@ void update_peak(int64_t now) {
   }
 }
 
+// The caching allocators' format (bytes, KiB, MiB, GiB with two decimals), so one parser reads all.
 std::string human(int64_t bytes) {
   char buf[64];
-  const double gib = 1024.0 * 1024.0 * 1024.0, mib = 1024.0 * 1024.0;
+  const double gib = 1024.0 * 1024.0 * 1024.0, mib = 1024.0 * 1024.0, kib = 1024.0;
   if (bytes >= gib) {
     snprintf(buf, sizeof(buf), "%.2f GiB", bytes / gib);
-  } else {
+  } else if (bytes >= mib) {
     snprintf(buf, sizeof(buf), "%.2f MiB", bytes / mib);
+  } else if (bytes >= kib) {
+    snprintf(buf, sizeof(buf), "%.2f KiB", bytes / kib);
+  } else {
+    snprintf(buf, sizeof(buf), "%lld bytes", static_cast<long long>(bytes));
   }
   return buf;
 }
@@ -126,6 +137,9 @@ class CountingCPUAllocator final : public c10::Allocator {
           capacity = g_capacity.load(std::memory_order_relaxed);
           continue;
         }
+        TORCH_CHECK(!g_npu_style_errors.load(std::memory_order_relaxed),
+                    "NPU out of memory. Tried to allocate ", human(n), " (NPU 0; ", human(capacity),
+                    " total capacity; ", human(now - n), " already allocated) [cpu-sim emulating an NPU]");
         TORCH_CHECK_WITH(OutOfMemoryError, false,
                          "cpu-sim out of memory: tried to allocate ", human(n), " (", n, " bytes) with ",
                          human(now - n), " in use of a ", human(capacity), " capacity (", capacity,
@@ -197,6 +211,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     at::enableRecordFunction(on);
     return previous;
   }, "Enable or disable RecordFunction callbacks on the calling thread; returns the previous state.");
+  m.def("set_npu_style_errors", [](bool on) { return g_npu_style_errors.exchange(on); },
+        "Raise out-of-memory as a plain RuntimeError worded like older torch_npu; returns the previous setting.");
   m.def("num_allocs", []() { return g_num_allocs.load(); });
   m.def("num_ooms", []() { return g_num_ooms.load(); });
   m.def("last_oom_request", []() { return g_last_oom_request.load(); });

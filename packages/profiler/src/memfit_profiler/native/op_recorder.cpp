@@ -18,6 +18,7 @@
 #include <ATen/DeviceAccelerator.h>
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <torch/csrc/autograd/graph_task.h>
 
 #include <atomic>
@@ -73,6 +74,8 @@ c10::DeviceIndex g_mem_device_index = -1;
 int g_track_device_type = -1;  // record only tensors on this device type (-1: all)
 
 thread_local bool t_draining = false;
+thread_local std::string t_last_op_in_mode;  // the latest operator seen while a Python dispatch mode was on
+thread_local std::string t_redispatch_of;    // set by a "PythonDispatchMode" range: the operator it re-dispatches
 thread_local std::vector<int64_t> t_open_slots;  // detailed operators running on this thread (LIFO)  // take() builds tensors: its own operators are not the program's
 
 int64_t device_bytes_now() {
@@ -158,11 +161,34 @@ int64_t record_operator(const at::RecordFunction& fn) {
   // Operators inside an intra-op parallel region are the internals of the operator that opened
   // it, run on worker threads in a schedule-dependent number: not part of the program's sequence.
   if (t_draining || at::in_parallel_region()) return -1;
+  const char* name = fn.name();
+  // Under a Python dispatch mode (memfit-executor's operator-level OOM retry on CUDA/NPU, or any
+  // other) an operator shows up three times: on the way in, as a "PythonDispatchMode" range, and
+  // once more when the mode's __torch_dispatch__ calls it. Only the first is the program's: skip
+  // the range and the re-dispatch right after it (the same operator name), so the sequence, the
+  // phases and every position a plan refers to are the same whether a mode is on or not (the
+  // operators a kernel calls inside are recorded either way). Some operators (profiler::) are
+  // not observed on the way in or out: then the next event is not a re-dispatch, and is kept.
+  if (!t_redispatch_of.empty()) {
+    const bool redispatch = t_redispatch_of == name;
+    t_redispatch_of.clear();
+    if (redispatch) return -1;
+  }
+  if (std::strcmp(name, "PythonDispatchMode") == 0) {
+    t_redispatch_of = t_last_op_in_mode;
+    return -1;
+  }
+  if (c10::impl::TorchDispatchModeTLS::stack_len() > 0 && std::strstr(name, "::") != nullptr) {
+    t_last_op_in_mode.assign(name);  // only while a mode is on: no copy per operator otherwise
+  }
   // The autograd engine's own ranges ("autograd::engine::evaluate_function: MulBackward0") wrap
   // the operators of a backward node, and profiler:: operators open and close ranges such as
   // "Optimizer.step#AdamW.step": bookkeeping, not computation. The operators are what we record.
-  const char* name = fn.name();
   if (std::strncmp(name, "autograd::engine::", 18) == 0 || std::strncmp(name, "profiler::", 10) == 0) return -1;
+  // detach makes an alias: no memory, no compute. Autograd also calls it on its own, through the
+  // mode, for every output it saves while a Python dispatch mode is active (TensorImpl's
+  // shallow_copy_and_detach): left in, those calls would make the sequence depend on the mode.
+  if (std::strcmp(name, "aten::detach") == 0 || std::strcmp(name, "detach") == 0) return -1;
   const int8_t phase = g_optimizer.load(std::memory_order_relaxed)
                            ? OPT
                            : (torch::autograd::get_current_graph_task_id() >= 0 ? BWD : FWD);

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# One command for a GPU: memfit's gpu-marked tests and its GPU benchmarks, results written as files.
+#
+#   benchmarks/gpu.sh [OUT_DIR]        OUT_DIR defaults to $OUT, else ./gpu-results
+#
+# Needs a CUDA build of torch that sees a GPU, memfit's packages installed (pip install -e for each
+# folder under packages/, or the hatch environment), a C++ compiler and ninja (memfit's native
+# extensions are built on first use, about a minute each). It writes at most 8 files:
+#
+#   device.json              the GPU, torch and CUDA versions
+#   gpu-tests.log/.xml       pytest -m gpu over packages/ and tests/ (log and JUnit XML)
+#   release.json             benchmarks/release.py --backend cuda (stream-event vs record_stream release)
+#   profiler_overhead.json   benchmarks/profiler_overhead.py --backend cuda
+#   swap_capacity.json       benchmarks/swap_capacity.py --backend cuda (only with MEMFIT_GPU_CAPACITY=1: ~10+ min)
+#   benchmarks.log           every benchmark's table and progress
+#
+# Each benchmark prints one JSON object as its last line; that line is its .json file. Exit status:
+# 0 all passed, 1 a test or benchmark failed (the others still ran), 2 no GPU.
+set -uo pipefail
+
+here=$(cd "$(dirname "$0")" && pwd)
+root=$(dirname "$here")
+out=${1:-${OUT:-$root/gpu-results}}
+python=${PYTHON:-python}
+
+if ! "$python" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' >/dev/null 2>&1; then
+    echo "benchmarks/gpu.sh: no CUDA device is visible to torch ($python: torch.cuda.is_available() is False," >&2
+    echo "or torch is not installed). Nothing was run: use a machine with an NVIDIA GPU and a CUDA build of torch." >&2
+    exit 2
+fi
+mkdir -p "$out" || { echo "benchmarks/gpu.sh: cannot create the output folder $out" >&2; exit 1; }
+cd "$root" || exit 1
+status=0
+
+"$python" - >"$out/device.json" <<'EOF'
+import json, torch
+props = torch.cuda.get_device_properties(0)
+print(json.dumps({"device": props.name, "total_memory_bytes": props.total_memory, "devices": torch.cuda.device_count(),
+                  "torch": torch.__version__, "cuda": torch.version.cuda}))
+EOF
+echo "== device: $(cat "$out/device.json")"
+
+echo "== gpu-marked tests"
+"$python" -m pytest -m gpu -rs -q --junitxml="$out/gpu-tests.xml" packages tests >"$out/gpu-tests.log" 2>&1 || status=1
+tail -n 15 "$out/gpu-tests.log"
+
+bench() {  # bench NAME ARGS...: run benchmarks/NAME.py, keep its last line (the JSON object) as NAME.json
+    local name=$1
+    shift
+    echo "== benchmarks/$name.py $*" | tee -a "$out/benchmarks.log"
+    if "$python" "benchmarks/$name.py" "$@" >>"$out/benchmarks.log" 2>&1; then
+        grep '^{' "$out/benchmarks.log" | tail -n 1 >"$out/$name.json"
+        echo "   -> $out/$name.json"
+    else
+        echo "   FAILED: see $out/benchmarks.log" | tee -a "$out/benchmarks.log"
+        status=1
+    fi
+}
+
+# Fig. 8 analogue on a real copy engine: the medium model, activations of 32-512 MiB.
+bench release --backend cuda --model medium --batch 16 --seq 1024 --layers 4,8,16 --fraction 0.5 --steps 18
+# Table 1 analogue: the host-bound regime is where a GPU shows the profiler's per-operator cost.
+bench profiler_overhead --backend cuda
+if [ "${MEMFIT_GPU_CAPACITY:-0}" = "1" ]; then
+    bench swap_capacity --backend cuda --capacity 4GiB --layers 8 --batch 8 --seq 512 --model medium
+fi
+
+echo "== results in $out (exit status $status)"
+exit $status
