@@ -322,3 +322,21 @@ def test_memfit_swap_explains_a_missing_executor(monkeypatch):
 def test_a_bad_budget_is_a_clear_error():
     with pytest.raises(MemfitError, match="invalid swap budget"), memfit.swap(budget="lots", backend="cpu-sim"):
         pass
+
+
+def test_a_typo_in_planner_options_is_an_error_before_training():
+    with pytest.raises(MemfitError, match="margn"):
+        memfit.swap(budget="64MiB", backend="cpu-sim", planner_options={"swap": {"margn": "1MiB"}})
+    with pytest.raises(MemfitError, match="installed planners"):
+        memfit.swap(budget="64MiB", backend="cpu-sim", planner_options={"swapp": {}})
+
+
+def test_a_plan_that_cannot_fit_is_said_and_reported(caplog):
+    (losses, _), peak = native_run(train_reference, 10)
+    budget = int(peak * 0.22)  # passive swaps reach it; no plan does
+    with caplog.at_level("WARNING", logger="memfit.executor"), memfit.swap(budget=budget, backend="cpu-sim") as s:
+        got, _ = train_reference(10)
+    report = s.report()
+    assert got == losses and report["peak_device_bytes"] <= budget
+    assert report["plan_feasible"] is False and report["lowest_planned_peak_bytes"] > budget
+    assert "no plan fits the budget" in caplog.text and any("no plan fits" in n for n in report["notes"])

@@ -112,16 +112,6 @@ class SwapOptions(MemfitModel):
     """The trace ``plan`` was made from."""
 
 
-# Settings the candidates vary, after the planner's defaults (REF-CODE also searches C and the margin).
-_CANDIDATE_VARIATIONS: tuple[dict[str, Any], ...] = (
-    {},
-    {"layers_per_phase": 20},
-    {"layers_per_phase": 40},
-    {"size_weight": 1.0},
-    {"size_weight": 4.0},
-)
-
-
 @dataclass(eq=False)
 class _Trial:
     candidate: int
@@ -183,6 +173,8 @@ class SwapSession:
     ) -> None:
         self.options = SwapOptions.model_validate(options)
         self.hooks = hooks or get_hooks()
+        if self.hooks.planners():  # a typo in a planner's options fails here, not mid-training
+            self.hooks.validate_planner_options(self.options.planner_options)
         self._backend_arg = backend
         self._budget_arg = budget
         self.budget_bytes = 0
@@ -484,37 +476,25 @@ class SwapSession:
     def _plan_candidates(
         self, trace: Any, save_log: SaveLog, record: Any, plans: _SequencePlans
     ) -> list[Binding]:
-        base = dict(self.options.planner_options.get("swap", {}))
+        if not self.hooks.planners():
+            self._note("no planner is installed: running with OOM handling only (pip install memfit-policies)")
+            return []
         budget = int(self.budget_bytes * (1 - plans.budget_cut))
         plans.bandwidth = self._bandwidth
-        candidates: list[Binding] = []
-        seen: set[str] = set()
-        proposed: list[Any] = []
-        for variation in _CANDIDATE_VARIATIONS[: min(self.options.candidates, max(1, self.options.n))]:
-            options = {**self.options.planner_options, "swap": {**base, **variation}}
-            problem = PlanningProblem(trace, budget, plans.bandwidth, options)
-            found = [p for p in self.hooks.plan_memory(problem) if any(a.kind == "swap" for a in p.actions)]
-            if not self.hooks.planners():
-                self._note("no planner is installed: running with OOM handling only (pip install memfit-policies)")
-                return []
-            for plan in found:
-                self.plans_generated += 1
-                key = json.dumps([a.model_dump(mode="json") for a in plan.actions], sort_keys=True)
-                if key in seen:
-                    continue
-                seen.add(key)
-                proposed.append(plan)
-                binding = bind(plan, trace, save_log, record.phase_ops)
-                if binding.entries:
-                    candidates.append(binding)
+        problem = PlanningProblem(trace, budget, plans.bandwidth, self.options.planner_options)
+        variations = min(self.options.candidates, max(1, self.options.n))
+        proposed = [p for p in self.hooks.plan_candidates(problem, variations) if p.actions]
+        self.plans_generated += len(proposed)
+        candidates = [b for b in (bind(p, trace, save_log, record.phase_ops) for p in proposed) if b.entries]
         plans.feasible = any(p.is_feasible() for p in proposed) if proposed else None
         plans.lowest_peak_bytes = min((p.predicted.peak_bytes for p in proposed), default=None)
         if plans.feasible is False:
+            closest = min(proposed, key=lambda p: p.predicted.peak_bytes)
             self._note(
-                f"no plan fits the budget of {format_size(self.budget_bytes)}: the lowest peak the planners reach "
-                f"is {format_size(plans.lowest_peak_bytes or 0)} (iteration {record.index}). Training goes on with "
-                f"the closest plan and passive swaps; for a plan that fits, raise the budget or lower the batch "
-                f"size or sequence length"
+                f"no plan fits the budget of {format_size(self.budget_bytes)} (sequence {plans.sequence}, iteration "
+                f"{record.index}): the lowest peak the planners reach is {format_size(closest.predicted.peak_bytes)}. "
+                f"Training goes on with the closest plans and passive swaps, slower than a plan that fits. "
+                f"{closest.predicted.shortfall}".strip()
             )
         if candidates:
             log.info(

@@ -15,13 +15,16 @@ log = logging.getLogger("memfit.policies")
 
 SWAP_VARIATIONS = (
     {},
+    {"layers_per_phase": 20},
+    {"layers_per_phase": 40},
     {"size_weight": 1.0},
     {"size_weight": 4.0},
-    {"layers_per_phase": 20},
-    {"size_weight": 0.5},
 )
-"""Settings a swap session tries as plan candidates, after the defaults: the weight C of the size
-term in Eq. 2 and finer logical layers (REF-CODE also searches C and the margin)."""
+"""Settings a swap session tries as plan candidates, after the defaults: finer logical layers first
+(with ten per phase, a swap-in starts up to a tenth of backward before its tensor is needed, and
+at tight budgets those early returns decide whether a plan fits at all: a GPT-2 at a third of its
+peak fits with 40 and not with 10), then the weight C of the size term in Eq. 2 (REF-CODE also
+searches C and the margin)."""
 
 
 @hookimpl
