@@ -177,16 +177,20 @@ def train_lengths(lengths):
     return losses, params_of(run.model)
 
 
-def test_a_persistent_change_of_sequence_length_is_planned_for_and_the_old_plan_kept():
-    lengths = [64] * 14 + [96] * 14 + [64] * 3
+def swap_exactly_at_half_the_peak(lengths):
+    """Train ``lengths`` under half the unswapped peak; check exactness and the budget; return the session."""
     (losses, params), peak = native_run(train_lengths, lengths)
     budget = int(peak * 0.5)
     with memfit.swap(budget=budget, backend="cpu-sim") as session:
         got_losses, got_params = train_lengths(lengths)
-    report = session.report()
     assert got_losses == losses and all((a == b).all() for a, b in zip(got_params, params, strict=True))
-    assert report["peak_device_bytes"] <= budget
-    its = report["per_iteration"]
+    assert session.report()["peak_device_bytes"] <= budget
+    return session
+
+
+def test_a_persistent_change_of_sequence_length_is_planned_for_and_the_old_plan_kept():
+    session = swap_exactly_at_half_the_peak([64] * 14 + [96] * 14 + [64] * 3)
+    its = session.report()["per_iteration"]
     change = 14
     assert its[change]["sequence"] != its[change - 1]["sequence"]  # the same operators, larger tensors
     m, n = session.options.m, session.options.n
@@ -198,15 +202,8 @@ def test_a_persistent_change_of_sequence_length_is_planned_for_and_the_old_plan_
 
 
 def test_sequence_lengths_that_take_turns_each_get_a_plan():
-    lengths = [32, 48, 64] * 12
-    (losses, params), peak = native_run(train_lengths, lengths)
-    budget = int(peak * 0.5)
-    with memfit.swap(budget=budget, backend="cpu-sim") as session:
-        got_losses, got_params = train_lengths(lengths)
-    report = session.report()
-    assert got_losses == losses and all((a == b).all() for a, b in zip(got_params, params, strict=True))
-    assert report["peak_device_bytes"] <= budget
-    tail = report["per_iteration"][-6:]
+    session = swap_exactly_at_half_the_peak([32, 48, 64] * 12)
+    tail = session.report()["per_iteration"][-6:]
     assert all(it["stage"] == "Stable" for it in tail)
     assert len({it["sequence"] for it in tail}) == 3  # one plan per length, all in place at once
     assert len({(it["plan"]["sequence"]) for it in tail if it["plan"]}) == 3
