@@ -358,3 +358,38 @@ def test_the_oracle_names_modules_by_path_and_counts_calls_per_forward_pass():
     # reached through the ModuleList, which is never called itself
     assert seen[:3] == [("Net.layers.0", 0, 5, 0), ("Net.layers.0", 1, 5, 0), ("Net.layers.1", 0, 5, 0)]
     assert seen[3:] == seen[:3]
+
+
+def test_a_plan_from_another_iteration_binds_by_ordinal_even_where_storage_addresses_repeat():
+    """Storage ids are addresses: in another iteration the same address can be another tensor."""
+    from memfit.plan import LogicalLayer, Swap, TensorMatch
+    from memfit.trace import TraceBuilder
+    from memfit.types import Phase
+    from memfit_executor.matching import FirstSave, SaveLog, bind
+
+    b = TraceBuilder(capacity_bytes=2**20, source="measured")
+    first = b.add_tensor(nbytes=4096, dtype="float32", shape=(32, 32), storage_id=222)
+    second = b.add_tensor(nbytes=4096, dtype="float32", shape=(32, 32), storage_id=111)
+    b.add_op("aten::exp", Phase.FWD, outputs=(first,), device_bytes=4096)
+    b.add_op("aten::exp", Phase.FWD, inputs=(first,), outputs=(second,), device_bytes=8192)
+    b.add_op("aten::mul", Phase.FWD, inputs=(second,), device_bytes=8192)
+    for _ in range(4):
+        b.add_op("aten::add", Phase.BWD, device_bytes=8192)
+    b.add_op("aten::mul_backward", Phase.BWD, inputs=(first, second), device_bytes=8192)
+    trace = b.build(step_seconds=0.01)
+    plan = MemoryPlan(
+        planner="swap", budget_bytes=2**20, source=PlanSource(kind="measured"),
+        layers=(LogicalLayer(start_op=0, phase="FWD"), LogicalLayer(start_op=3, phase="BWD")),
+        actions=(Swap(tensor=TensorMatch(nbytes=4096, dtype="float32"), swap_out_after_op=2, release_at_op=2,
+                      swap_in_layer=1, first_backward_use_op=7),),
+        predicted=PlanPrediction(peak_bytes=0),
+    )  # fmt: skip
+    log = SaveLog()
+    log.forward_began(0)
+    sig = (4096, torch.float32, (32, 32), 7)
+    log.saved(111, FirstSave(op_index=0, position=0, ordinal=0, signature=sig))  # the 1st tensor, at B's old address
+    log.saved(222, FirstSave(op_index=1, position=1, ordinal=0, signature=sig))
+    elsewhere = bind(plan, trace, log, (3, 5, 0))
+    assert [e.op_index for e in elsewhere.entries] == [1]  # the second tensor saved, as in the plan's trace
+    here = bind(plan, trace, log, (3, 5, 0), traced_here=True)  # the trace's own iteration: its storages
+    assert [e.op_index for e in here.entries] == [0]

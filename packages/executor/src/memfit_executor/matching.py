@@ -132,15 +132,18 @@ class Binding:
     """Operators from the first save to the first backward operator of the observed iteration."""
 
 
-def bind(plan: MemoryPlan, trace: Trace, save_log: SaveLog, phase_ops: tuple[int, int, int]) -> Binding:
+def bind(
+    plan: MemoryPlan, trace: Trace, save_log: SaveLog, phase_ops: tuple[int, int, int], *, traced_here: bool = False
+) -> Binding:
     """Bind ``plan``'s swaps (made from ``trace``) to the first saves of an observed forward pass.
 
     One path for every plan, whichever trace it was made from:
 
     * **the tensor**: the plan names it by its features (:class:`~memfit.plan.TensorMatch`), which
-      find its row in ``trace``. When ``trace`` was recorded in the observed iteration (a
-      measured plan made here, in GenPolicy), that row's storage is in ``save_log`` and is taken as
-      it is. Otherwise (a simulated trace, another process, another machine: storages and
+      find its row in ``trace``. When ``trace`` was recorded in the observed iteration
+      (``traced_here``: a measured plan made here, in GenPolicy), that row's storage is in
+      ``save_log`` and is taken as it is. Otherwise (a simulated trace, another iteration, another
+      process, another machine: storage ids are addresses, and an address is soon another tensor's;
       operator indices are not shared, and a simulated trace counts dispatcher-level operators,
       ``aten::mm``, where the profiler counts ``aten::linear``) it is the k-th tensor of its size
       and dtype kept from forward into backward, in creation order in the trace and in
@@ -194,8 +197,9 @@ def bind(plan: MemoryPlan, trace: Trace, save_log: SaveLog, phase_ops: tuple[int
         if row is not None:
             taken.add(row)
             key, k = ordinal_of[row]
-            found = save_log.saves.get(int(t.storage_id[row]))
-            if found is None or found.signature[0] != key[0]:  # not this iteration's storage: by ordinal
+            if traced_here:  # None: held by the program, not saved for backward
+                found = save_log.saves.get(int(t.storage_id[row]))
+            else:
                 saves = observed.get(key, [])
                 found = saves[k] if k < len(saves) else None
         if found is None:

@@ -485,7 +485,8 @@ class SwapSession:
         variations = min(self.options.candidates, max(1, self.options.n))
         proposed = [p for p in self.hooks.plan_candidates(problem, variations) if p.actions]
         self.plans_generated += len(proposed)
-        candidates = [b for b in (bind(p, trace, save_log, record.phase_ops) for p in proposed) if b.entries]
+        bound = (bind(p, trace, save_log, record.phase_ops, traced_here=True) for p in proposed)
+        candidates = [b for b in bound if b.entries]
         plans.feasible = any(p.is_feasible() for p in proposed) if proposed else None
         plans.lowest_peak_bytes = min((p.predicted.peak_bytes for p in proposed), default=None)
         if plans.feasible is False:
