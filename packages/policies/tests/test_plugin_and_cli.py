@@ -65,7 +65,7 @@ def test_a_step_that_cannot_fit_gets_a_best_effort_plan_that_says_so(trace):
     with pytest.raises(CannotFit) as raised:
         generate_swap_plan(trace, GiB)
     assert plan.predicted.peak_bytes == raised.value.lowest_peak_bytes  # the lowest peak the planner can reach
-    assert "still peaks at" in plan.predicted.shortfall and "Raise the budget" in plan.predicted.shortfall
+    assert "still peaks at" in plan.predicted.shortfall and "raise the budget" in plan.predicted.shortfall
 
 
 def test_memfit_plan_writes_a_plan_and_a_picture(trace, tmp_path):
@@ -111,7 +111,7 @@ def test_memfit_plan_that_cannot_fit_says_the_lowest_peak_and_still_draws(trace,
     assert result.exit_code == 1
     assert re.search(r"fits the budget +│ NO \(the lowest peak reachable is 3.12 GiB\)", result.output)
     assert "no plan fits the budget of 2.50 GiB (swap planner)" in result.output
-    assert "Raise the budget to at least" in result.output and f"No plan written to {out}" in result.output
+    assert "raise the budget to at least" in result.output and f"No plan written to {out}" in result.output
     assert not out.exists() and png.read_bytes()[:4] == b"\x89PNG"
     (ax,) = saved_figures[-1].axes
     assert "DOES NOT FIT" in ax.get_title()

@@ -108,13 +108,15 @@ def _shortfall(lowest_peak: int, budget: int, margin: int, margin_given: bool) -
             f"swapping every candidate still peaks at {format_size(lowest_peak)} ({lowest_peak} B): within the "
             f"budget of {format_size(budget)} but not under it minus the margin ({format_size(limit)}), which "
             f"leaves room for what the prediction misses. Lower the margin (if the prediction is exact enough) or "
-            f"min_tensor_bytes, raise the budget, or reduce the batch size or sequence length."
+            f"min_tensor_bytes, use more logical layers per phase (layers_per_phase: swap-ins then start closer "
+            f"to their use), raise the budget, or reduce the batch size or sequence length."
         )
     return (
         f"cannot fit the step under {format_size(limit)} ({limit} B; the budget of {format_size(budget)} minus a "
         f"margin of {format_size(margin)}): swapping every candidate still peaks at {format_size(lowest_peak)} "
-        f"({lowest_peak} B). Raise the budget to at least {format_size(needed)}, lower "
-        f"min_tensor_bytes, or reduce the batch size or sequence length."
+        f"({lowest_peak} B). Use more logical layers per phase (layers_per_phase: swap-ins then start closer "
+        f"to their use), raise the budget to at least {format_size(needed)}, lower min_tensor_bytes, or reduce "
+        f"the batch size or sequence length."
     )
 
 
