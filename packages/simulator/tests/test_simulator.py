@@ -75,7 +75,20 @@ def test_time_model_categories_and_roofline():
     assert a100.step_seconds > big.step_seconds  # a slower device
 
 
-def test_calibration_reproduces_the_measured_run():
+def test_calibration_recovers_the_machine_that_produced_the_timings():
+    """Calibrated on timings a known machine would give, it predicts them (deterministic: no wall clock)."""
+    sim = simulate_training("tiny", batch=4, seq=64)
+    costs = op_costs(sim.step)
+    machine = get_spec("cpu").model_copy(update={"op_overhead_s": 4e-6, "efficiency": {"compute": 0.3, "memory": 0.6}})
+    timings = estimate(costs, machine)
+    spec = calibrate(get_spec("cpu"), costs, list(sim.step.op_names), timings)
+    assert estimate(costs, spec).sum() == pytest.approx(timings.sum(), rel=0.01)
+    assert spec.op_overhead_s == pytest.approx(4e-6)
+    assert spec.efficiency["compute"] == pytest.approx(0.3, rel=0.05)
+    assert spec.efficiency["memory"] == pytest.approx(0.6, rel=0.05)
+
+
+def test_measure_ops_times_every_operator_of_a_real_step():
     from memfit.models import build_training
 
     run = build_training("tiny", batch_size=4, seq_len=64)
@@ -87,11 +100,8 @@ def test_calibration_reproduces_the_measured_run():
         run.optimizer.zero_grad(set_to_none=True)
 
     names, seconds = measure_ops(step, repeats=2)
-    sim = simulate_training("tiny", batch=4, seq=64)
-    spec = calibrate(get_spec("cpu"), op_costs(sim.step), names, seconds)
-    predicted = estimate(op_costs(sim.step), spec).sum()
-    assert predicted == pytest.approx(seconds.sum(), rel=0.15)  # different op counts: first vs later step
-    assert spec.op_overhead_s > 0 and set(spec.efficiency) == {"compute", "memory"}
+    assert len(names) == len(seconds) > 100 and (seconds > 0).all()
+    assert "aten::mm" in names
 
 
 def test_the_registry_has_the_devices_and_their_sources():
