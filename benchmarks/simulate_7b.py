@@ -28,7 +28,7 @@ def child(which: str, model: str, seq: int) -> dict:
     warnings.filterwarnings("ignore")
     started = time.perf_counter()
     if which == "memfit":
-        from memfit_simulator.simulate import simulate_training
+        from memfit_simulator.simulation import simulate_training
 
         # granularity 1 (the cpu spec): MemTracker does not round CPU storages either
         result = simulate_training(model, batch=1, seq=seq, dtype="bfloat16", optimizer="adamw", device="cpu")

@@ -20,7 +20,7 @@ import time
 import warnings
 
 from memfit_simulator.baselines import measured_peak, memtracker_peak
-from memfit_simulator.simulate import simulate_training
+from memfit_simulator.simulation import simulate_training
 
 CONFIGS = [  # (model, layers, batch, seq, dtype, optimizer)
     ("tiny", None, 8, 128, "float32", "adamw"),

@@ -153,9 +153,38 @@ DATA = pathlib.Path(__file__).parent / "data"
 def test_version_1_traces_written_by_the_old_code_are_upgraded(name, level):
     """The files in data/ were written by memfit's trace code at schema version 1 (before op_level)."""
     trace = Trace.load(DATA / f"trace_v1_{name}.npz")
-    assert trace.schema_version == TRACE_SCHEMA_VERSION == 2
+    assert trace.schema_version == TRACE_SCHEMA_VERSION == 3
     assert trace.op_level == level
     assert trace.n_ops == 3 and trace.iteration == 2 and trace.no_swap_memory_curve().tolist() == [1200, 1600, 1600]
+
+
+def test_version_2_traces_load_with_modules_and_categories_unknown():
+    """data/trace_v2_simulated.npz was written by memfit's trace code at schema version 2."""
+    trace = Trace.load(DATA / "trace_v2_simulated.npz")
+    assert trace.schema_version == 3 and trace.module_names == ()
+    assert trace.ops.module.tolist() == [-1, -1] and trace.tensors.category.tolist() == [-1, -1, -1]
+    assert trace.op_module(0) is None and trace.tensor_category(2) is None
+    assert trace.n_ops == 2 and trace.peak_bytes() == 2000
+
+
+def test_modules_and_categories_round_trip_and_are_checked(tmp_path):
+    b = TraceBuilder(capacity_bytes=4096, source="synthetic")
+    w = b.add_tensor(nbytes=400, dtype="float32", shape=(10, 10), is_param=True, category="parameter", module="fc")
+    x = b.add_tensor(nbytes=400, dtype="float32", shape=(10, 10), category="input")
+    y = b.add_tensor(nbytes=400, dtype="float32", shape=(10, 10), category="activation", module="fc")
+    b.add_op("aten::mm", Phase.FWD, inputs=(x, w), outputs=(y,), module="fc")
+    b.add_op("aten::sum", Phase.FWD, inputs=(y,), module="")
+    b.add_op("aten::mm", Phase.BWD, inputs=(y, w))
+    trace = b.build(step_seconds=0.1)
+    trace.save(tmp_path / "t.npz")
+    again = Trace.load(tmp_path / "t.npz")
+    assert again == trace and again.module_names == ("fc", "")
+    assert [again.op_module(i) for i in range(3)] == ["fc", "", None]
+    assert [again.tensor_category(t) for t in (w, x, y)] == ["parameter", "input", "activation"]
+    with pytest.raises(TraceFormatError, match="unknown tensor category 'weights'"):
+        b.add_tensor(nbytes=4, dtype="float32", shape=(1,), category="weights")
+    with pytest.raises(TraceFormatError, match="module column refers to names outside"):
+        dataclasses.replace(trace, module_names=("fc",))
 
 
 def test_op_level_round_trips_and_is_checked(tmp_path):

@@ -11,7 +11,7 @@ from memfit.models import LlamaConfig
 from memfit_simulator.baselines import measured_peak
 from memfit_simulator.comm import all_gather_seconds, all_reduce_seconds, reduce_scatter_seconds, send_recv_seconds
 from memfit_simulator.hardware import get_spec, specs
-from memfit_simulator.simulate import simulate_training
+from memfit_simulator.simulation import simulate_training
 from memfit_simulator.streams import (
     StreamTimeline,
     asymmetric_step_seconds,

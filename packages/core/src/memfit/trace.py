@@ -52,8 +52,12 @@ import numpy as np
 from memfit.errors import TraceFormatError
 from memfit.types import Phase
 
-TRACE_SCHEMA_VERSION = 2
+TRACE_SCHEMA_VERSION = 3
 """Bumped whenever a column is added, removed or changes meaning.
+
+2 → 3: ``ops.module``, ``tensors.module``, ``tensors.category`` and the ``module_names`` header
+added (which module an operator ran for, which module created a tensor, and what the tensor is:
+:data:`TENSOR_CATEGORIES`). A version-2 file loads with all three unknown (-1).
 
 1 → 2: ``op_level`` added. Version-1 files are upgraded on load: a simulated or synthetic trace
 was recorded at the dispatcher level; a measured one at the RecordFunction level when its
@@ -75,8 +79,20 @@ _RECORD_FUNCTION_ONLY_OPS = frozenset(
 )  # fmt: skip
 
 
-def _column(dtype: str) -> Any:
-    return dataclasses.field(metadata={"dtype": dtype})
+TENSOR_CATEGORIES: tuple[str, ...] = (
+    "parameter", "buffer", "input", "gradient", "optimizer_state", "activation", "temporary",
+)  # fmt: skip
+"""What a tensor is, in the order reports list them (TorchSim §4.3). ``gradient``: a parameter's
+``.grad``; ``activation``: created in forward and alive when backward starts; ``temporary``:
+everything else (operator outputs freed in their own phase, activation gradients).
+``tensors.category`` holds an index into this tuple, -1 when the producer did not say."""
+
+
+def _column(dtype: str, *, unknown: int | None = None) -> Any:
+    """A column; one with ``unknown`` may be left out (``None``) and is then filled with that value."""
+    if unknown is None:
+        return dataclasses.field(metadata={"dtype": dtype})
+    return dataclasses.field(default=None, metadata={"dtype": dtype, "unknown": unknown})
 
 
 class _Table:
@@ -88,6 +104,8 @@ class _Table:
     def __post_init__(self) -> None:
         length = None
         for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            if getattr(self, f.name) is None:  # an optional column left out: all unknown
+                object.__setattr__(self, f.name, np.full(length or 0, f.metadata["unknown"]))
             arr = np.ascontiguousarray(getattr(self, f.name), dtype=f.metadata["dtype"])
             object.__setattr__(self, f.name, arr)
             if arr.ndim != 1:
@@ -117,6 +135,8 @@ class _Table:
         kwargs = {}
         for f in dataclasses.fields(cls):  # type: ignore[arg-type]
             key = f"{cls.name}.{f.name}"
+            if key not in arrays and "unknown" in f.metadata:  # added in a later schema version
+                continue
             if key not in arrays:
                 raise TraceFormatError(f"trace file lacks column {key}")
             kwargs[f.name] = arrays[key]
@@ -148,6 +168,10 @@ class OpTable(_Table):
     inputs_values: np.ndarray = _column("int64")
     outputs_offsets: np.ndarray = _column("int64")
     outputs_values: np.ndarray = _column("int64")
+    module: np.ndarray = _column("int32", unknown=-1)
+    """Index into :attr:`Trace.module_names`: the innermost module the operator ran for (for a
+    backward operator, the module whose forward it differentiates; for an optimizer update, the
+    module owning the parameter); -1 when not recorded."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -172,6 +196,11 @@ class TensorTable(_Table):
     """Indices of the last 8 operators that used it, 8 bits each."""
     shape_offsets: np.ndarray = _column("int64")
     shape_values: np.ndarray = _column("int64")
+    category: np.ndarray = _column("int8", unknown=-1)
+    """Index into :data:`TENSOR_CATEGORIES`; -1 when the producer did not say."""
+    module: np.ndarray = _column("int32", unknown=-1)
+    """Index into :attr:`Trace.module_names`: the innermost module running when the tensor was
+    created; -1 when not recorded."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -208,6 +237,9 @@ class Trace:
     op_level: OpLevel = dataclasses.field(kw_only=True)
     """Which operators the op table counts: ``dispatcher`` or ``record_function`` (module docs).
     Required: only the producer knows."""
+    module_names: tuple[str, ...] = dataclasses.field(default=(), kw_only=True)
+    """Qualified module names (``layers.0.attn``; ``""`` is the model itself) that ``ops.module``
+    and ``tensors.module`` refer to."""
     schema_version: int = TRACE_SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -224,6 +256,15 @@ class Trace:
             raise TraceFormatError("ops.phase holds a value that is not a Phase (0=FWD, 1=BWD, 2=OPT)")
         if self.tensors.dtype.size and self.tensors.dtype.max() >= len(self.dtype_names):
             raise TraceFormatError(f"tensors.dtype refers to names outside the {len(self.dtype_names)} dtype_names")
+        for column in (self.ops.module, self.tensors.module):
+            if column.size and (column.min() < -1 or column.max() >= len(self.module_names)):
+                raise TraceFormatError(
+                    f"a module column refers to names outside the {len(self.module_names)} module_names"
+                )
+        if self.tensors.category.size and (
+            self.tensors.category.min() < -1 or self.tensors.category.max() >= len(TENSOR_CATEGORIES)
+        ):
+            raise TraceFormatError(f"tensors.category holds a value outside -1..{len(TENSOR_CATEGORIES) - 1}")
         if self.swaps.tensor.size and (self.swaps.tensor.min() < 0 or self.swaps.tensor.max() >= n_tensors):
             raise TraceFormatError("swaps.tensor refers to tensor rows outside the tensor table")
         if self.swaps.op_index.size and (self.swaps.op_index.min() < 0 or self.swaps.op_index.max() >= len(self.ops)):
@@ -255,6 +296,16 @@ class Trace:
 
     def tensor_dtype(self, tensor: int) -> str:
         return self.dtype_names[int(self.tensors.dtype[tensor])]
+
+    def op_module(self, op_index: int) -> str | None:
+        """The module operator ``op_index`` ran for (``""``: the model itself); None when not recorded."""
+        code = int(self.ops.module[op_index])
+        return self.module_names[code] if code >= 0 else None
+
+    def tensor_category(self, tensor: int) -> str | None:
+        """What tensor row ``tensor`` is (:data:`TENSOR_CATEGORIES`); None when not recorded."""
+        code = int(self.tensors.category[tensor])
+        return TENSOR_CATEGORIES[code] if code >= 0 else None
 
     def peak_bytes(self) -> int:
         """Highest device bytes in use after any operator (-1 when memory was not recorded)."""
@@ -321,6 +372,7 @@ class Trace:
             "backend": self.backend,
             "iteration": self.iteration,
             "op_level": self.op_level,
+            "module_names": list(self.module_names),
         }
 
     def save(self, path: str | os.PathLike[str]) -> None:
@@ -348,9 +400,9 @@ class Trace:
         version = meta.get("schema_version")
         if version == 1:
             meta = _upgrade_v1(meta)
-        elif version != TRACE_SCHEMA_VERSION:
+        elif version not in (2, TRACE_SCHEMA_VERSION):
             raise TraceFormatError(
-                f"{name} has trace schema_version {version}; this memfit reads {TRACE_SCHEMA_VERSION} and 1. "
+                f"{name} has trace schema_version {version}; this memfit reads {TRACE_SCHEMA_VERSION}, 2 and 1. "
                 "Upgrade memfit or re-record the trace."
             )
         return cls(
@@ -365,6 +417,7 @@ class Trace:
             backend=meta["backend"],
             iteration=int(meta["iteration"]),
             op_level=meta["op_level"],
+            module_names=tuple(meta.get("module_names", ())),  # version 2: none (columns unknown)
         )
 
     def __eq__(self, other: object) -> bool:
@@ -424,7 +477,7 @@ def _upgrade_v1(meta: dict[str, Any]) -> dict[str, Any]:
     names = set(meta["op_names"])
     record_function = meta.get("source") == "measured" and not names.isdisjoint(_RECORD_FUNCTION_ONLY_OPS)
     level = "record_function" if record_function else "dispatcher"
-    return {**meta, "schema_version": TRACE_SCHEMA_VERSION, "op_level": level}
+    return {**meta, "schema_version": 2, "op_level": level}
 
 
 def to_csr(rows: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
@@ -459,6 +512,13 @@ class TraceBuilder:
         self._call_stacks: list[int] = []  # uint64: kept apart so int64 columns cannot overflow
         self._shapes: list[tuple[int, ...]] = []
         self._swaps: list[tuple[int, int, bool, bool]] = []
+        self._modules: dict[str, int] = {}
+        self._op_modules: list[int] = []
+        self._tensor_modules: list[int] = []
+        self._categories: list[int] = []
+
+    def _module(self, name: str | None) -> int:
+        return -1 if name is None else self._modules.setdefault(name, len(self._modules))
 
     def token(self, op_name: str) -> int:
         """The token of an operator name, assigned on first sight."""
@@ -475,8 +535,14 @@ class TraceBuilder:
         op_count: int = 0,
         op_tag: int = 0,
         op_call_stack: int = 0,
+        category: str | None = None,
+        module: str | None = None,
     ) -> int:
-        """Add a tensor row and return its index."""
+        """Add a tensor row and return its index (``category``: one of :data:`TENSOR_CATEGORIES`)."""
+        if category is not None and category not in TENSOR_CATEGORIES:
+            raise TraceFormatError(f"unknown tensor category {category!r}; use one of {', '.join(TENSOR_CATEGORIES)}")
+        self._categories.append(-1 if category is None else TENSOR_CATEGORIES.index(category))
+        self._tensor_modules.append(self._module(module))
         row = len(self._tensors)
         dtype_code = self._dtypes.setdefault(dtype, len(self._dtypes))
         sid = row if storage_id is None else storage_id
@@ -494,8 +560,10 @@ class TraceBuilder:
         outputs: Sequence[int] = (),
         device_bytes: int = -1,
         duration_s: float = float("nan"),
+        module: str | None = None,
     ) -> int:
-        """Add an operator row and return its index."""
+        """Add an operator row and return its index (``module``: the one it ran for, ``""`` the model)."""
+        self._op_modules.append(self._module(module))
         self._ops.append((self.token(name), int(phase), device_bytes, duration_s))
         self._op_inputs.append(tuple(inputs))
         self._op_outputs.append(tuple(outputs))
@@ -523,6 +591,7 @@ class TraceBuilder:
                 inputs_values=in_val,
                 outputs_offsets=out_off,
                 outputs_values=out_val,
+                module=np.array(self._op_modules, dtype=np.int32),
             ),
             tensors=TensorTable(
                 storage_id=tens[:, 0],
@@ -534,6 +603,8 @@ class TraceBuilder:
                 op_call_stack=np.array(self._call_stacks, dtype=np.uint64),
                 shape_offsets=shape_off,
                 shape_values=shape_val,
+                category=np.array(self._categories, dtype=np.int8),
+                module=np.array(self._tensor_modules, dtype=np.int32),
             ),
             swaps=SwapTable(
                 op_index=swaps[:, 0],
@@ -549,4 +620,5 @@ class TraceBuilder:
             backend=self.backend,
             iteration=self.iteration,
             op_level=self.op_level,
+            module_names=tuple(self._modules),
         )

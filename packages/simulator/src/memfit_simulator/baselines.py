@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from memfit_simulator.simulate import DTYPES, make_optimizer, model_config, reference_step
+from memfit_simulator.simulation import DTYPES, make_optimizer, model_config, reference_step
 
 
 def memtracker_peak(
@@ -68,6 +68,29 @@ def measured_peak(
             run.step()
             peak = backend.max_memory_allocated()
             del run
+    finally:
+        backend.close()
+    return int(peak)
+
+
+def measured_step_peak(build: Any, step: Any, *, steps: int = 2) -> int:
+    """Peak device bytes cpu-sim counts in the last of ``steps`` real steps of any model.
+
+    ``build`` and ``step`` as for :func:`memfit_simulator.simulation.simulate`, run for real on
+    cpu-sim instead of under fake tensors.
+    """
+    from memfit.backends.cpu_sim import CpuSimBackend
+
+    backend = CpuSimBackend(capacity="64GiB")
+    try:
+        with backend.activate():
+            model, optimizer, batch = build()
+            for i in range(steps):
+                if i == steps - 1:
+                    backend.reset_peak_memory_stats()
+                step(model, optimizer, batch)
+            peak = backend.max_memory_allocated()
+            del model, optimizer, batch
     finally:
         backend.close()
     return int(peak)

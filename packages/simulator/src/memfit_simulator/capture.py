@@ -10,8 +10,16 @@ which it was freed — exactly when the program drops it, as the caching allocat
 Categories (TorchSim §4.3): ``parameter``, ``buffer``, ``input``, ``gradient`` (the parameters'
 ``.grad``), ``optimizer_state`` (what the optimizer keeps in ``state``), ``activation`` (created
 in forward and still alive when backward starts) and ``temporary`` (everything else: operator
-outputs freed in their own phase, activation gradients). Each storage is attributed to the
-innermost module running when it was created (``torch.distributed._tools.mod_tracker``).
+outputs freed in their own phase, activation gradients).
+
+Modules (TorchSim §4.3.2): every operator is attributed to the innermost module it ran for, found
+with torch's ``ModTracker`` (module forward hooks, and multi-grad hooks on each module's outputs
+and inputs that bracket its backward): a backward operator belongs to the module whose forward it
+differentiates. An optimizer operator belongs to the module owning the parameter it updates (its
+gradient or state identifies it; a fused or foreach update spanning many belongs to the model).
+Operators outside every module (a loss computed in the step function) belong to the model, named
+``""``. Names are the model's own (``layers.0.attn``, as in ``model.named_modules()``). A storage
+belongs to the module of the operator that created it; parameters to the module that owns them.
 
 The result converts to a :class:`memfit.trace.Trace` with the same schema as the profiler's, so
 planners take a prediction where they take a measurement.
@@ -29,16 +37,17 @@ import numpy as np
 import torch
 from memfit.errors import MemfitError
 from memfit.features import tensor_features
-from memfit.trace import OpTable, SwapTable, TensorTable, Trace, to_csr
+from memfit.trace import TENSOR_CATEGORIES, OpTable, SwapTable, TensorTable, Trace, to_csr
 from memfit.types import Phase
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.mod_tracker import ModTracker
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
-CATEGORIES = ("parameter", "buffer", "input", "gradient", "optimizer_state", "activation", "temporary")
-"""Memory categories, in the order reports list them."""
+CATEGORIES = TENSOR_CATEGORIES
+"""Memory categories, in the order reports list them (core's :data:`memfit.trace.TENSOR_CATEGORIES`)."""
 
 # Operators that only reinterpret existing storage: free in time and memory.
 _VIEW_OPS = frozenset(
@@ -58,7 +67,7 @@ class _Storage:
     shape: tuple[int, ...]
     created: int  # operator after which it exists (-1: before the step)
     phase: int
-    module: str
+    module: str | None  # None only while an optimizer operator is being resolved
     freed: int = -1  # operator after which it was freed (-1: alive at the end)
     category: str = ""
 
@@ -104,8 +113,40 @@ class _Recorder(TorchDispatchMode):
         self.storages: list[_Storage] = []
         self._row: dict[int, int] = {}  # id(storage object) -> row, while alive
         self.in_optimizer = False
-        self.module_stack: list[str] = []
+        self.modules: _ModuleAttribution | None = None
+        self.owner: dict[int, str] = {}  # storage row -> module, for parameters, their grads and states
         self.closed = False  # after the step: frees no longer belong to it
+        self._op_module = ""  # the module of the operator being recorded
+
+    def current_module(self, input_rows: list[int]) -> str | None:
+        """The module the operator about to be recorded runs for (see the module docs).
+
+        None for an optimizer operator whose inputs name no parameter (the step counter): it is
+        resolved by :meth:`resolve_optimizer_ops` once the update is over.
+        """
+        if self.in_optimizer:
+            owners = {self.owner[r] for r in input_rows if r in self.owner}
+            return owners.pop() if len(owners) == 1 else ("" if owners else None)
+        return self.modules.innermost() if self.modules is not None else ""
+
+    def resolve_optimizer_ops(self) -> None:
+        """Give each optimizer operator that named no parameter the module of the next one that did.
+
+        Per-parameter updates (``foreach=False``) touch a parameter's step counter before its
+        gradient and states, so the next owned operator is the same parameter's.
+        """
+        following = ""
+        for index in range(len(self.op_modules) - 1, -1, -1):
+            if self.phases[index] != int(Phase.OPT):
+                break
+            if self.op_modules[index] is None:
+                self.op_modules[index] = following
+                for row in self.outputs[index]:
+                    if self.storages[row].module is None:
+                        self.storages[row].module = following
+                        self.owner[row] = following
+            else:
+                following = self.op_modules[index]
 
     def _phase(self) -> int:
         if self.in_optimizer:
@@ -119,10 +160,12 @@ class _Recorder(TorchDispatchMode):
         if row is not None:
             return row
         row = len(self.storages)
-        module = self.module_stack[-1] if self.module_stack else ""
         self.storages.append(
-            _Storage(int(storage.nbytes()), str(t.dtype).removeprefix("torch."), tuple(t.shape), created, phase, module)
-        )
+            _Storage(
+                int(storage.nbytes()), str(t.dtype).removeprefix("torch."), tuple(t.shape), created, phase,
+                self._op_module,
+            )
+        )  # fmt: skip
         self.storages[row].category = category
         self._row[key] = row
         weakref.finalize(storage, self._freed, key, row)
@@ -144,19 +187,76 @@ class _Recorder(TorchDispatchMode):
             return func(*args, **kwargs)
         index = len(self.names)
         phase = self._phase()
+        if not self.in_optimizer:  # before tracking inputs: a storage first seen here belongs to this module
+            self._op_module = self.current_module([])
         inputs = self.rows((args, kwargs), index - 1, phase)
+        if self.in_optimizer:  # the update's inputs say whose parameter it is
+            self._op_module = self.current_module(inputs)
+        module = self._op_module
         out = func(*args, **kwargs)
         name = func._schema.name
         self.names.append(name)
         self.phases.append(phase)
         self.inputs.append(inputs)
-        self.outputs.append(self.rows(out, index, phase))
-        self.op_modules.append(self.module_stack[-1] if self.module_stack else "")
+        outputs = self.rows(out, index, phase)
+        self.outputs.append(outputs)
+        if self.in_optimizer and module:  # a state created in the update belongs with its parameter
+            self.owner.update(dict.fromkeys(outputs, module))
+        self.op_modules.append(module)
         if self.keep_args:
             self.op_args.append((func, _shapes((args, kwargs)), _shapes(out)))
             formula = flop_registry.get(func.overloadpacket)
             self.op_flops.append(float(formula(*args, **kwargs, out_val=out)) if formula is not None else 0.0)
         return out
+
+
+class _ModuleAttribution:
+    """The innermost module running, forward or backward, by torch's ``ModTracker``.
+
+    ``ModTracker.parents`` is the set of modules whose forward or backward is running, named from
+    the root's class (``GPT2LMHeadModel.transformer.h.0``). The innermost is the deepest; among
+    equally deep ones (a module whose backward never signals its end stays in the set), the one
+    entered last. Names are returned relative to ``model`` (``transformer.h.0``, ``""`` for it).
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.tracker = ModTracker()
+        self.entered: dict[str, int] = {}  # fqn -> when it last entered (forward or backward)
+        self._clock = 0
+        self.tracker.register_user_hooks(pre_fw_hook=self._enter, pre_bw_hook=self._enter)
+        self._root: str | None = None
+
+    def _enter(self, module: torch.nn.Module | None, *_: Any) -> None:
+        name = self.tracker.get_known_fqn(module) if module is not None else None
+        if name is not None:
+            self._clock += 1
+            self.entered[name] = self._clock
+
+    def innermost(self) -> str:
+        best, best_key = None, (-1, -1)
+        for name in self.tracker.parents:
+            if name == "Global":
+                continue
+            key = (name.count("."), self.entered.get(name, 0))
+            if key > best_key:
+                best, best_key = name, key
+        return "" if best is None else self.relative(best)
+
+    def relative(self, fqn: str) -> str:
+        if self._root is None:
+            self._root = self.tracker.get_known_fqn(self.model)
+        root = self._root
+        if root is None or not (fqn == root or fqn.startswith(root + ".")):
+            return fqn  # a module outside the model (a loss module built in the step)
+        return fqn[len(root) + 1 :]
+
+    def __enter__(self) -> _ModuleAttribution:
+        self.tracker.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.tracker.__exit__(*exc)
 
 
 def _shapes(tree: Any) -> tuple:
@@ -165,8 +265,8 @@ def _shapes(tree: Any) -> tuple:
 
 
 def capture_step(
-    build: Callable[[], tuple[torch.nn.Module, torch.optim.Optimizer, tuple[torch.Tensor, ...]]],
-    step: Callable[[torch.nn.Module, torch.optim.Optimizer, tuple[torch.Tensor, ...]], Any],
+    build: Callable[[], tuple[torch.nn.Module, torch.optim.Optimizer | None, Any]],
+    step: Callable[[torch.nn.Module, torch.optim.Optimizer | None, Any], Any],
     *,
     keep_args: bool = True,
 ) -> CapturedStep:
@@ -174,65 +274,68 @@ def capture_step(
 
     Args:
         build: returns ``(model, optimizer, batch)``; runs under FakeTensorMode (no allocation).
+            ``optimizer`` may be None; ``batch`` is a tensor, a tuple or list of tensors, or a dict
+            of them (``{"input_ids": ..., "labels": ...}``).
         step: runs one iteration: forward, loss, backward, ``optimizer.step()``, ``zero_grad()``.
         keep_args: keep each operator's input and output shapes (the time model needs them).
 
     Raises:
-        MemfitError: an operator has no fake (meta) implementation; the message names it.
+        MemfitError: ``build`` did not return the triple, or an operator has no fake (meta)
+            implementation; the message names it.
     """
     import time
 
     started = time.perf_counter()
     recorder = _Recorder(keep_args)
     with FakeTensorMode(allow_non_fake_inputs=False):
-        model, optimizer, batch = build()
-        for p in model.parameters():
-            recorder.track(p, -1, int(Phase.FWD), "parameter")
-        for b in model.buffers():
-            recorder.track(b, -1, int(Phase.FWD), "buffer")
-        for t in batch:
-            recorder.track(t, -1, int(Phase.FWD), "input")
-        for state in optimizer.state.values():
-            for v in state.values():
-                if isinstance(v, torch.Tensor):
-                    recorder.track(v, -1, int(Phase.OPT), "optimizer_state")
+        model, optimizer, batch = check_built(build(), build)
         names = {m: n for n, m in model.named_modules()}
+        for module, name in names.items():
+            for p in module.parameters(recurse=False):
+                row = recorder.track(p, -1, int(Phase.FWD), "parameter")
+                recorder.storages[row].module = recorder.owner.setdefault(row, name)
+            for b in module.buffers(recurse=False):
+                recorder.storages[recorder.track(b, -1, int(Phase.FWD), "buffer")].module = name
+        for t in tree_flatten(batch)[0]:
+            if isinstance(t, torch.Tensor):
+                recorder.track(t, -1, int(Phase.FWD), "input")
         grads: list[int] = []
+
+        def owned_states(opt):
+            for p, state in opt.state.items():
+                owner = recorder.owner.get(recorder._row.get(id(p.untyped_storage()), -1), "")
+                for v in state.values():
+                    if isinstance(v, torch.Tensor):
+                        yield v, owner
+
+        for v, owner in owned_states(optimizer) if optimizer is not None else ():
+            row = recorder.track(v, -1, int(Phase.OPT), "optimizer_state")
+            recorder.owner[row] = recorder.storages[row].module = owner
 
         def pre_step(opt, args, kwargs):
             recorder.in_optimizer = True
-            grads.extend(
-                recorder.track(p.grad, -1, int(Phase.BWD))
-                for g in opt.param_groups
-                for p in g["params"]
-                if p.grad is not None
-            )
+            for g in opt.param_groups:
+                for p in g["params"]:
+                    if p.grad is None:
+                        continue
+                    row = recorder.track(p.grad, -1, int(Phase.BWD))
+                    grads.append(row)
+                    owner = recorder.owner.get(recorder._row.get(id(p.untyped_storage()), -1))
+                    if owner is not None:
+                        recorder.owner[row] = owner
 
         def post_step(opt, args, kwargs):
             recorder.in_optimizer = False
-            for state in opt.state.values():
-                for v in state.values():
-                    if isinstance(v, torch.Tensor) and v.numel() > 1:
-                        row = recorder.track(v, len(recorder.names) - 1, int(Phase.OPT))
-                        recorder.storages[row].category = "optimizer_state"
+            recorder.resolve_optimizer_ops()
+            for v, owner in owned_states(opt):
+                if v.numel() > 1:
+                    row = recorder.track(v, len(recorder.names) - 1, int(Phase.OPT))
+                    recorder.storages[row].category = "optimizer_state"
+                    recorder.storages[row].module = owner
 
-        def enter(module, args):
-            recorder.module_stack.append(names.get(module, type(module).__name__))
-
-        def leave(module, args, output):
-            if recorder.module_stack:
-                recorder.module_stack.pop()
-
-        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
-
-        handles = [
-            register_optimizer_step_pre_hook(pre_step),
-            register_optimizer_step_post_hook(post_step),
-            register_module_forward_pre_hook(enter),
-            register_module_forward_hook(leave),
-        ]
+        handles = [register_optimizer_step_pre_hook(pre_step), register_optimizer_step_post_hook(post_step)]
         try:
-            with recorder:
+            with _ModuleAttribution(model) as recorder.modules, recorder:
                 step(model, optimizer, batch)
             recorder.closed = True
         except NotImplementedError as exc:  # an operator without a meta kernel
@@ -268,6 +371,27 @@ def capture_step(
     )
 
 
+def check_built(built: Any, build: Callable[..., Any]) -> tuple[torch.nn.Module, Any, Any]:
+    """``built`` as ``(model, optimizer, batch)``, or a :class:`MemfitError` that says what ``build`` returned."""
+    where = f"{getattr(build, '__module__', '?')}.{getattr(build, '__qualname__', repr(build))}"
+    expected = (
+        "it must return (model, optimizer, batch): an nn.Module, a torch.optim.Optimizer (or None) and a "
+        "tensor, tuple or dict of tensors"
+    )
+    if not isinstance(built, tuple | list) or len(built) != 3:
+        kind = f"a {len(built)}-tuple" if isinstance(built, tuple | list) else type(built).__name__
+        raise MemfitError(f"{where} returned {kind}; {expected}")
+    model, optimizer, batch = built
+    if not isinstance(model, torch.nn.Module):
+        raise MemfitError(f"{where} returned {type(model).__name__} as the model; {expected}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise MemfitError(f"{where} returned {type(optimizer).__name__} as the optimizer; {expected}")
+    leaves = tree_flatten(batch)[0]
+    if not leaves or not all(isinstance(t, torch.Tensor) for t in leaves):
+        raise MemfitError(f"{where} returned a batch of {type(batch).__name__} without only tensors; {expected}")
+    return model, optimizer, batch
+
+
 def to_trace(
     step: CapturedStep, device_bytes: np.ndarray, durations: np.ndarray, *, capacity_bytes: int, seconds: float
 ) -> Trace:
@@ -279,6 +403,12 @@ def to_trace(
     out_off, out_val = to_csr(step.outputs)
     shape_off, shape_val = to_csr([s.shape for s in step.storages])
     zeros = np.zeros(n, dtype=np.int64)
+    module_names, module_codes = np.unique(
+        np.array(step.op_modules + [s.module for s in step.storages] + [""], dtype=object).astype(str),
+        return_inverse=True,
+    )
+    op_module_codes = module_codes[: step.n_ops]
+    tensor_module_codes = module_codes[step.n_ops : step.n_ops + n]
     static = np.array(
         [s.category in ("parameter", "buffer", "optimizer_state", "gradient") for s in step.storages], dtype=bool
     )
@@ -292,6 +422,8 @@ def to_trace(
         op_call_stack=zeros,
         shape_offsets=shape_off,
         shape_values=shape_val,
+        category=np.array([CATEGORIES.index(s.category) for s in step.storages], dtype=np.int8),
+        module=tensor_module_codes.astype(np.int32),
     )
     empty = np.zeros(0, dtype=np.int64)
     trace = Trace(
@@ -304,6 +436,7 @@ def to_trace(
             inputs_values=in_val,
             outputs_offsets=out_off,
             outputs_values=out_val,
+            module=op_module_codes.astype(np.int32),
         ),
         tensors=tensors,
         swaps=SwapTable(op_index=empty, tensor=empty, swap_in=empty.astype(bool), passive=empty.astype(bool)),
@@ -315,6 +448,7 @@ def to_trace(
         backend="simulator",
         iteration=0,
         op_level="dispatcher",  # a TorchDispatchMode under fake tensors
+        module_names=tuple(str(x) for x in module_names),
     )
     use_ops, use_tensors = trace.tensor_uses()
     count, tag, stack = tensor_features(trace.ops.token, trace.ops.phase, use_ops, use_tensors, n)

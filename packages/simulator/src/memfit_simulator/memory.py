@@ -32,8 +32,19 @@ class MemoryBreakdown:
     peak_by_category: dict[str, int]
     first_iteration_peak_bytes: int
     activation_bytes_by_module: dict[str, int]
-    """Activations (created in forward, alive into backward) by the module that created them."""
+    """Activations (created in forward, alive into backward) by the module that created them,
+    children not included (``""``: the model itself, e.g. a loss computed outside its modules).
+    They add up to the step's activation bytes."""
     granularity: int
+
+    @property
+    def activation_bytes(self) -> int:
+        """Every activation of the step (each storage once, rounded to the granularity)."""
+        return sum(self.activation_bytes_by_module.values())
+
+    def activation_totals_by_module(self) -> dict[str, int]:
+        """Activations by module, children included: ``""`` (the model) holds them all."""
+        return module_totals(self.activation_bytes_by_module)
 
     def summary_rows(self) -> list[tuple[str, int]]:
         """``(category, bytes at the peak)``, in report order, then the total."""
@@ -80,7 +91,7 @@ def memory_breakdown(step: CapturedStep, granularity: int = 1) -> MemoryBreakdow
     activations: dict[str, int] = {}
     for x, b in zip(s, nbytes.tolist(), strict=True):
         if x.category == "activation":
-            activations[x.module or "(top level)"] = activations.get(x.module or "(top level)", 0) + b
+            activations[x.module or ""] = activations.get(x.module or "", 0) + b
     return MemoryBreakdown(
         total=total,
         first_iteration_total=first_total,
@@ -94,3 +105,14 @@ def memory_breakdown(step: CapturedStep, granularity: int = 1) -> MemoryBreakdow
         activation_bytes_by_module=dict(sorted(activations.items(), key=lambda kv: -kv[1])),
         granularity=granularity,
     )
+
+
+def module_totals(own_bytes: dict[str, int]) -> dict[str, int]:
+    """Per module, its own bytes plus its descendants' (``a.b`` holds ``a.b.c``; ``""`` holds all), largest first."""
+    totals: dict[str, int] = {}
+    for name, nbytes in own_bytes.items():
+        parts = name.split(".") if name else []
+        for depth in range(len(parts) + 1):
+            prefix = ".".join(parts[:depth])
+            totals[prefix] = totals.get(prefix, 0) + nbytes
+    return dict(sorted(totals.items(), key=lambda kv: (-kv[1], kv[0])))

@@ -1,11 +1,25 @@
-"""Simulate a training step of the reference model: memory by category and step time, before it runs.
+"""Simulate a training step: memory by category and module, step time and a trace, before it runs.
+
+:func:`simulate` takes any model: a ``build`` function returning ``(model, optimizer, batch)``
+and, optionally, a ``step`` function (default: forward, the loss the model returns, backward,
+optimizer step). :func:`simulate_training` is the shortcut for the reference Llama's presets.
 
 Example:
     ```python
-    from memfit_simulator import simulate_training
+    import torch
+    from memfit_simulator import simulate
 
-    result = simulate_training("llama2-7b", batch=1, seq=4096, dtype="bfloat16", device="h100")
-    print(result.memory.peak_bytes, result.step_seconds)
+    def build():
+        model = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.GELU(), torch.nn.Linear(4096, 1024))
+        return model, torch.optim.AdamW(model.parameters()), torch.randn(64, 1024)
+
+    def step(model, optimizer, batch):
+        model(batch).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    result = simulate(build, step, device="h100")
+    result.memory.peak_bytes, result.memory.peak_by_category, result.step_seconds
     trace = result.trace()          # a memfit Trace: plan swaps from it like from a measured one
     ```
 """
@@ -25,12 +39,9 @@ from memfit.trace import Trace
 from memfit_simulator.capture import CapturedStep, capture_step, to_trace
 from memfit_simulator.hardware import HardwareSpec, get_spec
 from memfit_simulator.memory import MemoryBreakdown, memory_breakdown
+from memfit_simulator.models import DTYPES, OPTIMIZERS, Build, Step, default_step, model_source
 from memfit_simulator.streams import StreamTimeline
 from memfit_simulator.timing import estimate, op_costs
-
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}  # fmt: skip
-OPTIMIZERS = ("adamw", "adam", "sgd", "none")
 
 
 @dataclass
@@ -43,6 +54,8 @@ class SimulationResult:
     memory: MemoryBreakdown
     op_seconds: np.ndarray
     """Predicted seconds per operator on ``spec``."""
+    time_model: str = ""
+    """Which time model predicted ``op_seconds`` (calibrated on this machine, or the spec's figures)."""
 
     @property
     def step_seconds(self) -> float:
@@ -78,6 +91,7 @@ class SimulationResult:
         m = self.memory
         return {
             **self.settings,
+            "time_model": self.time_model,
             "device": self.spec.name,
             "ops": self.step.n_ops,
             "peak_bytes": m.peak_bytes,
@@ -94,6 +108,38 @@ class SimulationResult:
             "seconds_by_phase": self.seconds_by_phase(),
             "capture_seconds": self.step.capture_seconds,
         }
+
+
+def simulate(
+    build: Build,
+    step: Step | None = None,
+    *,
+    device: str | HardwareSpec = "cpu",
+    settings: dict[str, Any] | None = None,
+) -> SimulationResult:
+    """Capture one training step of any model under fake tensors and predict it on ``device``.
+
+    Args:
+        build: returns ``(model, optimizer, batch)``: an ``nn.Module``, an optimizer (or None) and
+            a tensor, tuple or dict of tensors. It runs under fake tensors: nothing is allocated,
+            so build the real size. Create parameters in the training dtype
+            (``torch.set_default_dtype``), not with ``.to()``.
+        step: ``step(model, optimizer, batch)`` runs one iteration; default
+            :func:`memfit_simulator.models.default_step` (the model returns its loss).
+        device: a hardware spec or its name (``h100``, ``a100``, ``ascend-910b``, ``cpu``...; see
+            :mod:`memfit_simulator.hardware`).
+        settings: what to report as the step's description (free-form).
+
+    Raises:
+        MemfitError: ``build`` did not return the triple, the model returned no loss, an operator
+            has no fake implementation, or the device is unknown; each message says what to do.
+    """
+    spec = device if isinstance(device, HardwareSpec) else get_spec(device)
+    captured = capture_step(build, step or default_step)
+    memory = memory_breakdown(captured, spec.allocation_granularity)
+    seconds = estimate(op_costs(captured), spec)
+    described = settings if settings is not None else {"model": getattr(build, "__qualname__", "custom")}
+    return SimulationResult(dict(described), spec, captured, memory, seconds)
 
 
 def simulate_training(
@@ -121,22 +167,24 @@ def simulate_training(
     Raises:
         MemfitError: an unknown dtype, optimizer, device or preset, or a non-positive size.
     """
+    if isinstance(model, str):
+        source = model_source(
+            model, batch=batch, seq=seq, dtype=dtype, optimizer=optimizer,
+            overrides={"n_layers": layers} if layers else None,
+        )  # fmt: skip
+        return simulate(source.build, source.step, device=device, settings=source.settings)
     if dtype not in DTYPES:
         raise MemfitError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
     if optimizer not in OPTIMIZERS:
         raise MemfitError(f"unknown optimizer {optimizer!r}; use one of {', '.join(OPTIMIZERS)}")
     if batch < 1 or seq < 1:
         raise MemfitError(f"batch and seq must be positive, got {batch} and {seq}")
-    spec = device if isinstance(device, HardwareSpec) else get_spec(device)
     config = model_config(model, seq, layers)
     torch_dtype = DTYPES[dtype]
     build, step = reference_step(config, batch, seq, torch_dtype, optimizer)
-    captured = capture_step(build, step)
-    memory = memory_breakdown(captured, spec.allocation_granularity)
-    seconds = estimate(op_costs(captured), spec)
-    settings = {"model": model if isinstance(model, str) else "custom", "layers": config.n_layers, "batch": batch,
-                "seq": seq, "dtype": str(torch_dtype).removeprefix("torch."), "optimizer": optimizer}  # fmt: skip
-    return SimulationResult(settings, spec, captured, memory, seconds)
+    settings = {"model": "custom", "layers": config.n_layers, "batch": batch, "seq": seq,
+                "dtype": str(torch_dtype).removeprefix("torch."), "optimizer": optimizer}  # fmt: skip
+    return simulate(build, step, device=device, settings=settings)
 
 
 def model_config(model: str | Any, seq: int, layers: int | None = None) -> Any:
