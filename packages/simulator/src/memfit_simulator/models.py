@@ -246,8 +246,6 @@ def _transformers_build(
             f" (n_positions for gpt2) to at least {seq}"
         )
     config.use_cache = False  # training: no key/value cache
-    if getattr(config, "loss_type", None) is None:
-        config.loss_type = "ForCausalLM"  # what a causal LM uses anyway; unset, transformers warns at every forward
     vocab = int(config.vocab_size)
 
     def build():
@@ -260,6 +258,8 @@ def _transformers_build(
             torch.set_default_dtype(previous)
             transformers.logging.set_verbosity(verbosity)
         model.train()
+        if getattr(model, "loss_type", "") is None:  # GPT2LMHeadModel's name does not say ForCausalLM:
+            model.loss_type = "ForCausalLM"  # the loss it falls back to anyway, without the warning
         tokens = torch.randint(0, vocab, (batch, seq))
         opt = None if optimizer == "none" else make_optimizer(optimizer, list(model.parameters()))
         return model, opt, {"input_ids": tokens, "labels": tokens}
