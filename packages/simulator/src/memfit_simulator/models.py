@@ -81,12 +81,7 @@ def model_source(
         MemfitError: an unknown preset, architecture, dtype, optimizer or config field; a function
             that cannot be imported; a non-positive size.
     """
-    if dtype not in DTYPES:
-        raise MemfitError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
-    if optimizer not in OPTIMIZERS:
-        raise MemfitError(f"unknown optimizer {optimizer!r}; use one of {', '.join(OPTIMIZERS)}")
-    if batch < 1 or seq < 1:
-        raise MemfitError(f"batch and seq must be positive, got {batch} and {seq}")
+    check_shape(batch, seq, dtype, optimizer)
     overrides = dict(overrides or {})
     step_fn = import_function(step, "step") if isinstance(step, str) else step
     common = {"batch": batch, "seq": seq, "dtype": str(DTYPES[dtype]).removeprefix("torch."), "optimizer": optimizer}
@@ -111,6 +106,16 @@ def model_source(
     asked = {k: v for k, v in overrides.items() if k != "n_layers"}  # reported as "layers"
     settings = {"model": source, "layers": config.n_layers, **common, **asked}
     return ModelSource(build, step_fn or preset_step, settings)
+
+
+def check_shape(batch: int, seq: int, dtype: str, optimizer: str) -> None:
+    """Raise a :class:`MemfitError` naming the first of these a step cannot take."""
+    if dtype not in DTYPES:
+        raise MemfitError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+    if optimizer not in OPTIMIZERS:
+        raise MemfitError(f"unknown optimizer {optimizer!r}; use one of {', '.join(OPTIMIZERS)}")
+    if batch < 1 or seq < 1:
+        raise MemfitError(f"batch and seq must be positive, got {batch} and {seq}")
 
 
 def import_function(spec: str, what: str) -> Callable[..., Any]:

@@ -39,7 +39,7 @@ from memfit.trace import Trace
 from memfit_simulator.capture import CapturedStep, capture_step, to_trace
 from memfit_simulator.hardware import HardwareSpec, get_spec
 from memfit_simulator.memory import MemoryBreakdown, memory_breakdown
-from memfit_simulator.models import DTYPES, OPTIMIZERS, Build, Step, default_step, model_source
+from memfit_simulator.models import DTYPES, OPTIMIZERS, Build, Step, check_shape, default_step, model_source
 from memfit_simulator.streams import StreamTimeline
 from memfit_simulator.timing import estimate, op_costs
 
@@ -173,12 +173,7 @@ def simulate_training(
             overrides={"n_layers": layers} if layers else None,
         )  # fmt: skip
         return simulate(source.build, source.step, device=device, settings=source.settings)
-    if dtype not in DTYPES:
-        raise MemfitError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
-    if optimizer not in OPTIMIZERS:
-        raise MemfitError(f"unknown optimizer {optimizer!r}; use one of {', '.join(OPTIMIZERS)}")
-    if batch < 1 or seq < 1:
-        raise MemfitError(f"batch and seq must be positive, got {batch} and {seq}")
+    check_shape(batch, seq, dtype, optimizer)
     config = model_config(model, seq, layers)
     torch_dtype = DTYPES[dtype]
     build, step = reference_step(config, batch, seq, torch_dtype, optimizer)
