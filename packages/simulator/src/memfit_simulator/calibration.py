@@ -47,6 +47,7 @@ import os
 import platform
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -165,6 +166,8 @@ class Calibration:
     """Seconds to dispatch one view operator."""
     phase_overhead_s: dict[str, float]
     """Extra seconds per operator in a training step, by phase (``FWD``, ``BWD``, ``OPT``)."""
+    load_average: float = 0.0
+    """The machine's 1-minute load average when the suite started (other work skews the timings)."""
     schema: int = SCHEMA
 
     def to_json(self) -> str:
@@ -374,14 +377,23 @@ def run_suite(device: str = "cpu", *, plan: SuitePlan | None = None, progress: b
     import torch
 
     plan = plan or SuitePlan()
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    if load > 0.5 * (os.cpu_count() or 1):
+        warnings.warn(
+            f"calibrating the time model on a busy machine (load average {load:.1f} on {os.cpu_count()} cores): "
+            "timings will be slow; run memfit_simulator.calibration.calibration(refresh=True) when it is idle",
+            stacklevel=2,
+        )
     started = time.perf_counter()
     clock = _Clock(device, plan.budget_s)
     jobs = list(_jobs(plan, device))
     points: list[_Point] = []
     with _progress(progress, len(jobs) + 3) as advance:
         with torch.no_grad():
-            for fn in jobs:
+            for make in jobs:
+                fn = make()
                 points.append(_Point(_first_op(fn), clock(fn)))
+                del fn
                 advance()
             view_s = _view_seconds(clock, device)
             advance()
@@ -397,6 +409,7 @@ def run_suite(device: str = "cpu", *, plan: SuitePlan | None = None, progress: b
             grids=grids,
             view_s=view_s,
             phase_overhead_s={"FWD": 0.0, "BWD": 0.0, "OPT": 0.0},
+            load_average=load,
         )
         overhead = phase_overheads(partial, device)
         advance(2)
@@ -432,8 +445,8 @@ def _numel(shape: Sequence[int]) -> int:
     return int(np.prod(shape, dtype=np.int64))
 
 
-def _jobs(plan: SuitePlan, device: str) -> Iterator[Callable[[], Any]]:
-    """Every microbenchmark's call (inputs are made as the suite reaches it)."""
+def _jobs(plan: SuitePlan, device: str) -> Iterator[Callable[[], Callable[[], Any]]]:
+    """Every microbenchmark, as a factory of its call: inputs exist only while their call is measured."""
     import torch
 
     aten = torch.ops.aten
@@ -448,11 +461,11 @@ def _jobs(plan: SuitePlan, device: str) -> Iterator[Callable[[], Any]]:
             for op in plan.elementwise_ops:
                 if numel > plan.max_numel // 2 and op not in ("add", "add_"):
                     continue  # the largest size fixes the shared breakpoints; `add` alone needs it
-                yield _elementwise(op, numel, rand, aten)
+                yield functools.partial(_elementwise, op, numel, rand, aten)
             for family in MOVEMENT_FAMILIES:
                 if numel > plan.max_numel // 2:
                     continue
-                yield _movement(family, numel, rand, aten, device)
+                yield functools.partial(_movement, family, numel, rand, aten, device)
         for rows in plan.reduction_rows:
             for cols in plan.reduction_cols:
                 if rows * cols > plan.max_numel // 2:
@@ -460,31 +473,36 @@ def _jobs(plan: SuitePlan, device: str) -> Iterator[Callable[[], Any]]:
                 for op in REDUCTION_OPS:
                     if op.endswith("_leading") and rows == 1:
                         continue  # nothing to reduce
-                    yield _reduction(op, rows, cols, rand, aten)
+                    yield functools.partial(_reduction, op, rows, cols, rand, aten)
         dims = plan.matmul_dims
         for m in dims:
             for k in dims:
                 for n in dims:
                     if 2 * m * k * n > plan.max_flops:
                         continue
-                    a, b = rand(m, k), rand(k, n)
-                    yield functools.partial(aten.mm.default, a, b)
+                    yield functools.partial(_matmul, (m, k), (k, n), rand)
         for batch in plan.bmm_batches:
             for m in plan.bmm_dims:
                 for k in plan.bmm_dims:
                     for n in plan.bmm_dims:
                         if 2 * batch * m * k * n > plan.max_flops:
                             continue
-                        a, b = rand(batch, m, k), rand(batch, k, n)
-                        yield functools.partial(aten.bmm.default, a, b)
+                        yield functools.partial(_matmul, (batch, m, k), (batch, k, n), rand)
         for heads in plan.attention_heads:
             for seq in plan.attention_seqs:
                 for dim in plan.attention_dims:
                     flops = attention_flops(heads, seq, seq, dim, backward=False)
                     if flops > plan.max_flops:
                         continue
-                    yield _attention(heads, seq, dim, rand, False)
-                    yield _attention(heads, seq, dim, rand, True)
+                    yield functools.partial(_attention, heads, seq, dim, rand, False)
+                    yield functools.partial(_attention, heads, seq, dim, rand, True)
+
+
+def _matmul(a: tuple[int, ...], b: tuple[int, ...], rand: Callable[..., Any]) -> Callable[[], Any]:
+    import torch
+
+    op = torch.ops.aten.mm.default if len(a) == 2 else torch.ops.aten.bmm.default
+    return functools.partial(op, rand(*a), rand(*b))
 
 
 def attention_flops(heads: float, seq_q: float, seq_kv: float, dim: float, *, backward: bool) -> float:
