@@ -665,35 +665,42 @@ def _fit(points: list[_Point]) -> tuple[dict[str, dict[str, Piecewise]], dict[st
 def phase_overheads(model: Calibration, device: str, *, layers: int = 6, repeats: int = 7) -> dict[str, float]:
     """Seconds per operator that a training step adds to the loop-timed models, by phase.
 
-    Runs a small synthetic network (linear layers, SwiGLU, softmax attention scores, a layer
-    norm, cross-entropy; AdamW) on tiny tensors, so nearly all of its time is dispatch: each
-    phase's median time minus what ``model`` predicts for its operators (without overhead),
-    divided by the phase's operator count.
+    Runs a small synthetic network of ordinary modules (pre-norm blocks: layer norm, softmax
+    attention scores, linear layers, a gated MLP; cross-entropy; AdamW) on tiny tensors, so
+    nearly all of its time is dispatch: each phase's median time minus what ``model`` predicts
+    for its operators (without overhead), divided by the phase's operator count.
     """
     import torch
+    from torch import nn
 
     from memfit_simulator.timing import CalibratedTimeModel
 
     torch.manual_seed(0)
-    dim, tokens = 16, 8
-    weights = [torch.nn.Parameter(torch.randn(dim, dim, device=device) * 0.1) for _ in range(3 * layers)]
-    norm_w = [torch.nn.Parameter(torch.ones(dim, device=device)) for _ in range(layers)]
-    head = torch.nn.Parameter(torch.randn(32, dim, device=device) * 0.1)
-    params = [*weights, *norm_w, head]
-    opt = torch.optim.AdamW(params, lr=1e-3, foreach=False)
+    dim, tokens, vocab = 16, 8, 32
+    functional = nn.functional
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = nn.LayerNorm(dim)
+            self.out = nn.Linear(dim, dim, bias=False)
+            self.up = nn.Linear(dim, 2 * dim, bias=False)
+            self.down = nn.Linear(dim, dim, bias=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.norm(x)
+            scores = torch.softmax(h @ h.transpose(1, 2) * 0.25, dim=-1)
+            x = x + self.out(scores @ h)
+            gate, value = self.up(x).chunk(2, dim=-1)
+            return x + self.down(functional.silu(gate) * value)
+
+    net = nn.Sequential(*(Block() for _ in range(layers)), nn.Linear(dim, vocab)).to(device)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3, foreach=False)
     x0 = torch.randn(2, tokens, dim, device=device)
-    target = torch.randint(0, 32, (2 * tokens,), device=device)
-    functional = torch.nn.functional
+    target = torch.randint(0, vocab, (2 * tokens,), device=device)
 
     def forward() -> torch.Tensor:
-        x = x0
-        for i in range(layers):
-            h = functional.layer_norm(x, (dim,), norm_w[i])
-            scores = torch.softmax(h @ h.transpose(1, 2) / 4.0, dim=-1)
-            x = x + functional.linear(scores @ h, weights[3 * i])
-            gate = functional.silu(functional.linear(x, weights[3 * i + 1])) * functional.linear(x, weights[3 * i + 2])
-            x = x + gate.reshape(2, tokens, dim)
-        return functional.cross_entropy(functional.linear(x, head).view(-1, 32), target)
+        return functional.cross_entropy(net(x0).view(-1, vocab), target)
 
     def sync() -> None:
         if not device.startswith("cpu"):
