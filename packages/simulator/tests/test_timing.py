@@ -124,7 +124,7 @@ TINY_PLAN = SuitePlan(
 @pytest.fixture
 def synthetic_suite(monkeypatch):
     monkeypatch.setattr(cal._Clock, "__call__", lambda self, fn: _machine(cal._first_op(fn)))
-    monkeypatch.setattr(cal, "phase_overheads", lambda model, device: {"FWD": 4e-6, "BWD": 1e-6, "OPT": 2e-6})
+    monkeypatch.setattr(cal, "phase_overheads", lambda device: {"FWD": 4e-6, "BWD": 1e-6, "OPT": 2e-6})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # a busy machine: irrelevant to a synthetic clock
         return run_suite("cpu", plan=TINY_PLAN, progress=False)
