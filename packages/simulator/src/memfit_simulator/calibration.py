@@ -535,11 +535,22 @@ def _cycle(calls: list[Callable[[], Any]]) -> Callable[[], Any]:
     return lambda: next(turn)()
 
 
+_LAYOUTS = itertools.cycle(("nt", "nn", "tn"))
+
+
 def _matmul(a: tuple[int, ...], b: tuple[int, ...], rand: Callable[..., Any]) -> Callable[[], Any]:
+    """A matmul whose operands take, call after call, the three layouts a linear layer's step has.
+
+    Forward ``x @ W.T`` (second operand transposed), backward ``g @ W`` (neither) and
+    ``g.T @ x`` (first transposed): the grid measures their mix, as a step runs them.
+    """
     import torch
 
     op = torch.ops.aten.mm.default if len(a) == 2 else torch.ops.aten.bmm.default
-    return functools.partial(op, rand(*a), rand(*b))
+    layout = next(_LAYOUTS)
+    first = rand(*a[:-2], a[-1], a[-2]).transpose(-1, -2) if layout == "tn" else rand(*a)
+    second = rand(*b[:-2], b[-1], b[-2]).transpose(-1, -2) if layout == "nt" else rand(*b)
+    return functools.partial(op, first, second)
 
 
 def attention_flops(heads: float, seq_q: float, seq_kv: float, dim: float, *, backward: bool) -> float:
