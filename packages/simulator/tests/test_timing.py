@@ -132,7 +132,7 @@ def synthetic_suite(monkeypatch):
 
 def test_the_suite_covers_every_category_and_recovers_the_machine(synthetic_suite):
     fitted = synthetic_suite
-    assert {"add", "mul", "exp", "add_", "copy", "cat", "fill", "gather", "scatter"} <= set(fitted.piecewise)
+    assert {"add", "mul", "exp", "add_", "copy", "cat", "fill", "random", "gather", "scatter"} <= set(fitted.piecewise)
     assert {"mm", "bmm", "attention", "attention_backward", "softmax", "layer_norm_backward", "sum_leading",
             "mean_last"} <= set(fitted.grids)  # fmt: skip
     assert fitted.threads == torch.get_num_threads() and fitted.spec_name == "cpu"

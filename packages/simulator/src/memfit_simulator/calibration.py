@@ -13,7 +13,7 @@ Models, by operator category (:func:`memfit_simulator.timing.category`):
   (:class:`Piecewise`). The two breakpoints are properties of the cache hierarchy, not of the
   operator, so they are fitted once on ``add`` and shared; each operator fits its own levels
   and slopes. Operators the suite does not run use ``add``'s model (``add_``'s when in place).
-* **data movement** (copy, cat, fill, gather/embedding, scatter/embedding backward): the same
+* **data movement** (copy, cat, fill, random numbers, gather/embedding, scatter/embedding backward): the same
   piecewise model, one per family, on the bytes the family really touches.
 * **reduction** (softmax, log_softmax, layer norm, sum/mean and their backward): the thesis
   says runtime depends on how many rows run in parallel and how long each reduced row is, not
@@ -339,7 +339,7 @@ class _Clock:
 ELEMENTWISE_OPS = ("add", "mul", "div", "neg", "silu", "silu_backward", "exp", "cos", "rsqrt", "sqrt", "pow", "tanh",
                    "gelu", "gelu_backward", "add_", "mul_", "addcmul_", "addcdiv_", "lerp_")  # fmt: skip
 """Elementwise operators the suite runs; others use ``add`` (``add_`` when in place)."""
-MOVEMENT_FAMILIES = ("copy", "cat", "fill", "gather", "scatter")
+MOVEMENT_FAMILIES = ("copy", "cat", "fill", "random", "gather", "scatter")
 REDUCTION_OPS = ("softmax", "log_softmax", "softmax_backward", "log_softmax_backward", "layer_norm",
                  "layer_norm_backward", "sum_last", "sum_leading", "mean_last", "mean_leading")  # fmt: skip
 DTYPES = ("float32", "bfloat16")
@@ -602,6 +602,8 @@ def _movement(family: str, numel: int, rand: Callable[..., Any], aten: Any, devi
         return lambda: aten.cat.default(halves)
     if family == "fill":
         return lambda: aten.zeros_like.default(x)
+    if family == "random":  # dropout's mask
+        return lambda: aten.bernoulli_.float(x, 0.9)
     dim = 64 if numel >= 4096 else 16
     rows = max(numel // dim, 1)
     vocab = max(rows // 2, 16)

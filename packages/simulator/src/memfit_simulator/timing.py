@@ -60,8 +60,10 @@ _MOVEMENT = {
                      "triu_", "constant_pad_nd", "masked_fill", "masked_fill_"), "copy"),
     **dict.fromkeys(("cat", "stack", "_cat"), "cat"),
     **dict.fromkeys(("fill_", "zero_", "zeros", "zeros_like", "ones", "ones_like", "full", "full_like", "new_zeros",
-                     "new_ones", "new_full", "arange", "scalar_tensor", "nll_loss_backward", "rand", "randn",
-                     "rand_like", "randn_like", "bernoulli_", "uniform_", "normal_", "randint"), "fill"),
+                     "new_ones", "new_full", "arange", "scalar_tensor", "nll_loss_backward"), "fill"),
+    # random numbers cost far more per byte than a fill (dropout's bernoulli_ in a training step)
+    **dict.fromkeys(("rand", "randn", "rand_like", "randn_like", "bernoulli", "bernoulli_", "uniform_", "normal_",
+                     "randint", "randint_like", "native_dropout", "random_", "exponential_"), "random"),
     **dict.fromkeys(("embedding", "index_select", "gather", "index", "take", "nll_loss_forward", "_unsafe_index",
                      "nll_loss2d_forward"), "gather"),
     **dict.fromkeys(("embedding_dense_backward", "index_add", "index_add_", "index_put", "index_put_",
@@ -225,7 +227,7 @@ def movement_bytes(cost: OpCost) -> float:
     family = _MOVEMENT[cost.name.removeprefix("aten::")]
     if family in ("copy", "cat"):
         return 2.0 * out
-    if family == "fill":
+    if family in ("fill", "random"):
         return float(out)
     integers = sum(_nbytes(((s, d),)) for s, d in cost.inputs if not d.startswith(("float", "bfloat", "complex")))
     if family == "gather":
