@@ -750,50 +750,20 @@ def phase_overheads(device: str, *, chain: int = 64, budget_s: float = 0.02) -> 
 
 def _record(step: Callable[[], Any]) -> tuple[np.ndarray, list[Any], np.ndarray]:
     """Run ``step`` for real under a recorder: phases, :class:`~memfit_simulator.timing.OpCost` and own seconds."""
-    import torch
     from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_flatten
-    from torch.utils.flop_counter import flop_registry
 
-    from memfit_simulator.timing import op_cost
+    from memfit_simulator.timing import _Timer
 
-    def shapes(tree: Any) -> tuple:
-        leaves, _ = tree_flatten(tree)
-        return tuple((tuple(t.shape), t.dtype) for t in leaves if isinstance(t, torch.Tensor))
-
-    state = {"opt": False}
-
-    class Recorder(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.costs: list[Any] = []
-            self.seconds: list[float] = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            kwargs = kwargs or {}
-            started = time.perf_counter()
-            out = func(*args, **kwargs)
-            seconds = time.perf_counter() - started
-            if func.namespace == "prim":
-                return out
-            phase = 2 if state["opt"] else (1 if torch._C._current_graph_task_id() >= 0 else 0)
-            formula = flop_registry.get(func.overloadpacket)
-            flops = float(formula(*args, **kwargs, out_val=out)) if formula is not None else 0.0
-            self.costs.append(op_cost(func._schema.name, shapes((args, kwargs)), shapes(out), flops, phase))
-            self.seconds.append(seconds)
-            return out
-
+    timer = _Timer(costs=True)
     handles = [
-        register_optimizer_step_pre_hook(lambda *a: state.update(opt=True)),
-        register_optimizer_step_post_hook(lambda *a: state.update(opt=False)),
+        register_optimizer_step_pre_hook(lambda *a: setattr(timer, "in_optimizer", True)),
+        register_optimizer_step_post_hook(lambda *a: setattr(timer, "in_optimizer", False)),
     ]
-    recorder = Recorder()
     try:
-        with recorder:
+        with timer:
             step()
     finally:
         for h in handles:
             h.remove()
-    costs = recorder.costs
-    return np.array([c.phase for c in costs], dtype=np.int8), costs, np.array(recorder.seconds)
+    costs = timer.costs or []
+    return np.array([c.phase for c in costs], dtype=np.int8), costs, np.array(timer.seconds)

@@ -83,7 +83,7 @@ _DISPATCH_ONLY = _VIEW_OPS | frozenset(
 
 def category(op_name: str) -> str:
     """The operator's time-model category (one of :data:`CATEGORIES`; unknown operators are ``elementwise``)."""
-    if op_name in _DISPATCH_ONLY or op_name.startswith("profiler::"):
+    if op_name in _DISPATCH_ONLY or op_name.startswith(("profiler::", "prim::")):
         return "view"
     base = op_name.removeprefix("aten::")
     if base in _MATMUL:
@@ -351,12 +351,14 @@ def estimate(costs: list[OpCost], spec: HardwareSpec) -> np.ndarray:
 
 # -- measured against predicted ------------------------------------------------------------------
 class _Timer(TorchDispatchMode):
-    """Times every operator of a real run (synchronous CPU execution)."""
+    """Times every operator of a real run (synchronous CPU execution); with ``costs``, records its :class:`OpCost`."""
 
-    def __init__(self) -> None:
+    def __init__(self, costs: bool = False) -> None:
         super().__init__()
         self.names: list[str] = []
         self.seconds: list[float] = []
+        self.costs: list[OpCost] | None = [] if costs else None
+        self.in_optimizer = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -364,6 +366,19 @@ class _Timer(TorchDispatchMode):
         out = func(*args, **kwargs)
         self.seconds.append(time.perf_counter() - start)
         self.names.append(func._schema.name)
+        if self.costs is not None:
+            import torch
+            from torch.utils._pytree import tree_flatten
+            from torch.utils.flop_counter import flop_registry
+
+            def shapes(tree: Any) -> tuple:
+                leaves, _ = tree_flatten(tree)
+                return tuple((tuple(t.shape), t.dtype) for t in leaves if isinstance(t, torch.Tensor))
+
+            phase = 2 if self.in_optimizer else (1 if torch._C._current_graph_task_id() >= 0 else 0)
+            formula = flop_registry.get(func.overloadpacket)
+            flops = float(formula(*args, **kwargs, out_val=out)) if formula is not None else 0.0
+            self.costs.append(op_cost(func._schema.name, shapes((args, kwargs)), shapes(out), flops, phase))
         return out
 
 
