@@ -14,7 +14,7 @@ Time: the real step on this CPU, plain eager (median of 5 steps after 2 warm-up 
 (``memfit_step_seconds``), with ``time_error_pct`` and a per-category breakdown (the models'
 kernel time against each category's operators timed in a real run, and the dispatch overhead
 against the step's time outside its operators). The calibration suite runs first, fresh
-(``calibration_seconds``); it is a set of operator microbenchmarks and a tiny synthetic network,
+(``calibration_seconds``); it is a set of operator microbenchmarks and chains of tiny operators,
 model-independent, so no row's configuration is in it by construction. Targets: step-time
 error ≤ 25% median and ≤ 40% worst; calibration ≤ 60 s.
 
