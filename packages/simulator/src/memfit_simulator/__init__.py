@@ -6,7 +6,8 @@
 * :mod:`memfit_simulator.models` — model sources: presets, ``hf:<model_type>``, ``package.module:function``;
 * :mod:`memfit_simulator.capture` / :mod:`memfit_simulator.memory` — any step: operators, storage
   lifetimes, memory by category and module, the steady-state peak;
-* :mod:`memfit_simulator.timing` — per-operator time by category, calibratable;
+* :mod:`memfit_simulator.timing` — per-operator time by category; :mod:`memfit_simulator.calibration` —
+  the microbenchmark suite that calibrates it on this machine;
 * :mod:`memfit_simulator.comm` — collectives; :mod:`memfit_simulator.streams` — stream timelines
   and pipeline schedules (1F1B, asymmetric pipelines);
 * ``memfit simulate`` and ``memfit plan --simulate``.

@@ -1,8 +1,10 @@
-"""What the simulator is compared against: PyTorch's MemTracker on the same fake step, and a real cpu-sim run."""
+"""What the simulator is compared against: PyTorch's MemTracker on the same fake step, real cpu-sim and eager runs."""
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -94,3 +96,44 @@ def measured_step_peak(build: Any, step: Any, *, steps: int = 2) -> int:
     finally:
         backend.close()
     return int(peak)
+
+
+def step_seconds(
+    build: Callable[[], tuple[Any, Any, Any]],
+    step: Callable[[Any, Any, Any], Any],
+    *,
+    warmup: int = 2,
+    repeats: int = 5,
+) -> float:
+    """Median wall seconds of a real training step, plain eager on the CPU, after ``warmup`` steps.
+
+    ``build``/``step`` are what :func:`memfit_simulator.capture.capture_step` takes; here
+    ``build`` runs without fake tensors, so the model is real. No backend, no dispatch mode:
+    the time a user's training loop would see (the warm-up creates the optimizer's states).
+    """
+    model, optimizer, batch = build()
+    for _ in range(warmup):
+        step(model, optimizer, batch)
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        step(model, optimizer, batch)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def measured_step_seconds(
+    model: str | Any,
+    *,
+    batch: int,
+    seq: int,
+    dtype: str = "float32",
+    optimizer: str = "adamw",
+    layers: int | None = None,
+    warmup: int = 2,
+    repeats: int = 5,
+) -> float:
+    """:func:`step_seconds` of the reference Llama's step, the one ``simulate_training`` captures."""
+    config = model_config(model, seq, layers)
+    build, step = reference_step(config, batch, seq, DTYPES[dtype], optimizer)
+    return step_seconds(build, step, warmup=warmup, repeats=repeats)

@@ -1,10 +1,11 @@
 """Hardware specifications the time and memory models read, each figure with where it comes from.
 
 Dense (non-sparse) peak FLOP/s per dtype, memory bandwidth, host-device bandwidth, capacity, the
-allocator's block granularity, and the links collectives use. Vendor figures are peaks; the time
-model applies achievable fractions (``efficiency``), which :func:`memfit_simulator.timing.calibrate`
-fits from a short measured run. ``cpu`` describes the machine memfit runs on and is measured
-(a matmul and a copy, about a second, cached per machine).
+allocator's block granularity, and the links collectives use. Vendor figures are peaks; the
+roofline time model applies achievable fractions (``efficiency``) to them. A device calibrated
+with :mod:`memfit_simulator.calibration` is predicted from its measurements instead (see
+:func:`memfit_simulator.timing.time_model`). ``cpu`` describes the machine memfit runs on and is
+measured (a matmul and a copy, about a second, cached per machine).
 
 Example:
     ```python
@@ -57,7 +58,7 @@ class HardwareSpec(MemfitModel):
     op_overhead_s: float = Field(default=5e-6, ge=0)
     """Fixed cost per operator (kernel launch, dispatch)."""
     efficiency: dict[str, float] = Field(default_factory=lambda: {"compute": 0.6, "memory": 0.7})
-    """Achievable fraction of peak per operator class (``compute``, ``memory``)."""
+    """Achievable fraction of peak in the roofline: ``compute`` (matmul, attention), ``memory`` (the rest)."""
     intra_node: Link | None = None
     inter_node: Link | None = None
     devices_per_node: PositiveInt = 8

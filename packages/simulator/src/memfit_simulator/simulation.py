@@ -41,7 +41,7 @@ from memfit_simulator.hardware import HardwareSpec, get_spec
 from memfit_simulator.memory import MemoryBreakdown, memory_breakdown
 from memfit_simulator.models import DTYPES, OPTIMIZERS, Build, Step, check_shape, default_step, model_source
 from memfit_simulator.streams import StreamTimeline
-from memfit_simulator.timing import estimate, op_costs
+from memfit_simulator.timing import op_costs, time_model
 
 
 @dataclass
@@ -137,9 +137,10 @@ def simulate(
     spec = device if isinstance(device, HardwareSpec) else get_spec(device)
     captured = capture_step(build, step or default_step)
     memory = memory_breakdown(captured, spec.allocation_granularity)
-    seconds = estimate(op_costs(captured), spec)
+    model = time_model(spec)
+    seconds = model.predict(op_costs(captured))
     described = settings if settings is not None else {"model": getattr(build, "__qualname__", "custom")}
-    return SimulationResult(dict(described), spec, captured, memory, seconds)
+    return SimulationResult(dict(described), spec, captured, memory, seconds, model.name)
 
 
 def simulate_training(
