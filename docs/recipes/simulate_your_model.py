@@ -39,9 +39,8 @@ print("  at the peak: " + ", ".join(f"{c} {format_size(b)}" for c, b in m.peak_b
 blocks = {k: v for k, v in m.activation_totals_by_module().items() if k.count(".") == 0 and k}
 print("  activations by block (children included): " + ", ".join(f"{k} {format_size(v)}" for k, v in blocks.items()))
 measured = measured_step_peak(build, step)  # the same step for real, counted by cpu-sim
-print(
-    f"  measured on cpu-sim: {format_size(measured)} (prediction off by {100 * (m.peak_bytes - measured) / measured:+.2f}%)"
-)
+off_by = 100 * (m.peak_bytes - measured) / measured
+print(f"  measured on cpu-sim: {format_size(measured)} (prediction off by {off_by:+.2f}%)")
 
 # 2. The same question at full size on a GPU: build the real size, it costs nothing under fake tensors.
 big = simulate(lambda: build(width=8192, depth=32, batch=8, tokens=4096), step, device="h100")
