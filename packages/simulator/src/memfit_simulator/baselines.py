@@ -120,20 +120,3 @@ def step_seconds(
         step(model, optimizer, batch)
         times.append(time.perf_counter() - started)
     return statistics.median(times)
-
-
-def measured_step_seconds(
-    model: str | Any,
-    *,
-    batch: int,
-    seq: int,
-    dtype: str = "float32",
-    optimizer: str = "adamw",
-    layers: int | None = None,
-    warmup: int = 2,
-    repeats: int = 5,
-) -> float:
-    """:func:`step_seconds` of the reference Llama's step, the one ``simulate_training`` captures."""
-    config = model_config(model, seq, layers)
-    build, step = reference_step(config, batch, seq, DTYPES[dtype], optimizer)
-    return step_seconds(build, step, warmup=warmup, repeats=repeats)
