@@ -237,10 +237,27 @@ def test_a_plan_with_swaps_must_carry_its_layers():
 def test_version_1_plans_written_by_the_old_code_are_read():
     """data/plan_v1.json was written by memfit's swap planner at plan schema version 1."""
     plan = MemoryPlan.load(DATA / "plan_v1.json")
-    assert plan.schema_version == PLAN_SCHEMA_VERSION == 2
+    assert plan.schema_version == PLAN_SCHEMA_VERSION == 3
     assert len(plan.actions) == 2 and len(plan.layers) == 9
     assert plan.predicted.margin_bytes == 0 and plan.predicted.shortfall == ""
     assert plan.is_feasible() and plan.keeps_margin()
+
+
+def test_version_2_plans_written_by_the_old_code_are_read():
+    """data/plan_v2.json was written by memfit at plan schema version 2, with a (module-level) Recompute."""
+    plan = MemoryPlan.load(DATA / "plan_v2.json")
+    assert plan.schema_version == PLAN_SCHEMA_VERSION
+    (action,) = plan.actions
+    assert isinstance(action, Recompute) and action.module == "layers.0" and action.saved_bytes == 2**20
+    assert action.ops == () and action.save == () and action.discard_fraction == 1.0  # full recomputation
+    assert plan.predicted.recompute_seconds == 0.0 and plan.source.op_times == ""
+
+
+def test_a_recompute_has_one_decision_per_operator():
+    with pytest.raises(ValueError, match="save has 1 entries but ops has 2"):
+        Recompute(module="layers.0", ops=("aten::mm", "aten::relu"), save=(True,))
+    action = Recompute(module="layers.0", ops=("aten::mm", "aten::relu"), save=(True, False), discard_fraction=0.5)
+    assert Recompute.model_validate_json(action.model_dump_json()) == action
 
 
 def test_keeps_margin_and_is_feasible():
@@ -277,7 +294,7 @@ def test_invalid_plan_names_the_field(tmp_path):
     with pytest.raises(InvalidPlanError, match="actions.1: Input tag 'teleport' found using 'kind' does not match"):
         MemoryPlan.from_json(json.dumps(doc))
     doc = json.loads(a_plan().to_json())
-    doc["schema_version"] = 3
+    doc["schema_version"] = 4
     with pytest.raises(InvalidPlanError, match="schema_version"):
         MemoryPlan.from_json(json.dumps(doc))
     (tmp_path / "p.json").write_text("{")

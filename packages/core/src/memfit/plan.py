@@ -50,8 +50,12 @@ from memfit.errors import MemfitError
 if TYPE_CHECKING:
     from memfit.trace import Trace
 
-PLAN_SCHEMA_VERSION = 2
-"""Bumped whenever a field is added or changes meaning; the previous version stays readable.
+PLAN_SCHEMA_VERSION = 3
+"""Bumped whenever a field is added or changes meaning; the previous versions stay readable.
+
+2 → 3: ``Recompute`` carries the operator-level decision (``ops``, ``save``) and the discarded
+fraction; ``predicted.recompute_seconds`` and ``source.op_times`` added. A version-2 plan reads
+unchanged (its ``Recompute`` actions, never produced by a planner, mean full recomputation).
 
 1 → 2: ``predicted.margin_bytes`` and ``predicted.shortfall`` added (a version-1 plan reads
 with no margin and no shortfall), and a plan with swaps must list its logical layers (the
@@ -113,13 +117,35 @@ class LogicalLayer(MemfitModel):
 
 
 class Recompute(MemfitModel):
-    """Drop a module's activations after forward and recompute them in backward."""
+    """Checkpoint a module: keep only some of its forward's outputs and recompute the rest in backward.
+
+    Applied with ``torch.utils.checkpoint`` (non-reentrant, RNG state preserved) and a selective
+    policy: the ``k``-th call of operator ``ops[i]`` in the module's forward is kept when ``save[i]``
+    is true and recomputed otherwise (``memfit_executor.recompute``). Operators are named as the
+    dispatcher names them (``aten::mm``); an operator the plan does not list is recomputed. Empty
+    ``save`` means full activation checkpointing of the module.
+    """
 
     kind: Literal["recompute"] = "recompute"
     module: str
-    """Fully qualified module name, e.g. ``layers.3.mlp``."""
-    saved_bytes: NonNegativeInt = 0
+    """Module name relative to the model, e.g. ``layers.3.feed_forward``."""
+    ops: tuple[str, ...] = ()
+    """The module's forward operators in dispatch order, as planned."""
+    save: tuple[bool, ...] = ()
+    """Per entry of ``ops``: keep its output (true) or recompute it in backward (false)."""
+    discard_fraction: float = Field(default=1.0, ge=0.0, le=1.0)
+    """Fraction of the module's forward output bytes the plan discards (the SAC ILP's ``r``)."""
+    saved_bytes: int = 0
+    """Device bytes the plan expects to free while the module waits for its backward (against no
+    checkpointing; negative when keeping outputs costs more than autograd would have saved)."""
     recompute_seconds: NonNegativeFloat = 0.0
+    """Predicted time to recompute the discarded operators in backward."""
+
+    @model_validator(mode="after")
+    def _one_decision_per_op(self) -> Recompute:
+        if self.save and len(self.save) != len(self.ops):
+            raise ValueError(f"save has {len(self.save)} entries but ops has {len(self.ops)}: one decision per operator")
+        return self
 
 
 Action = Annotated[Swap | Recompute, Field(discriminator="kind")]
@@ -134,6 +160,9 @@ class PlanSource(MemfitModel):
     peak_bytes: int = 0
     """Peak device bytes of the trace, before the plan."""
     description: str = ""
+    op_times: str = ""
+    """Where per-operator times came from, when the planner used them (e.g. ``trace durations
+    (simulated)`` or ``estimated from shapes, scaled to the measured step``)."""
 
     @classmethod
     def from_trace(cls, trace: Trace, description: str = "") -> PlanSource:
@@ -157,6 +186,8 @@ class PlanPrediction(MemfitModel):
     """Time compute waits for copies per step."""
     overhead_seconds: NonNegativeFloat = 0.0
     """Extra step time against the unplanned step (stalls, recomputation)."""
+    recompute_seconds: NonNegativeFloat = 0.0
+    """Time spent recomputing discarded activations per step (part of ``overhead_seconds``)."""
     memory_curve: tuple[NonNegativeInt, ...] = ()
     """Predicted device bytes after each operator (may be empty)."""
 
@@ -164,7 +195,7 @@ class PlanPrediction(MemfitModel):
 class MemoryPlan(MemfitModel):
     """A versioned, validated plan: actions plus the budget and what it was planned from."""
 
-    schema_version: Literal[2] = PLAN_SCHEMA_VERSION
+    schema_version: Literal[3] = PLAN_SCHEMA_VERSION
     planner: str
     budget_bytes: PositiveInt
     source: PlanSource
@@ -175,9 +206,9 @@ class MemoryPlan(MemfitModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _upgrade_version_1(cls, data: Any) -> Any:
-        if isinstance(data, dict) and data.get("schema_version") == 1:
-            return {**data, "schema_version": PLAN_SCHEMA_VERSION}  # 2 only added fields with defaults
+    def _upgrade_older_versions(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("schema_version") in (1, 2):
+            return {**data, "schema_version": PLAN_SCHEMA_VERSION}  # 2 and 3 only added fields with defaults
         return data
 
     @model_validator(mode="after")
