@@ -372,6 +372,28 @@ def test_plan_memory_asks_only_the_planners_named(hooks, register_plugin):
         hooks.plan_memory(problem, planners=["swap"])
 
 
+def test_a_plugin_serving_several_planners_plans_only_those_asked(hooks, register_plugin):
+    class TwoPlanners:
+        asked: list[frozenset | None] = []
+
+        @hookimpl
+        def register_planners(self):
+            yield PlannerSpec(name="fast")
+            yield PlannerSpec(name="thorough")
+
+        @hookimpl
+        def plan_memory(self, problem):
+            self.asked.append(problem.planners)
+            return [toy_plan(name, 600) for name in ("fast", "thorough") if problem.asks(name)]
+
+    two = TwoPlanners()
+    register_plugin(two, "two-plugin")
+    problem = PlanningProblem(trace=_trace(4000), budget_bytes=1000)
+    assert sorted(p.planner for p in hooks.plan_memory(problem)) == ["fast", "thorough"]
+    assert [p.planner for p in hooks.plan_memory(problem, planners=["Thorough"])] == ["thorough"]
+    assert two.asked == [None, frozenset({"thorough"})]
+
+
 def test_plan_candidates_lay_each_variation_under_the_callers_options(hooks, register_plugin):
     toy = ToyPlanner()
     register_plugin(toy, "toy-plugin")

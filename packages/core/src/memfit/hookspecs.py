@@ -14,7 +14,7 @@ fields to the event objects in :mod:`memfit.types`, never by changing arguments.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import pluggy
@@ -219,8 +219,11 @@ class PlanningSpecs:
     """Hooks that turn a step trace into a memory plan."""
 
     @hookspec
-    def plan_memory(self, problem: PlanningProblem) -> MemoryPlan | None:
+    def plan_memory(self, problem: PlanningProblem) -> MemoryPlan | Sequence[MemoryPlan] | None:
         """Propose a plan for a trace and budget; return ``None`` when not applicable.
+
+        A plugin that registers several planners returns a list: one plan for each of its planners
+        the caller asked for (``problem.asks(name)``), so it spends no time on the others.
 
         Every planner is asked (or those the caller names); :meth:`memfit.plugins.Hooks.choose_plan`
         prefers plans that keep their margin, then plans within the budget, then the lowest

@@ -144,7 +144,9 @@ class Recompute(MemfitModel):
     @model_validator(mode="after")
     def _one_decision_per_op(self) -> Recompute:
         if self.save and len(self.save) != len(self.ops):
-            raise ValueError(f"save has {len(self.save)} entries but ops has {len(self.ops)}: one decision per operator")
+            raise ValueError(
+                f"save has {len(self.save)} entries but ops has {len(self.ops)}: one decision per operator"
+            )
         return self
 
 

@@ -26,6 +26,7 @@ import pluggy
 from memfit import hookspecs
 from memfit.errors import MemfitError
 from memfit.hookspecs import PROJECT
+from memfit.plan import MemoryPlan
 from memfit.types import (
     BackendSpec,
     CommandSpec,
@@ -326,9 +327,16 @@ class Hooks:
             MemfitError: invalid options, or an unknown planner name.
         """
         wanted, others = self._planner_plugins(planners)
-        problem = dataclasses.replace(problem, options=self.validate_planner_options(problem.options))
+        options = self.validate_planner_options(problem.options)
+        problem = dataclasses.replace(problem, options=options, planners=None if wanted is None else frozenset(wanted))
         hook = self.pm.subset_hook_caller("plan_memory", remove_plugins=others) if others else self.pm.hook.plan_memory
-        return [p for p in hook(problem=problem) if p is not None and (wanted is None or p.planner in wanted)]
+        # a plugin serving several planners answers with one plan per planner asked
+        proposed = [
+            p
+            for answer in hook(problem=problem)
+            for p in ([answer] if isinstance(answer, MemoryPlan) else answer or ())
+        ]
+        return [p for p in proposed if wanted is None or p.planner in wanted]
 
     def plan_candidates(
         self, problem: PlanningProblem, variations: int, planners: Iterable[str] | None = None

@@ -136,12 +136,19 @@ class PlanningProblem:
             the caller; :meth:`memfit.plugins.Hooks.plan_memory` replaces them, before any planner
             runs, with each planner's validated options model (:attr:`PlannerSpec.options`).
             Planners read theirs with :meth:`planner_options`.
+        planners: the planner names the caller asked for (lower case); ``None``: every planner.
+            A plugin that serves several planners plans only those :meth:`asks` for.
     """
 
     trace: Trace
     budget_bytes: int
     host_to_device_bytes_per_s: float | None = None
     options: Mapping[str, Any] = field(default_factory=dict)
+    planners: frozenset[str] | None = None
+
+    def asks(self, planner: str) -> bool:
+        """Whether the caller asked for ``planner`` (every planner is asked when none was named)."""
+        return self.planners is None or planner.lower() in self.planners
 
     def planner_options(self, planner: str, model: type[OptionsModel]) -> OptionsModel:
         """The options of ``planner`` as its ``model``: the instance the hooks validated, or defaults.
