@@ -162,7 +162,9 @@ def test_memfit_plan_asks_every_installed_planner_or_those_named(trace, tmp_path
     result = CliRunner().invoke(cli, ["plan", step, "--budget", "16GiB", "--planner", "roomy", "--margin", "1GiB"])
     assert result.exit_code != 0 and "options of the swap planner, which --planner roomy does not ask" in result.output
     result = CliRunner().invoke(cli, ["plan", step, "--budget", "16GiB", "--planner", "nope"])
-    assert result.exit_code != 0 and "unknown planner 'nope'; installed planners: roomy, swap" in result.output
+    assert (
+        result.exit_code != 0 and "unknown planner 'nope'; installed planners: joint, roomy, sac, swap" in result.output
+    )
 
 
 def test_memfit_plan_explains_failures(trace, tmp_path):

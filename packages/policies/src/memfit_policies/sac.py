@@ -1,0 +1,774 @@
+"""Selective activation checkpointing planned from a step trace (Auto-SAC, thesis 004 ch. 5).
+
+Two levels, as in the thesis:
+
+1. **Per module** (:func:`module_stats`): the forward operators of every checkpointable module
+   (a non-leaf module other than the model itself, whose forward ran once, contiguously), each
+   with the bytes of the storages it creates, its time, and tags: *view-like* (creates nothing:
+   always recomputed, for free), *random* (one group: recomputed together under the preserved
+   RNG state), *in-place* (decided with the operator that created the storage). From these, the
+   greedy order (:func:`greedy_order`, by memory saved per second of recomputation, MSPS), the
+   **trade-off curve** (fraction of the module's bytes discarded against fraction of its time
+   recomputed, discarding in MSPS order) and its **piecewise-linear fit**
+   (:class:`TradeOff`).
+2. **Global ILP** (:func:`solve_module_budgets`): which modules to checkpoint and what fraction of
+   each one's bytes to discard, minimising recomputation time under the budget, with the peak
+   constrained **at every position of the step** — the memory curve of the trace is cut where a
+   module's savings start (its forward ends) or stop (its backward starts), and each piece's
+   highest point must fit, plus each recomputation's own transient — not only at the end of
+   forward. PuLP with CBC, always with a time limit and a relative gap.
+3. **Local policies** (:data:`LOCAL_POLICIES`): which operators of a module to keep to meet its
+   discard target — greedy MSPS, 0/1 knapsack by dynamic programming, or a per-module ILP.
+
+The plan (:func:`generate_sac_plan`) is re-checked in plain Python: the memory curve is rebuilt
+from the operators the local policies actually keep, and its peak, not the ILP's, is the prediction.
+
+Decisions the thesis leaves open and memfit's choices (``docs/sac.md`` says why):
+
+* **random operators** are grouped (one candidate per module), never force-stored: recomputation
+  under ``preserve_rng_state`` reproduces them bit for bit; the same rule in all three policies;
+* **autograd-saved operators** are candidates like any other (upstream's choice; the thesis
+  stores them): recomputing them is what saves memory;
+* the greedy stops when the kept bytes fit the module's budget (Alg. 7 as printed subtracts the
+  stored bytes twice, which over-discards);
+* the fit is the **lower convex hull** of the shifted curve (point k at ``(x_k, y_{k+1})``), not
+  ``pwlf``'s least-squares fit: it is exact at the hull's corners, deterministic, convex (which the
+  ILP's epigraph form needs) and needs no extra dependency;
+* the module's last operator creates its output, which the next module keeps anyway: it counts
+  0 bytes (upstream does the same);
+* operator times: the trace's durations when it has them (a simulated trace: the simulator's
+  calibrated or roofline model), otherwise estimated from the operators' sizes (FLOPs of matrix
+  products, bytes of the rest, a fixed launch cost) and scaled to the measured step time — the
+  plan says which (``source.op_times``).
+
+Example:
+    ```python
+    from memfit.synthetic import training_trace
+    from memfit_policies.sac import generate_sac_plan
+
+    trace = training_trace(n_layers=4, activation_bytes=64 * 2**20, modules=True)
+    plan = generate_sac_plan(trace, budget_bytes=trace.peak_bytes() * 2 // 3)
+    plan.predicted.peak_bytes <= plan.budget_bytes    # True
+    ```
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+from memfit.config import MemfitModel, Size, format_size
+from memfit.errors import MemfitError
+from memfit.plan import MemoryPlan, PlanPrediction, PlanSource, Recompute
+from memfit.trace import Trace
+from memfit.types import Phase
+from pydantic import Field, PositiveFloat
+
+RANDOM_OPS = frozenset(
+    {
+        "aten::native_dropout", "aten::bernoulli", "aten::bernoulli_", "aten::rand", "aten::rand_like",
+        "aten::randn", "aten::randn_like", "aten::randint", "aten::randint_like", "aten::normal",
+        "aten::normal_", "aten::uniform_", "aten::exponential_", "aten::multinomial", "aten::randperm",
+        "aten::_fused_dropout", "aten::rrelu_with_noise", "aten::_scaled_dot_product_flash_attention",
+        "aten::_scaled_dot_product_efficient_attention", "aten::_scaled_dot_product_cudnn_attention",
+    }
+)  # fmt: skip
+"""Operators that draw random numbers (``torch.Tag.nondeterministic_seeded``; the fused attentions
+only with dropout, which the trace cannot tell: grouping them costs nothing when they are not)."""
+
+_MATMUL_OPS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::linear"})
+_ATTENTION_OPS = frozenset(
+    {
+        "aten::_scaled_dot_product_flash_attention", "aten::_scaled_dot_product_efficient_attention",
+        "aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_cudnn_attention",
+        "aten::scaled_dot_product_attention",
+    }
+)  # fmt: skip
+# Relative rates for the estimate from sizes; only ratios matter (the total is scaled to the step).
+_FLOPS, _BYTES_PER_S, _LAUNCH_S = 1e11, 1e10, 5e-6
+
+LocalPolicy = Literal["greedy", "knapsack", "ilp"]
+
+
+class SacPlannerConfig(MemfitModel):
+    """Options of the ``sac`` planner (``PlanningProblem.options["sac"]``)."""
+
+    margin: Size | None = None
+    """Bytes kept free below the budget; default min(2 GiB, 10% of the budget), as the swap planner."""
+    local: LocalPolicy = "greedy"
+    """How a module's operators are chosen once its discard target is set: greedy MSPS, 0/1
+    knapsack, or a per-module ILP (the optimum; slowest to solve)."""
+    modules: tuple[str, ...] | None = None
+    """Only these modules (and none other) may be checkpointed; default every checkpointable one."""
+    time_limit: PositiveFloat = 30.0
+    """Seconds CBC may spend on the global ILP (the best solution found by then is used)."""
+    gap: float = Field(default=0.01, gt=0, lt=1)
+    """Relative optimality gap at which CBC stops."""
+
+
+# -- per-module statistics --------------------------------------------------------------------
+@dataclass(frozen=True)
+class ModuleStats:
+    """One module's forward operators, what they create and cost, and where the module sits in the step."""
+
+    module: str
+    op_index: np.ndarray
+    """Trace operator indices of the module's forward (its descendants' included), in dispatch order."""
+    names: tuple[str, ...]
+    memory: np.ndarray
+    """Bytes of the storages each operator creates (0 for views, in-place operators and the last)."""
+    seconds: np.ndarray
+    view_like: np.ndarray
+    random: np.ndarray
+    group: np.ndarray
+    """Decision group of each operator: the position (in this module) of the operator deciding for
+    it: itself, the creator of the storage it changes in place, or the first random operator."""
+    forced_store: np.ndarray
+    """Operators that must be kept (they change a storage created outside the module in place)."""
+    saved_bytes: int
+    """Bytes of the storages the module's forward creates that backward uses: what autograd keeps (IA)."""
+    forward_end: int
+    """Trace index of the module's last forward operator."""
+    backward_start: int
+    """Trace index of the first backward operator of the module (or a descendant)."""
+    transient_bytes: int
+    """How far the forward rose above the level it ended at: what recomputing it adds for a moment."""
+
+    @property
+    def total_bytes(self) -> int:
+        """All bytes the module's operators create (ACM): what keeping every output costs."""
+        return int(self.memory.sum())
+
+    @property
+    def total_seconds(self) -> float:
+        return float(self.seconds.sum())
+
+    def kept_bytes(self, keep: np.ndarray) -> int:
+        return int(self.memory[keep].sum())
+
+    def recompute_seconds(self, keep: np.ndarray) -> float:
+        return float(self.seconds[~keep].sum())
+
+    def freed_bytes(self, keep: np.ndarray) -> int:
+        """What checkpointing with ``keep`` frees while the module waits for backward (may be negative)."""
+        return self.saved_bytes - self.kept_bytes(keep)
+
+
+def op_seconds(trace: Trace) -> tuple[np.ndarray, str]:
+    """Per-operator seconds and where they came from (see the module docs)."""
+    durations = trace.ops.duration_s
+    if durations.size and np.isfinite(durations).all():
+        return durations.astype(np.float64), f"trace durations ({trace.source})"
+    weights = np.array([_estimate(trace, i) for i in range(trace.n_ops)])
+    total = weights.sum()
+    if trace.step_seconds > 0 and total > 0:
+        weights *= trace.step_seconds / total
+        return weights, "estimated from operator sizes, scaled to the traced step time"
+    return weights, "estimated from operator sizes (nominal rates; the trace has no step time)"
+
+
+def _estimate(trace: Trace, i: int) -> float:
+    name = trace.op_name(i)
+    inputs, outputs = trace.op_inputs(i), trace.op_outputs(i)
+    nbytes = trace.tensors.nbytes
+    moved = float(nbytes[inputs].sum() + nbytes[outputs].sum())
+    flops = 0.0
+    if name in _MATMUL_OPS and len(inputs) >= 2 and len(outputs):
+        # products of the three sizes give (M N K)^2 times the batch cubed, whatever the layout
+        a, b = sorted((float(nbytes[t]) for t in inputs), reverse=True)[:2]
+        c = float(nbytes[outputs[0]])
+        element = max(1, _element_size(trace.tensor_dtype(int(outputs[0]))))
+        flops = 2.0 * math.sqrt(a * b * c / element**3)
+    elif name in _ATTENTION_OPS and len(inputs):
+        shape = trace.tensor_shape(int(inputs[0]))
+        if len(shape) == 4:
+            batch, heads, length, dim = shape
+            flops = 4.0 * batch * heads * length * length * dim
+    return _LAUNCH_S + max(flops / _FLOPS, moved / _BYTES_PER_S)
+
+
+def _element_size(dtype: str) -> int:
+    digits = "".join(ch for ch in dtype if ch.isdigit())
+    if dtype == "bool" or not digits:
+        return 1
+    return max(1, int(digits[:2] if digits.startswith(("16", "32", "64")) else digits[0]) // 8)
+
+
+def _composite_names(trace: Trace) -> frozenset[str]:
+    """Operators a ``TorchDispatchMode`` never sees (decomposed above it), in a record_function trace.
+
+    A checkpoint policy is asked about dispatcher-level operators only; in a record_function trace a
+    composite (``aten::linear``) and the operators inside it (``aten::addmm``) share their output.
+    """
+    if trace.op_level != "record_function":
+        return frozenset()
+    try:
+        import torch
+
+        has = torch._C._dispatch_has_kernel_for_dispatch_key
+        return frozenset(n for n in trace.op_names if n.startswith("aten::") and has(n, "CompositeImplicitAutograd"))
+    except (ImportError, RuntimeError):  # torch absent, or a name the dispatcher does not know
+        from memfit.trace import _RECORD_FUNCTION_ONLY_OPS
+
+        return _RECORD_FUNCTION_ONLY_OPS
+
+
+def module_stats(trace: Trace, seconds: np.ndarray | None = None) -> dict[str, ModuleStats]:
+    """Statistics of every checkpointable module of ``trace`` (see the module docs), by name.
+
+    Raises:
+        MemfitError: the trace does not say which module each operator ran for (schema 2 or older,
+            or a producer that does not record modules: use a simulated trace or the profiler's
+            Detailed mode).
+    """
+    if trace.n_ops == 0 or not trace.module_names or (trace.ops.module < 0).all():
+        raise MemfitError(
+            "selective recomputation needs to know which module each operator ran for, and this trace does not "
+            "say (trace.module_names is empty): plan from a simulated trace (memfit simulate) or a Detailed "
+            "trace of memfit-profiler"
+        )
+    if seconds is None:
+        seconds, _ = op_seconds(trace)
+    names = trace.module_names
+    children = {n for n in names for m in names if m != n and m.startswith(f"{n}.")}
+    candidates = sorted(n for n in children if n)  # non-leaf, not the model itself
+    op_module = trace.ops.module
+    phase = trace.ops.phase
+    composite = _composite_names(trace)
+    used_in_backward = _used_in_backward(trace)
+    curve = trace.no_swap_memory_curve()
+    stats: dict[str, ModuleStats] = {}
+    for name in candidates:
+        codes = [i for i, n in enumerate(names) if n == name or n.startswith(f"{name}.")]
+        mine = np.isin(op_module, codes)
+        forward = np.flatnonzero(mine & (phase == Phase.FWD.value))
+        backward = np.flatnonzero(mine & (phase == Phase.BWD.value))
+        if forward.size == 0 or backward.size == 0:
+            continue
+        if forward[-1] - forward[0] + 1 != forward.size:
+            continue  # called twice (shared), or interleaved with other modules: not one checkpoint region
+        kept = np.array([trace.op_name(int(i)) not in composite for i in forward], dtype=bool)
+        forward = forward[kept]
+        if forward.size < 2:
+            continue
+        stats[name] = _stats_of(trace, name, forward, int(backward[0]), seconds, used_in_backward, curve)
+    return stats
+
+
+def _used_in_backward(trace: Trace) -> np.ndarray:
+    used = np.zeros(len(trace.tensors), dtype=bool)
+    backward = np.flatnonzero(trace.ops.phase == Phase.BWD.value)
+    for i in backward:
+        used[trace.op_inputs(int(i))] = True
+    return used
+
+
+def _stats_of(
+    trace: Trace,
+    name: str,
+    forward: np.ndarray,
+    backward_start: int,
+    seconds: np.ndarray,
+    used_in_backward: np.ndarray,
+    curve: np.ndarray,
+) -> ModuleStats:
+    n = forward.size
+    memory = np.zeros(n, dtype=np.int64)
+    view_like = np.zeros(n, dtype=bool)
+    random = np.zeros(n, dtype=bool)
+    group = np.arange(n)
+    forced = np.zeros(n, dtype=bool)
+    creator: dict[int, int] = {}  # tensor row -> position of the operator that created it here
+    saved = 0
+    names = tuple(trace.op_name(int(i)) for i in forward)
+    for pos, i in enumerate(forward):
+        inputs = set(trace.op_inputs(int(i)).tolist())
+        outputs = trace.op_outputs(int(i)).tolist()
+        new = [t for t in outputs if t not in inputs and t not in creator]
+        changed = [t for t in outputs if t in inputs]
+        random[pos] = names[pos] in RANDOM_OPS
+        if names[pos].endswith("_") and changed:  # in place: decided with the storage's creator
+            owner = creator.get(changed[0])
+            if owner is None:
+                forced[pos] = True
+            else:
+                group[pos] = group[owner]
+        elif not new:
+            view_like[pos] = not random[pos]
+        for t in new:
+            creator[t] = pos
+            memory[pos] += int(trace.tensors.nbytes[t])
+            if used_in_backward[t]:
+                saved += int(trace.tensors.nbytes[t])
+    # the module's output is kept by whoever uses it next, checkpointed or not
+    last = int(np.flatnonzero(~view_like)[-1]) if (~view_like).any() else n - 1
+    for t in trace.op_outputs(int(forward[last])).tolist():
+        if creator.get(t) == last and used_in_backward[t]:
+            saved -= int(trace.tensors.nbytes[t])
+    memory[last] = 0
+    rand = np.flatnonzero(random)
+    if rand.size:
+        group[np.isin(group, group[rand])] = group[rand[0]]
+    for pos in np.flatnonzero(forced):
+        forced[group == group[pos]] = True
+    end = int(forward[-1])
+    transient = max(0, int(curve[forward[0] : end + 1].max()) - int(curve[end]))
+    return ModuleStats(
+        module=name,
+        op_index=forward,
+        names=names,
+        memory=memory,
+        seconds=seconds[forward].astype(np.float64),
+        view_like=view_like,
+        random=random,
+        group=group,
+        forced_store=forced,
+        saved_bytes=max(0, saved),
+        forward_end=end,
+        backward_start=backward_start,
+        transient_bytes=transient,
+    )
+
+
+# -- greedy order and the trade-off curve -----------------------------------------------------
+@dataclass(frozen=True)
+class Candidate:
+    """A decision unit: an operator with the in-place operators on its storage, or a module's random group."""
+
+    members: np.ndarray
+    memory: int
+    seconds: float
+
+    @property
+    def msps(self) -> float:
+        """Memory saved per second of recomputation (infinite when recomputing costs nothing)."""
+        return self.memory / self.seconds if self.seconds > 0 else math.inf
+
+
+def greedy_order(stats: ModuleStats) -> list[Candidate]:
+    """The module's candidates, most memory saved per second of recomputation first."""
+    candidates = []
+    for head in np.unique(stats.group):
+        members = np.flatnonzero(stats.group == head)
+        if stats.forced_store[members].any() or stats.view_like[members].all():
+            continue
+        memory = int(stats.memory[members].sum())
+        candidates.append(Candidate(members, memory, float(stats.seconds[members].sum())))
+    # ties (free candidates) by memory, then position: deterministic
+    return sorted(candidates, key=lambda c: (-c.msps, -c.memory, int(c.members[0])))
+
+
+def _always_recomputed(stats: ModuleStats) -> np.ndarray:
+    """View-like operators outside any group that must be kept: recomputing them is free."""
+    return stats.view_like & ~stats.forced_store & (stats.group == np.arange(stats.group.size))
+
+
+@dataclass(frozen=True)
+class TradeOff:
+    """A module's trade-off curve and the piecewise-linear fit the global ILP uses."""
+
+    discarded: np.ndarray
+    """Cumulative fraction of the module's bytes discarded, in greedy order (first point: none)."""
+    recomputed: np.ndarray
+    """Cumulative fraction of the module's forward time recomputed at each point."""
+    slopes: np.ndarray
+    intercepts: np.ndarray
+    """The fit: recomputed fraction >= max(slopes * discarded + intercepts) (convex, piecewise linear)."""
+
+    def fit(self, discarded: float) -> float:
+        return float(np.max(self.slopes * discarded + self.intercepts))
+
+
+def tradeoff(stats: ModuleStats) -> TradeOff:
+    """Discard candidates in greedy order, recording (bytes discarded, time recomputed) as fractions."""
+    total_m, total_s = max(1, stats.total_bytes), stats.total_seconds or 1.0
+    m, s = 0.0, float(stats.seconds[_always_recomputed(stats)].sum())
+    xs, ys = [0.0], [s / total_s]
+    for c in greedy_order(stats):
+        m += c.memory
+        s += c.seconds
+        xs.append(m / total_m)
+        ys.append(s / total_s)
+    xs.append(1.0)  # the forced-stored remainder: the whole forward
+    ys.append(1.0)
+    # shift: the cost of reaching x_k is at most that of the next point (conservative)
+    sx, sy = np.array(xs[:-1]), np.array(ys[1:])
+    slopes, intercepts = _lower_hull_lines(sx, sy)
+    return TradeOff(np.array(xs), np.array(ys), slopes, intercepts)
+
+
+def _cbc(time_limit: float, gap: float):
+    """CBC as bundled with PuLP, always with a time limit and a relative gap."""
+    import warnings
+
+    import pulp
+
+    with warnings.catch_warnings():  # PuLP 3.3 deprecates the bundled CBC (removed in 4, hence pulp<4)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return pulp.PULP_CBC_CMD(msg=0, timeLimit=time_limit, gapRel=gap)
+
+
+def _lower_hull_lines(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Lines of the lower convex hull of the points (x, y), x in [0, 1], extended to x = 1."""
+    best: dict[float, float] = {}
+    for a, b in zip(x.tolist(), y.tolist(), strict=True):
+        best[a] = max(b, best.get(a, -math.inf))  # equal x: keep the costlier point
+    if 1.0 not in best:
+        best[1.0] = max(best.values())
+    points = sorted(best.items())
+    hull: list[tuple[float, float]] = []
+    for p in points:
+        while len(hull) >= 2:
+            (x1, y1), (x2, y2) = hull[-2], hull[-1]
+            if (x2 - x1) * (p[1] - y1) - (y2 - y1) * (p[0] - x1) <= 0:  # hull[-1] is above the chord
+                hull.pop()
+            else:
+                break
+        hull.append(p)
+    if len(hull) == 1:
+        return np.array([0.0]), np.array([hull[0][1]])
+    slopes = np.array([(b2 - b1) / (a2 - a1) for (a1, b1), (a2, b2) in zip(hull, hull[1:], strict=False)])
+    intercepts = np.array([b1 - k * a1 for (a1, b1), k in zip(hull, slopes, strict=False)])
+    return slopes, intercepts
+
+
+# -- local policies: which operators to keep for a module's budget ----------------------------
+def _required(stats: ModuleStats) -> np.ndarray:
+    return stats.forced_store.copy()
+
+
+def greedy_policy(stats: ModuleStats, keep_fraction: float) -> np.ndarray:
+    """Alg. 7 (greedy MSPS): keep everything, discard in greedy order until the kept bytes fit.
+
+    Returns a boolean keep-mask over the module's operators. When even the required operators do
+    not fit, only they are kept (the most the module can give).
+    """
+    keep = ~_always_recomputed(stats)
+    budget = keep_fraction * stats.total_bytes
+    for c in greedy_order(stats):
+        if stats.kept_bytes(keep) <= budget:
+            break
+        keep[c.members] = False
+    return keep
+
+
+def knapsack_policy(stats: ModuleStats, keep_fraction: float, resolution: float = 0.01) -> np.ndarray:
+    """Alg. 8 (0/1 knapsack): keep the candidates worth the most recomputation time within the budget.
+
+    Weights are the candidates' byte fractions rounded up to ``resolution``, so the kept set always
+    fits; candidates that cost no time to recompute are always discarded.
+    """
+    keep = _required(stats)
+    total = max(1, stats.total_bytes)
+    room = keep_fraction * total - stats.kept_bytes(keep)
+    if room < 0:
+        return keep
+    items = [c for c in greedy_order(stats) if c.seconds > 0]
+    capacity = int(math.floor(room / total / resolution + 1e-9))
+    weights = [int(math.ceil(c.memory / total / resolution - 1e-9)) for c in items]
+    values = [c.seconds for c in items]
+    # dp[c]: best value with capacity c; choice[i][c]: item i taken at capacity c
+    dp = np.zeros(capacity + 1)
+    taken = np.zeros((len(items), capacity + 1), dtype=bool)
+    for i, (w, v) in enumerate(zip(weights, values, strict=True)):
+        if w > capacity:
+            continue
+        with_item = dp[: capacity + 1 - w] + v
+        better = with_item > dp[w:]
+        taken[i, w:] = better
+        dp[w:] = np.where(better, with_item, dp[w:])
+    c = capacity
+    for i in range(len(items) - 1, -1, -1):
+        if taken[i, c]:
+            keep[items[i].members] = True
+            c -= weights[i]
+    return keep
+
+
+def ilp_policy(stats: ModuleStats, keep_fraction: float, time_limit: float = 10.0, gap: float = 0.001) -> np.ndarray:
+    """The per-module ILP (thesis §5.5.3): keep the set of candidates worth the most time within the budget.
+
+    Falls back to the greedy policy when CBC finds no solution in time.
+    """
+    import pulp
+
+    keep = _required(stats)
+    room = keep_fraction * stats.total_bytes - stats.kept_bytes(keep)
+    if room < 0:
+        return keep
+    items = [c for c in greedy_order(stats) if c.seconds > 0]
+    if not items:
+        return keep
+    problem = pulp.LpProblem("sac_module", pulp.LpMaximize)
+    x = [problem.add_variable(f"x{i}", cat="Binary") for i in range(len(items))]
+    problem += pulp.lpSum(v * c.seconds for v, c in zip(x, items, strict=True))
+    problem += pulp.lpSum(v * c.memory for v, c in zip(x, items, strict=True)) <= room
+    problem.solve(_cbc(time_limit, gap))
+    if problem.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
+        return greedy_policy(stats, keep_fraction)
+    for v, c in zip(x, items, strict=True):
+        if (v.value() or 0) > 0.5:
+            keep[c.members] = True
+    return keep
+
+
+LOCAL_POLICIES: dict[str, Callable[[ModuleStats, float], np.ndarray]] = {
+    "greedy": greedy_policy,
+    "knapsack": knapsack_policy,
+    "ilp": ilp_policy,
+}
+
+
+# -- the global ILP ---------------------------------------------------------------------------
+@dataclass
+class ModuleBudgets:
+    """The global ILP's answer: the fraction of each chosen module's bytes to discard."""
+
+    discard: dict[str, float]
+    recompute_seconds: float
+    """The ILP's (piecewise-linear) estimate; the plan re-computes it from the local policies."""
+    status: str
+    solve_seconds: float
+    peak_bytes: int = 0
+    """The ILP's predicted peak (from the fit)."""
+
+
+@dataclass
+class _Segments:
+    """The step cut where savings start or stop: each piece's highest memory and which modules save in it."""
+
+    peak: np.ndarray
+    alive: np.ndarray  # (pieces, modules): the module's freed bytes count in this piece
+    recompute_at: list[int] = field(default_factory=list)  # per module: the piece its recomputation falls in
+
+
+def _segments(curve: np.ndarray, stats: Sequence[ModuleStats]) -> _Segments:
+    cuts = sorted({0, curve.size} | {s.forward_end + 1 for s in stats} | {s.backward_start for s in stats})
+    starts = np.array(cuts[:-1])
+    peak = np.maximum.reduceat(curve, starts) if curve.size else np.zeros(0)
+    alive = np.zeros((starts.size, len(stats)), dtype=bool)
+    recompute_at = []
+    for j, s in enumerate(stats):
+        alive[:, j] = (starts >= s.forward_end + 1) & (starts < s.backward_start)
+        recompute_at.append(int(np.searchsorted(starts, s.backward_start, side="right") - 1))
+    return _Segments(peak.astype(np.int64), alive, recompute_at)
+
+
+def _nested(stats: Sequence[ModuleStats]) -> list[tuple[int, int]]:
+    names = [s.module for s in stats]
+    return [(i, j) for i, a in enumerate(names) for j, b in enumerate(names) if i != j and b.startswith(f"{a}.")]
+
+
+def solve_module_budgets(
+    stats: Sequence[ModuleStats],
+    curve: np.ndarray,
+    limit_bytes: int,
+    *,
+    time_limit: float = 30.0,
+    gap: float = 0.01,
+) -> ModuleBudgets:
+    """The global ILP (thesis §5.4), with the peak constrained in every piece of the step.
+
+    Variables per module: ``y`` (checkpointed), ``r`` (fraction of its bytes discarded), ``rcp``
+    (fraction of its forward recomputed, above the trade-off fit) and ``rct`` (seconds recomputed).
+    Freed bytes ``d = IA - ACM (1 - r)`` when ``y``, 0 otherwise. In every piece of the step the
+    curve's highest point minus the freed bytes of the modules waiting for backward, plus the
+    transient of a recomputation falling in the piece, stays under ``limit_bytes``.
+    """
+    import pulp
+
+    started = time.perf_counter()
+    segments = _segments(curve, stats)
+    problem = pulp.LpProblem("sac_modules", pulp.LpMinimize)
+    y = [problem.add_variable(f"y{i}", cat="Binary") for i in range(len(stats))]
+    r = [problem.add_variable(f"r{i}", 0, 1) for i in range(len(stats))]
+    rcp = [problem.add_variable(f"rcp{i}", 0) for i in range(len(stats))]
+    rct = [problem.add_variable(f"rct{i}", 0) for i in range(len(stats))]
+    problem += pulp.lpSum(rct)
+    freed = []
+    scale = 2.0**20  # MiB: keeps CBC's coefficients in a comfortable range
+    for i, s in enumerate(stats):
+        fit = tradeoff(s)
+        seconds = s.total_seconds
+        problem += r[i] <= y[i]
+        for k, b in zip(fit.slopes, fit.intercepts, strict=True):
+            problem += rcp[i] >= float(k) * r[i] + float(b)
+        problem += rct[i] >= seconds * rcp[i] - seconds * (1 - y[i])
+        freed.append((s.total_bytes * r[i] - (s.total_bytes - s.saved_bytes) * y[i]) / scale)
+    for i, j in _nested(stats):
+        problem += y[i] + y[j] <= 1
+    for p in range(segments.peak.size):
+        saving = [freed[j] for j in np.flatnonzero(segments.alive[p])]
+        transient = [y[j] * (s.transient_bytes / scale) for j, s in enumerate(stats) if segments.recompute_at[j] == p]
+        if not saving and not transient:
+            continue
+        problem += segments.peak[p] / scale - pulp.lpSum(saving) + pulp.lpSum(transient) <= limit_bytes / scale
+    status = problem.solve(_cbc(time_limit, gap))
+    name = pulp.LpStatus[status]
+    solved = time.perf_counter() - started
+    # optimal within the gap, or the best solution found within the time limit
+    if problem.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
+        return ModuleBudgets({}, 0.0, name, solved)
+    discard = {
+        s.module: min(1.0, max(0.0, round(float(r[i].value() or 0.0), 6)))
+        for i, s in enumerate(stats)
+        if (y[i].value() or 0) > 0.5
+    }
+    return ModuleBudgets(discard, float(pulp.value(problem.objective) or 0.0), name, solved)
+
+
+# -- the plan ---------------------------------------------------------------------------------
+@dataclass
+class SacSolution:
+    """What each chosen module keeps, and the step it makes."""
+
+    keep: dict[str, np.ndarray]
+    stats: dict[str, ModuleStats]
+    curve: np.ndarray
+    """Predicted device bytes after each operator."""
+    recompute_seconds: float
+    budgets: ModuleBudgets
+    local_seconds: float
+    """Time the local policies took, all modules together."""
+
+
+def predicted_curve(trace: Trace, stats: dict[str, ModuleStats], keep: dict[str, np.ndarray]) -> np.ndarray:
+    """The trace's memory curve with the chosen modules checkpointed.
+
+    Each frees its bytes from the end of its forward to the start of its backward, and its
+    recomputation adds its transient at that start.
+    """
+    curve = trace.no_swap_memory_curve().astype(np.int64).copy()
+    for name, k in keep.items():
+        s = stats[name]
+        curve[s.forward_end + 1 : s.backward_start] -= s.freed_bytes(k)
+        curve[s.backward_start] += s.transient_bytes
+    return curve
+
+
+def solve_sac(
+    trace: Trace,
+    limit_bytes: int,
+    *,
+    local: LocalPolicy = "greedy",
+    modules: Sequence[str] | None = None,
+    time_limit: float = 30.0,
+    gap: float = 0.01,
+    seconds: np.ndarray | None = None,
+) -> SacSolution:
+    """Both levels: module budgets from the global ILP, then each chosen module's operators."""
+    all_stats = module_stats(trace, seconds)
+    if modules is not None:
+        unknown = sorted(set(modules) - set(all_stats))
+        if unknown:
+            raise MemfitError(
+                f"cannot checkpoint {', '.join(map(repr, unknown))}: not a checkpointable module of this trace "
+                f"(checkpointable: {', '.join(sorted(all_stats)) or 'none'})"
+            )
+        all_stats = {name: all_stats[name] for name in modules}
+    chosen_stats = list(all_stats.values())
+    curve = trace.no_swap_memory_curve()
+    budgets = solve_module_budgets(chosen_stats, curve, limit_bytes, time_limit=time_limit, gap=gap)
+    if not budgets.discard:
+        budgets.discard = _fallback(chosen_stats) if int(curve.max(initial=0)) > limit_bytes else {}
+    policy = LOCAL_POLICIES[local]
+    started = time.perf_counter()
+    keep = {name: policy(all_stats[name], 1.0 - r) for name, r in budgets.discard.items()}
+    local_seconds = time.perf_counter() - started
+    keep = {name: k for name, k in keep.items() if (~k).any()}
+    predicted = predicted_curve(trace, all_stats, keep)
+    recompute = sum(all_stats[n].recompute_seconds(k) for n, k in keep.items())
+    return SacSolution(keep, all_stats, predicted, recompute, budgets, local_seconds)
+
+
+def _fallback(stats: Sequence[ModuleStats]) -> dict[str, float]:
+    """No solution under the limit: checkpoint the outermost modules fully (the lowest peak reachable here)."""
+    names = [s.module for s in stats]
+    return {n: 1.0 for n in names if not any(n.startswith(f"{m}.") for m in names if m != n)}
+
+
+def generate_sac_plan(
+    trace: Trace, budget_bytes: int, config: SacPlannerConfig | None = None, planner: str = "sac"
+) -> MemoryPlan:
+    """A selective-recomputation plan for ``trace`` under ``budget_bytes`` (module docs).
+
+    When the step cannot fit even with every module checkpointed, the plan checkpoints the outermost
+    modules fully and its prediction says by how much it misses (``predicted.shortfall``).
+    """
+    config = config or SacPlannerConfig()
+    if budget_bytes <= 0:
+        raise MemfitError(f"the budget must be positive, got {budget_bytes} B")
+    margin = int(config.margin) if config.margin is not None else min(2 * 2**30, budget_bytes // 10)
+    if margin >= budget_bytes:
+        raise MemfitError(
+            f"the margin ({format_size(margin)}) leaves nothing of the budget ({format_size(budget_bytes)})"
+        )
+    seconds, source_of_times = op_seconds(trace)
+    solution = solve_sac(
+        trace,
+        budget_bytes - margin,
+        local=config.local,
+        modules=config.modules,
+        time_limit=config.time_limit,
+        gap=config.gap,
+        seconds=seconds,
+    )
+    return sac_plan(trace, budget_bytes, margin, solution, source_of_times, planner=planner)
+
+
+def recompute_actions(solution: SacSolution) -> tuple[Recompute, ...]:
+    """The plan's actions: one per checkpointed module, in forward order, with its operator decisions."""
+    actions = []
+    for name in sorted(solution.keep, key=lambda n: solution.stats[n].forward_end):
+        s, k = solution.stats[name], solution.keep[name]
+        actions.append(
+            Recompute(
+                module=name,
+                ops=s.names,
+                save=tuple(bool(v) for v in k),
+                discard_fraction=round(1.0 - s.kept_bytes(k) / s.total_bytes, 6) if s.total_bytes else 1.0,
+                saved_bytes=s.freed_bytes(k),
+                recompute_seconds=s.recompute_seconds(k),
+            )
+        )
+    return tuple(actions)
+
+
+def sac_plan(
+    trace: Trace, budget_bytes: int, margin: int, solution: SacSolution, op_times: str, planner: str = "sac"
+) -> MemoryPlan:
+    """Wrap a solution as a :class:`MemoryPlan`, its prediction from the re-checked memory curve."""
+    peak = int(solution.curve.max(initial=0))
+    shortfall = ""
+    if peak > budget_bytes - margin:
+        shortfall = (
+            f"checkpointing every module memfit can checkpoint still peaks at {format_size(peak)}, over the budget "
+            f"of {format_size(budget_bytes)} minus the margin ({format_size(margin)}): what stays is outside "
+            "checkpointable modules (parameters, gradients, optimizer state, the model's own outputs). A larger "
+            "budget, a smaller batch, or swapping as well (planner 'joint') would help"
+        )
+    budgets = solution.budgets
+    return MemoryPlan(
+        planner=planner,
+        budget_bytes=budget_bytes,
+        source=PlanSource.from_trace(
+            trace,
+            description=(
+                f"margin {margin} B; {len(solution.stats)} checkpointable modules, {len(solution.keep)} checkpointed; "
+                f"global ILP {budgets.status} in {budgets.solve_seconds:.2f} s"
+            ),
+        ).model_copy(update={"op_times": op_times}),
+        actions=recompute_actions(solution),
+        predicted=PlanPrediction(
+            peak_bytes=peak,
+            margin_bytes=margin,
+            shortfall=shortfall,
+            overhead_seconds=solution.recompute_seconds,
+            recompute_seconds=solution.recompute_seconds,
+            memory_curve=tuple(int(v) for v in solution.curve),
+        ),
+    )
