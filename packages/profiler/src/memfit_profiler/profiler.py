@@ -30,7 +30,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -250,6 +250,20 @@ class OnlineProfiler:
         the latest three tokens into one integer: what surrounds the operator now running.
         """
         return self.recorder.position()
+
+    @contextlib.contextmanager
+    def not_recording(self) -> Iterator[None]:
+        """Leave the operators run inside out of the iteration (memfit's own work, e.g. recomputation).
+
+        They neither count in positions nor appear in traces or signatures: a plan's operator indices
+        stay those of the program.
+        """
+        self.recorder.set_mode(OFF)
+        try:
+            yield
+        finally:
+            if self._running:
+                self.recorder.set_mode(DETAILED if self._detailed else LIGHTWEIGHT)
 
     def step(self) -> None:
         """End the current iteration explicitly (for loops without a torch optimizer)."""
