@@ -40,9 +40,16 @@ from rich.table import Table
     show_default=True,
     help="How swapped-out blocks are freed: a stream-to-stream event wait, or record_stream.",
 )
+@click.option(
+    "--planner",
+    default="auto",
+    show_default=True,
+    help="Which planner proposes plans: swap, sac (selective recomputation), joint (both), or auto (every "
+    "installed planner; the fastest candidate within the budget wins).",
+)
 @click.option("-v", "--verbose", is_flag=True, help="Log stage transitions and plans as they happen.")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, required=True)
-def run(backend, budget, report_path, matcher, release_mode, verbose, command):
+def run(backend, budget, report_path, matcher, release_mode, planner, verbose, command):
     """Run COMMAND (python train.py ...) under memfit's swap executor, within BUDGET.
 
     The script needs no change: iterations end at each optimizer step. Whatever the script does
@@ -59,7 +66,10 @@ def run(backend, budget, report_path, matcher, release_mode, verbose, command):
         raise click.ClickException(str(exc)) from exc
     if verbose:
         logging.basicConfig(level=logging.INFO, format="%(message)s")
-    session = SwapSession(budget, backend, matcher=matcher, release_mode=release_mode)
+    try:
+        session = SwapSession(budget, backend, matcher=matcher, release_mode=release_mode, planner=planner)
+    except MemfitError as exc:  # an unknown planner: before the script runs
+        raise click.ClickException(str(exc)) from exc
     failure: MemfitError | None = None
     script_error: BaseException | None = None
     exit_code: int | str | None = None

@@ -42,6 +42,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import logging
@@ -52,6 +53,7 @@ from typing import Any, Literal
 import torch
 from memfit.config import MemfitModel, Size, format_size
 from memfit.errors import MemfitError
+from memfit.plan import Recompute
 from memfit.plugins import Hooks, get_hooks
 from memfit.tensors import optimizer_tensors
 from memfit.types import PlanningProblem
@@ -60,6 +62,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from memfit_executor.matching import Binding, SaveLog, bind
 from memfit_executor.oracle import IdentityOracle
+from memfit_executor.recompute import AppliedRecompute, ModelFinder, apply_recompute
 from memfit_executor.runtime import SwapOutOfMemoryError, SwapRuntime
 
 log = logging.getLogger("memfit.executor")
@@ -105,6 +108,10 @@ class SwapOptions(MemfitModel):
     tensor (``misswaps`` in the report); costs a Python call per module call (:mod:`memfit_executor.oracle`)."""
     planner_options: dict[str, dict[str, Any]] = Field(default_factory=dict)
     """Options passed to planners, keyed by planner name (e.g. ``{"swap": {"margin": "64MiB"}}``)."""
+    planner: str = "auto"
+    """Which planner proposes the candidates: ``swap`` (swap activations to host memory), ``sac``
+    (selective recomputation), ``joint`` (both, per activation), or ``auto`` (default: every
+    installed planner; GenPolicy keeps the fastest candidate within the budget)."""
     plan: Any = None
     """A plan made elsewhere (e.g. from ``memfit simulate``'s trace) to apply instead of planning here;
     needs ``plan_trace``. It is bound to the first iteration and applied from the second on."""
@@ -175,6 +182,11 @@ class SwapSession:
         self.hooks = hooks or get_hooks()
         if self.hooks.planners():  # a typo in a planner's options fails here, not mid-training
             self.hooks.validate_planner_options(self.options.planner_options)
+            if self.options.planner != "auto" and self.options.planner not in self.hooks.planners():
+                raise MemfitError(
+                    f"unknown planner {self.options.planner!r}; choose auto or one of the installed planners: "
+                    f"{', '.join(sorted(self.hooks.planners()))}"
+                )
         self._backend_arg = backend
         self._budget_arg = budget
         self.budget_bytes = 0
@@ -199,9 +211,13 @@ class SwapSession:
         self._log: SaveLog | None = None
         self._plans: dict[int, _SequencePlans] = {}
         self._applied: list[tuple[int, int | None]] = []  # per binding in place: (sequence, candidate or None)
+        self._in_place: list[Binding] = []
         self._external: Binding | None = None
         self._measured: tuple[int, float] = (0, 0.0)  # copy bytes and seconds over Stable iterations behind
         self._bandwidth = 0.0
+        self._models: ModelFinder | None = None
+        self._recompute: AppliedRecompute | None = None
+        self._recompute_plan: Any = None  # the plan whose Recompute actions are applied
 
     # -- lifecycle ---------------------------------------------------------------------------
     def __enter__(self) -> SwapSession:
@@ -239,6 +255,8 @@ class SwapSession:
         if self.profiler is not None:
             self.profiler.set_saved_bytes_source(self.runtime.take_saved_bytes)
         self.runtime.install(self.hooks if self.options.oom_handler != "off" else _NoOOMHooks())
+        # an unmodified script never hands us its model: find it, in case a plan recomputes
+        self._models = ModelFinder()
         self.runtime.set_retry_mode("per-op" if self.options.oom_handler != "off" else "off")
         self._handles.append(register_optimizer_step_post_hook(self._protect_optimizer_state))
         if self.options.plan is not None:
@@ -250,6 +268,9 @@ class SwapSession:
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
         runtime = self.runtime
         try:
+            self._set_recompute(None)
+            if self._models is not None:
+                self._models.remove()
             for handle in self._handles:
                 handle.remove()
             self._handles.clear()
@@ -445,12 +466,44 @@ class SwapSession:
             elif plans.chosen is not None:
                 applied.append((plans.sequence, None))
                 bindings.append(plans.chosen)
-        applicable = [(a, b) for a, b in zip(applied, bindings, strict=True) if b.entries]
-        if [id(b) for _, b in applicable] != [id(b) for b in self.runtime.bindings]:
+        applicable = [(a, b) for a, b in zip(applied, bindings, strict=True) if b.entries or _recomputes(b.plan)]
+        # recomputation changes the model, not one forward pass: the latest sequence's plan decides it
+        recompute = applicable[0][1].plan if applicable and _recomputes(applicable[0][1].plan) else None
+        if [id(b) for _, b in applicable] != [id(b) for b in self._in_place] or recompute is not self._recompute_plan:
             if applicable:
                 self.plan_changes.append(self.iterations[-1]["iteration"])
             self.runtime.apply([b for _, b in applicable])
-        self._applied = [a for a, _ in applicable]
+            self._set_recompute(recompute)
+        self._in_place = [b for _, b in applicable]
+        self._applied = [a for a, b in applicable if b.entries]
+
+    def _set_recompute(self, plan: Any) -> None:
+        """Checkpoint the modules ``plan`` recomputes (none: undo), from the next iteration on."""
+        if plan is self._recompute_plan:
+            return
+        if self._recompute is not None:
+            self._recompute.remove()
+            self._recompute = None
+        self._recompute_plan = None
+        if self.profiler is not None:  # saved bytes shrink under checkpointing: compare operators instead
+            self.profiler.set_saved_bytes_source(self.runtime.take_saved_bytes if plan is None else None)
+        if plan is None:
+            return
+        model = self._models.model if self._models is not None else None
+        if model is None:
+            self._note("a plan recomputes modules, but no model has been called under the session: not applied")
+            return
+        actions = [a for a in plan.actions if isinstance(a, Recompute)]
+        try:
+            self._recompute = apply_recompute(model, actions, recompute_context=self._not_recorded)
+        except MemfitError as exc:  # a plan made from another model (a simulated trace of a look-alike)
+            self._note(f"a plan's recomputation does not fit the model in training and is left out: {exc}")
+            return
+        self._recompute_plan = plan
+
+    def _not_recorded(self) -> Any:
+        """Recomputed operators are not part of the program's signature, nor of the plan's positions."""
+        return self.profiler.not_recording() if self.profiler is not None else contextlib.nullcontext()
 
     def _bind_external(self, record: Any, finished_log: SaveLog | None) -> None:
         """Bind the user's plan to the first observed iteration; keep it for the run."""
@@ -483,10 +536,11 @@ class SwapSession:
         plans.bandwidth = self._bandwidth
         problem = PlanningProblem(trace, budget, plans.bandwidth, self.options.planner_options)
         variations = min(self.options.candidates, max(1, self.options.n))
-        proposed = [p for p in self.hooks.plan_candidates(problem, variations) if p.actions]
+        asked = None if self.options.planner == "auto" else [self.options.planner]
+        proposed = [p for p in self.hooks.plan_candidates(problem, variations, asked) if p.actions]
         self.plans_generated += len(proposed)
         bound = (bind(p, trace, save_log, record.phase_ops, traced_here=True) for p in proposed)
-        candidates = [b for b in bound if b.entries]
+        candidates = [b for b in bound if b.entries or _recomputes(b.plan)]
         plans.feasible = any(p.is_feasible() for p in proposed) if proposed else None
         plans.lowest_peak_bytes = min((p.predicted.peak_bytes for p in proposed), default=None)
         if plans.feasible is False:
@@ -548,9 +602,9 @@ class SwapSession:
     @property
     def plan(self) -> Any:
         """The plan in place for the latest iteration's sequence (a :class:`memfit.plan.MemoryPlan`), or ``None``."""
-        if self.runtime is None or not self.runtime.bindings:
+        if self.runtime is None or not self._in_place:
             return None
-        return self.runtime.bindings[0].plan
+        return self._in_place[0].plan
 
     def report(self) -> dict[str, Any]:
         """What happened, as a JSON-ready dict (``memfit run --report`` writes it)."""
@@ -590,6 +644,10 @@ class SwapSession:
     def write_report(self, path: str | Path) -> None:
         """Write :meth:`report` as JSON."""
         Path(path).write_text(json.dumps(self.report(), indent=2) + "\n")
+
+
+def _recomputes(plan: Any) -> bool:
+    return any(isinstance(a, Recompute) for a in plan.actions)
 
 
 class _NoOOMHooks:

@@ -16,7 +16,7 @@ import click
 import numpy as np
 from memfit.config import format_size, parse_size
 from memfit.errors import MemfitError
-from memfit.plan import MemoryPlan, Swap
+from memfit.plan import MemoryPlan, Recompute, Swap
 from memfit.plotting import ByteAxis, pyplot
 from memfit.plugins import get_hooks
 from memfit.trace import Trace
@@ -98,8 +98,15 @@ def summary(trace: Trace, plan: MemoryPlan) -> Table:
         table.add_row("tensors swapped", str(swaps))
     if len(plan.actions) > swaps:
         table.add_row("actions", _actions(plan))
-    table.add_row("swap traffic per step", format_size(predicted.swap_bytes))
-    table.add_row("predicted stall per step", f"{predicted.stall_seconds * 1e3:.2f} ms")
+    recomputed = [action for action in plan.actions if isinstance(action, Recompute)]
+    if recomputed:
+        names = ", ".join(action.module for action in recomputed[:4]) + (", ..." if len(recomputed) > 4 else "")
+        table.add_row("modules checkpointed", f"{len(recomputed)} ({names})")
+        table.add_row("recomputation per step", f"{predicted.recompute_seconds * 1e3:.2f} ms")
+        table.add_row("operator times", plan.source.op_times or "not given")
+    if swaps or not recomputed:
+        table.add_row("swap traffic per step", format_size(predicted.swap_bytes))
+        table.add_row("predicted stall per step", f"{predicted.stall_seconds * 1e3:.2f} ms")
     if plan.layers:
         table.add_row("logical layers", str(len(plan.layers)))
     fits = "yes" if plan.is_feasible() else f"NO (the lowest peak reachable is {format_size(predicted.peak_bytes)})"
