@@ -9,7 +9,9 @@
   the Capuchin-style baseline);
 * :mod:`memfit_executor.storage_swap` — the data path: pooled host buffers, the copy stream,
   stream-event (or ``record_stream``) release, bit-identical restore;
-* ``memfit run`` — the same for an unmodified script.
+* ``memfit run`` — the same for an unmodified script;
+* :mod:`memfit_executor.recompute` — a plan's recomputation applied to modules (selective
+  activation checkpointing), and finding the model of an unmodified script.
 
 Submodules import torch; this package module does not.
 """

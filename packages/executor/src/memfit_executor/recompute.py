@@ -1,0 +1,510 @@
+"""Apply a plan's recomputation: checkpoint modules, keeping the operator outputs the plan saves.
+
+A :class:`~memfit.plan.Recompute` action names a module (relative to the model, as
+``model.named_modules()`` does) and, per call of each operator of its forward, whether to keep the
+output for backward or recompute it there. :func:`apply_recompute` replaces each named module's
+``forward`` with one that runs the original under ``torch.utils.checkpoint.checkpoint``
+(non-reentrant, RNG state preserved) and torch's selective activation checkpointing (SAC):
+``create_selective_checkpoint_contexts`` with a policy made fresh for every call. The instance
+attribute is replaced, not the class's method, so ``Module.__call__`` and the module's hooks run
+as before; :meth:`AppliedRecompute.remove` puts the module back exactly.
+
+How a policy decides, for the ``k``-th call of an operator named ``n`` (``func._schema.name``,
+e.g. ``aten::mm``; overloads share the name) in one forward call of the module:
+
+* the plan's decision for the ``k``-th entry named ``n`` in ``Recompute.ops``: ``MUST_SAVE`` when
+  its ``save`` is true, ``PREFER_RECOMPUTE`` otherwise. Calls are counted **per name**, so an
+  operator torch's SAC never shows a policy (``aten::detach``, metadata queries), or one the plan's
+  trace had and this run lacks, does not shift the decisions for the others;
+* an operator the plan does not list, or a call beyond the plan's count: recomputed;
+* always recomputed, whatever the plan says:
+
+  - operators whose output **aliases an input**: views (free to recompute; torch's cache would
+    keep a view whose base the forward may still modify) and operators that mutate an argument
+    (``add_``, ``bernoulli_``: SAC caches their output before autograd bumps its version, so
+    backward would fail with "Tensor cached during selective activation checkpoint has been
+    mutated");
+  - **random** operators (tag ``nondeterministic_seeded``): recomputation replays the RNG from the
+    start of the module, so a random operator recomputed after a saved one would draw the saved
+    one's numbers: silently wrong gradients;
+  - operators returning **uninitialised memory** (``aten::empty_like``, ...), which a program only
+    makes to fill in place (dropout's mask).
+
+Forward and recomputation count separately (``ctx.is_recompute``): torch 2.13 asks the policy in
+forward only and replays the decisions by call index, older torch (≥ 2.6) asks in both and needs
+the same answers, which counting per phase gives. An empty ``save`` means full activation
+checkpointing (so does a ``save`` with no true entry): plain non-reentrant checkpoint, no policy.
+
+A saved output that the forward later modifies in place cannot be kept (torch's cache would be
+stale); the forward raises :class:`RecomputePlanError` naming the module, the operator and its
+call, instead of backward failing inside torch. When the operators named in ``save`` are called a
+different number of times than the plan lists (the program changed since it was planned), a
+:class:`RecomputePlanWarning` says so once per module: decisions still apply by call index.
+
+Under ``torch.no_grad()`` (or inference mode) a checkpointed module runs its original forward
+directly. Modules must not nest (one checkpointed inside another's checkpointed forward): it is
+an error naming both.
+
+Finding the model in a script that does not hand it over: :class:`ModelFinder`.
+
+Example:
+    ```python
+    from memfit.models import build_training
+    from memfit.plan import Recompute
+    from memfit_executor.recompute import apply_recompute
+
+    run = build_training("tiny", batch_size=4, seq_len=32)
+    actions = [Recompute(module=f"layers.{i}") for i in range(len(run.model.layers))]  # full AC
+    with apply_recompute(run.model, actions):
+        run.step()
+    ```
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import functools
+import itertools
+import warnings
+import weakref
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+from memfit.errors import MemfitError
+from memfit.plan import Recompute
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+__all__ = [
+    "AppliedRecompute",
+    "ModelFinder",
+    "RecomputePlanError",
+    "RecomputePlanWarning",
+    "apply_recompute",
+]
+
+_MARK = "_memfit_recompute"
+"""Attribute set on the replacement ``forward``: which :class:`AppliedRecompute` installed it."""
+
+
+class RecomputePlanError(MemfitError, ValueError):
+    """A recomputation plan does not fit the model, or the forward cannot keep what the plan saves.
+
+    Unknown or nested modules, a module checkpointed twice; a saved output modified in place.
+    """
+
+
+class RecomputePlanWarning(UserWarning):
+    """The program calls the operators a plan saves a different number of times than it planned for."""
+
+
+def _op_name(op: Any) -> str:
+    schema = getattr(op, "_schema", None)
+    return schema.name if schema is not None else op.name()
+
+
+_UNINITIALISED = frozenset({"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::new_empty",
+                            "aten::new_empty_strided"})  # fmt: skip
+"""Operators returning uninitialised memory: a program makes them to fill in place (dropout's mask)."""
+
+
+@functools.cache
+def _always_recomputed(op: Any) -> bool:
+    """Never saved, whatever a plan says (see the module docs)."""
+    schema = getattr(op, "_schema", None)
+    if schema is None:  # a higher-order operator: torch.compile's business, not eager SAC's
+        return False
+    aliases = schema.is_mutable or any(r.alias_info is not None for r in schema.returns)
+    random = torch.Tag.nondeterministic_seeded in op.tags
+    return aliases or random or schema.name in _UNINITIALISED
+
+
+@functools.cache
+def _sac_ignored_names() -> frozenset[str]:
+    ignored = getattr(torch.utils.checkpoint, "SAC_IGNORED_OPS", ())  # private; absent on some versions
+    return frozenset(_op_name(op) for op in ignored)
+
+
+def _ordinal(k: int) -> str:
+    suffix = "th" if 10 <= k % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(k % 10, "th")
+    return f"{k}{suffix}"
+
+
+class _Decisions:
+    """One action's plan, indexed for the policy: per operator name, save or not per call."""
+
+    __slots__ = ("by_name", "planned_counts")
+
+    def __init__(self, action: Recompute) -> None:
+        by_name: dict[str, list[bool]] = {}
+        for name, save in zip(action.ops, action.save, strict=True):
+            by_name.setdefault(name, []).append(save)
+        self.by_name = {name: tuple(saves) for name, saves in by_name.items() if any(saves)}
+        ignored = _sac_ignored_names()
+        self.planned_counts = {name: len(saves) for name, saves in self.by_name.items() if name not in ignored}
+
+
+class _CallPolicy:
+    """The SAC policy of one checkpointed call: counts operator calls by name, per phase."""
+
+    __slots__ = ("decisions", "forward_counts", "recompute_counts", "saved")
+
+    def __init__(self, decisions: _Decisions) -> None:
+        self.decisions = decisions
+        self.forward_counts: dict[str, int] = {}
+        self.recompute_counts: dict[str, int] = {}
+        self.saved: list[tuple[str, int, torch.Tensor, int]] = []
+        """Outputs kept in forward, with their version then: a later in-place change is an error."""
+
+    def __call__(self, ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        name = _op_name(op)
+        recompute = getattr(ctx, "is_recompute", False)
+        counts = self.recompute_counts if recompute else self.forward_counts
+        k = counts.get(name, 0)
+        counts[name] = k + 1
+        saves = self.decisions.by_name.get(name)
+        if saves is None or k >= len(saves) or not saves[k] or _always_recomputed(op):
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        if not recompute:
+            output = getattr(ctx, "op_output", None)  # torch ≥ 2.7
+            if output is not None:
+                for tensor in output if isinstance(output, tuple | list) else (output,):
+                    if isinstance(tensor, torch.Tensor):
+                        self.saved.append((name, k, tensor, tensor._version))
+        return CheckpointPolicy.MUST_SAVE
+
+
+class _RecomputeSide:
+    """What checkpoint enters around recomputation.
+
+    Counts it, enters the caller's context (outermost) and, for selective checkpointing, torch's
+    replaying dispatch mode.
+    """
+
+    __slots__ = ("applied", "inner", "stack")
+
+    def __init__(self, applied: AppliedRecompute, inner: AbstractContextManager | None) -> None:
+        self.applied = applied
+        self.inner = inner
+        self.stack: contextlib.ExitStack | None = None
+
+    def __enter__(self) -> None:
+        self.applied.recomputations += 1
+        stack = contextlib.ExitStack()
+        try:
+            if self.applied.recompute_context is not None:
+                stack.enter_context(self.applied.recompute_context())
+            if self.inner is not None:
+                stack.enter_context(self.inner)
+        except BaseException:
+            stack.close()
+            raise
+        self.stack = stack
+
+    def __exit__(self, *exc_info) -> bool:
+        stack, self.stack = self.stack, None
+        return stack.__exit__(*exc_info) if stack is not None else False
+
+
+class _CheckpointedForward:
+    """The replacement ``forward`` of one module (an instance attribute; ``Module.__call__`` calls it)."""
+
+    def __init__(self, applied: AppliedRecompute, name: str, original: Callable, action: Recompute) -> None:
+        self.applied = applied
+        self.name = name
+        self.original = original
+        self.decisions = _Decisions(action) if any(action.save) else None  # nothing kept: full checkpointing
+        self.warned = False
+        functools.update_wrapper(self, original)  # inspect.signature(module.forward) still sees the original's
+        setattr(self, _MARK, applied)
+
+    def __call__(self, *args, **kwargs):
+        if not torch.is_grad_enabled():
+            return self.original(*args, **kwargs)
+        # kwargs travel as positional inputs: checkpoint infers the device whose RNG state it
+        # preserves from those, and its own keywords (debug, early_stop, ...) cannot collide.
+        keys = tuple(kwargs)
+        inputs = args + tuple(kwargs.values())
+        n_args = len(args)
+        original = self.original
+
+        def run(*flat):
+            return original(*flat[:n_args], **dict(zip(keys, flat[n_args:], strict=True)))
+
+        if self.decisions is None:
+            applied = self.applied
+            return checkpoint(
+                run,
+                *inputs,
+                use_reentrant=False,
+                preserve_rng_state=True,
+                context_fn=lambda: (contextlib.nullcontext(), _RecomputeSide(applied, None)),
+            )
+        policy = _CallPolicy(self.decisions)
+        out = checkpoint(run, *inputs, use_reentrant=False, preserve_rng_state=True, context_fn=self._contexts(policy))
+        self._check(policy)
+        return out
+
+    def _contexts(self, policy: _CallPolicy) -> Callable[[], tuple[Any, Any]]:
+        def context_fn():
+            caching, replaying = create_selective_checkpoint_contexts(policy)
+            return caching, _RecomputeSide(self.applied, replaying)
+
+        return context_fn
+
+    def _check(self, policy: _CallPolicy) -> None:
+        for op, k, tensor, version in policy.saved:
+            if tensor._version != version:
+                raise RecomputePlanError(
+                    f"the recomputation plan saves the {_ordinal(k + 1)} call of {op} in {self.name!r}, "
+                    "but the forward then modifies its output in place, so torch's selective checkpointing "
+                    "cannot keep it (backward would fail). Plan it recomputed (save=False)."
+                )
+        policy.saved.clear()
+        if self.warned:
+            return
+        decisions = self.decisions
+        assert decisions is not None
+        seen = policy.forward_counts
+        planned_counts = decisions.planned_counts
+        differ = {n: (c, seen.get(n, 0)) for n, c in planned_counts.items() if seen.get(n, 0) != c}
+        if differ:
+            self.warned = True
+            detail = ", ".join(f"{n}: planned {planned}, called {called}" for n, (planned, called) in differ.items())
+            warnings.warn(
+                f"{self.name!r} calls the operators its recomputation plan saves a different number of times than "
+                f"planned ({detail}); decisions apply by call index: plan again from a trace of this program",
+                RecomputePlanWarning,
+                stacklevel=2,
+            )
+
+
+class AppliedRecompute:
+    """Recomputation applied to a model's modules (from :func:`apply_recompute`).
+
+    :meth:`remove` restores every module's ``forward`` as it was; so does leaving a ``with`` block.
+
+    Attributes:
+        modules: The checkpointed modules' names, in the order of the actions.
+        recomputations: How many times a checkpointed module call was recomputed in backward.
+        recompute_context: The context entered around each recomputation, if any.
+    """
+
+    def __init__(self, recompute_context: Callable[[], AbstractContextManager] | None) -> None:
+        self.modules: tuple[str, ...] = ()
+        self.recomputations = 0
+        self.recompute_context = recompute_context
+        self._installed: list[tuple[nn.Module, _CheckpointedForward, Any]] = []
+
+    def _install(self, name: str, module: nn.Module, action: Recompute) -> None:
+        previous = module.__dict__.get("forward", _NO_INSTANCE_FORWARD)
+        replacement = _CheckpointedForward(self, name, module.forward, action)
+        module.forward = replacement  # type: ignore[method-assign]
+        self._installed.append((module, replacement, previous))
+
+    def remove(self) -> None:
+        """Restore the modules (idempotent). A forward replaced again since is left as found, with a warning."""
+        installed, self._installed = self._installed, []
+        for module, replacement, previous in reversed(installed):
+            if module.__dict__.get("forward") is not replacement:
+                warnings.warn(
+                    f"{replacement.name!r}: its forward was replaced after recomputation was applied; left as found",
+                    RecomputePlanWarning,
+                    stacklevel=2,
+                )
+                continue
+            if previous is _NO_INSTANCE_FORWARD:
+                del module.forward
+            else:
+                module.forward = previous  # type: ignore[method-assign]
+
+    @property
+    def active(self) -> bool:
+        """Whether the modules are still checkpointed (not removed)."""
+        return bool(self._installed)
+
+    def __enter__(self) -> AppliedRecompute:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.remove()
+
+    def __repr__(self) -> str:
+        state = "active" if self.active else "removed"
+        return f"AppliedRecompute({len(self.modules)} modules, {state}, {self.recomputations} recomputations)"
+
+
+_NO_INSTANCE_FORWARD = object()
+
+
+def _checkpointed_by(module: nn.Module) -> AppliedRecompute | None:
+    forward = module.__dict__.get("forward")
+    return getattr(forward, _MARK, None) if forward is not None else None
+
+
+def apply_recompute(
+    model: nn.Module,
+    actions: Sequence[Recompute],
+    *,
+    recompute_context: Callable[[], AbstractContextManager] | None = None,
+) -> AppliedRecompute:
+    """Checkpoint the modules the actions name, saving what they say to save.
+
+    Args:
+        model: The model the action names are relative to (``""`` is the model itself).
+        actions: The plan's :class:`~memfit.plan.Recompute` actions.
+        recompute_context: A zero-argument callable returning a context manager, entered around
+            each recomputation in backward (never in forward): e.g. to pause an operator recorder
+            so that recomputed operators do not look like a changed program.
+
+    Returns:
+        The handle; :meth:`AppliedRecompute.remove` (or leaving its ``with`` block) undoes it.
+
+    Raises:
+        RecomputePlanError: an action names a module the model does not have (with the closest
+            names), two actions name the same module or one applies again to a module already
+            checkpointed, or a checkpointed module would nest inside another (both named).
+            Nothing is applied then.
+    """
+    names = [name for name, _ in model.named_modules()]
+    resolved: list[tuple[str, nn.Module, Recompute]] = []
+    for action in actions:
+        if not isinstance(action, Recompute):
+            raise RecomputePlanError(f"apply_recompute takes Recompute actions, got {type(action).__name__}")
+        try:
+            module = model.get_submodule(action.module)
+        except AttributeError:
+            close = difflib.get_close_matches(action.module, names, n=3, cutoff=0.6)
+            hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+            raise RecomputePlanError(
+                f"the recomputation plan names module {action.module!r}, which {type(model).__name__} does not "
+                f"have{hint} (names are relative to the model, as in model.named_modules())"
+            ) from None
+        resolved.append((action.module, module, action))
+
+    # Modules of this model already checkpointed (other handles still in place), then the new ones.
+    taken: dict[int, tuple[str, nn.Module, str]] = {}
+    for name, module in model.named_modules():
+        if _checkpointed_by(module) is not None:
+            taken[id(module)] = (name, module, "already checkpointed by a recomputation still applied")
+    for name, module, _ in resolved:
+        if id(module) in taken:
+            other, _, why = taken[id(module)]
+            alias = "" if other == name else f" (as {other!r})"
+            raise RecomputePlanError(
+                f"module {name!r}{alias} is {why}: a module is checkpointed once "
+                "(remove() the earlier one first, or drop the duplicate action)"
+            )
+        taken[id(module)] = (name, module, "named by another action of this plan")
+    for outer_name, outer, _ in taken.values():
+        for inner_path, inner in outer.named_modules(prefix=outer_name):
+            if inner is not outer and id(inner) in taken:
+                inner_name = taken[id(inner)][0]
+                via = "" if inner_path == inner_name else f" (reached as {inner_path!r})"
+                raise RecomputePlanError(
+                    f"module {inner_name!r}{via} is inside {outer_name!r}, and both would be checkpointed: "
+                    "nested checkpointing is not supported; keep one of the two actions"
+                )
+
+    applied = AppliedRecompute(recompute_context)
+    applied.modules = tuple(name for name, _, _ in resolved)
+    for name, module, action in resolved:
+        applied._install(name, module, action)
+    return applied
+
+
+class _Seen:
+    __slots__ = ("last_call", "ref", "root", "trained")
+
+    def __init__(self, ref: weakref.ref, root: bool) -> None:
+        self.ref = ref
+        self.root = root
+        self.trained = False
+        self.last_call = 0
+
+
+class ModelFinder:
+    """Find the model an unmodified training script trains: the root module of its forward passes.
+
+    A global forward pre-hook (``register_module_forward_pre_hook``) sees every module call. A
+    module called while no known module is active is a **root** (the model, a loss module, a
+    teacher); its submodules are remembered so that their calls — including those
+    recomputation makes in backward — cost one dictionary lookup and are never roots.
+    Everything is held by weak reference.
+
+    :attr:`model` is the root with the most parameters among those that ran with gradients
+    enabled (a model validated under ``no_grad`` counts once it trains; a frozen teacher run
+    under ``no_grad`` never does); on a tie, the one called most recently. Largest rather than
+    most recent because a script's last root call is often a loss module (``nn.CrossEntropyLoss``).
+
+    Cost: a Python call per module call (the hook) plus a dictionary lookup, and a global module
+    hook makes ``Module.__call__`` take its slower, hook-running path for every module. So it is
+    meant to be installed only while a plan with recomputation is pending or in place (a session
+    does that) and removed after (:meth:`remove`, or leave its ``with`` block).
+    """
+
+    def __init__(self) -> None:
+        self._seen: dict[int, _Seen] = {}
+        self._clock = itertools.count(1)
+        self._handle = nn.modules.module.register_module_forward_pre_hook(self._pre_hook)
+
+    def _pre_hook(self, module: nn.Module, args: Any) -> None:
+        seen = self._seen.get(id(module))
+        if seen is None or seen.ref() is not module:
+            seen = self._discover(module)
+        if seen.root:
+            seen.last_call = next(self._clock)
+            if not seen.trained and torch.is_grad_enabled():
+                seen.trained = True
+
+    def _discover(self, root: nn.Module) -> _Seen:
+        # A new module outside every known tree is a root; earlier roots inside it stop being roots.
+        found = None
+        for module in root.modules():
+            key = id(module)
+            seen = _Seen(weakref.ref(module, self._forgetter(key)), root=module is root)
+            self._seen[key] = seen
+            if module is root:
+                found = seen
+        assert found is not None
+        return found
+
+    def _forgetter(self, key: int) -> Callable[[weakref.ref], None]:
+        finder = weakref.ref(self)
+
+        def forget(ref: weakref.ref) -> None:
+            self_ = finder()
+            if self_ is not None and (seen := self_._seen.get(key)) is not None and seen.ref is ref:
+                del self_._seen[key]
+
+        return forget
+
+    @property
+    def roots(self) -> tuple[nn.Module, ...]:
+        """Live roots seen so far that ran with gradients enabled, most parameters first (ties: latest call first)."""
+        ranked = []
+        for seen in list(self._seen.values()):
+            module = seen.ref()
+            if module is not None and seen.root and seen.trained:
+                ranked.append((sum(p.numel() for p in module.parameters()), seen.last_call, module))
+        ranked.sort(key=lambda r: (r[0], r[1]), reverse=True)
+        return tuple(module for *_, module in ranked)
+
+    @property
+    def model(self) -> nn.Module | None:
+        """The model (see the class docs), or ``None`` before a root module has run with gradients enabled."""
+        roots = self.roots
+        return roots[0] if roots else None
+
+    def remove(self) -> None:
+        """Remove the global hook (idempotent); what was found stays readable."""
+        self._handle.remove()
+
+    def __enter__(self) -> ModelFinder:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.remove()
