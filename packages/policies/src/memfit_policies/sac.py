@@ -5,8 +5,9 @@ Two levels, as in the thesis:
 1. **Per module** (:func:`module_stats`): the forward operators of every checkpointable module
    (a non-leaf module other than the model itself, whose forward ran once, contiguously), each
    with the bytes of the storages it creates, its time, and tags: *view-like* (creates nothing:
-   always recomputed, for free), *random* (one group: recomputed together under the preserved
-   RNG state), *in-place* (decided with the operator that created the storage). From these, the
+   always recomputed, for free), *random* (always recomputed: PyTorch's selective checkpointing
+   replays the RNG from the start of the module, so a kept draw followed by a recomputed one would
+   differ), *in-place* (decided with the operator that created the storage). From these, the
    greedy order (:func:`greedy_order`, by memory saved per second of recomputation, MSPS), the
    **trade-off curve** (fraction of the module's bytes discarded against fraction of its time
    recomputed, discarding in MSPS order) and its **piecewise-linear fit**
@@ -25,8 +26,9 @@ from the operators the local policies actually keep, and its peak, not the ILP's
 
 Decisions the thesis leaves open and memfit's choices (``docs/sac.md`` says why):
 
-* **random operators** are grouped (one candidate per module), never force-stored: recomputation
-  under ``preserve_rng_state`` reproduces them bit for bit; the same rule in all three policies;
+* **random operators** are always recomputed (never kept), in all three policies: under
+  ``preserve_rng_state`` the recomputation replays the module's random draws bit for bit only
+  when all of them run again (the thesis stores them; upstream groups them);
 * **autograd-saved operators** are candidates like any other (upstream's choice; the thesis
   stores them): recomputing them is what saves memory;
 * the greedy stops when the kept bytes fit the module's budget (Alg. 7 as printed subtracts the
@@ -126,7 +128,7 @@ class ModuleStats:
     random: np.ndarray
     group: np.ndarray
     """Decision group of each operator: the position (in this module) of the operator deciding for
-    it: itself, the creator of the storage it changes in place, or the first random operator."""
+    it: itself, or the creator of the storage it changes in place."""
     forced_store: np.ndarray
     """Operators that must be kept (they change a storage created outside the module in place)."""
     saved_bytes: int
@@ -310,9 +312,6 @@ def _stats_of(
         if creator.get(t) == last and used_in_backward[t]:
             saved -= int(trace.tensors.nbytes[t])
     memory[last] = 0
-    rand = np.flatnonzero(random)
-    if rand.size:
-        group[np.isin(group, group[rand])] = group[rand[0]]
     for pos in np.flatnonzero(forced):
         forced[group == group[pos]] = True
     end = int(forward[-1])
@@ -337,7 +336,7 @@ def _stats_of(
 # -- greedy order and the trade-off curve -----------------------------------------------------
 @dataclass(frozen=True)
 class Candidate:
-    """A decision unit: an operator with the in-place operators on its storage, or a module's random group."""
+    """A decision unit: an operator with the in-place operators on its storage."""
 
     members: np.ndarray
     memory: int
@@ -354,7 +353,7 @@ def greedy_order(stats: ModuleStats) -> list[Candidate]:
     candidates = []
     for head in np.unique(stats.group):
         members = np.flatnonzero(stats.group == head)
-        if stats.forced_store[members].any() or stats.view_like[members].all():
+        if stats.forced_store[members].any() or (stats.view_like[members] | stats.random[members]).all():
             continue
         memory = int(stats.memory[members].sum())
         candidates.append(Candidate(members, memory, float(stats.seconds[members].sum())))
@@ -363,8 +362,9 @@ def greedy_order(stats: ModuleStats) -> list[Candidate]:
 
 
 def _always_recomputed(stats: ModuleStats) -> np.ndarray:
-    """View-like operators outside any group that must be kept: recomputing them is free."""
-    return stats.view_like & ~stats.forced_store & (stats.group == np.arange(stats.group.size))
+    """Operators never kept: views (recomputing them is free) and random operators (module docs)."""
+    own = stats.group == np.arange(stats.group.size)
+    return (stats.view_like & ~stats.forced_store & own) | (stats.random & ~stats.forced_store)
 
 
 @dataclass(frozen=True)
@@ -386,8 +386,9 @@ class TradeOff:
 def tradeoff(stats: ModuleStats) -> TradeOff:
     """Discard candidates in greedy order, recording (bytes discarded, time recomputed) as fractions."""
     total_m, total_s = max(1, stats.total_bytes), stats.total_seconds or 1.0
-    m, s = 0.0, float(stats.seconds[_always_recomputed(stats)].sum())
-    xs, ys = [0.0], [s / total_s]
+    always = _always_recomputed(stats)
+    m, s = float(stats.memory[always].sum()), float(stats.seconds[always].sum())
+    xs, ys = [m / total_m], [s / total_s]
     for c in greedy_order(stats):
         m += c.memory
         s += c.seconds
