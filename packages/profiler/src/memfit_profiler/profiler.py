@@ -5,7 +5,8 @@ stage machine on it; while the stage is GenPolicy it records in Detailed mode an
 iteration into a :class:`memfit.trace.Trace`. Iterations end at an optimizer step (global
 optimizer hooks, so unmodified scripts work), at an explicit :meth:`OnlineProfiler.step`, or at
 the first forward operator after a backward pass with no optimizer step in between (a
-loss-scaler skip).
+loss-scaler skip). Detailed traces also say which module each operator ran for and what each
+tensor is (parameter, activation, ...): see :mod:`memfit_profiler.modules`.
 
 Example:
     ```python
@@ -44,6 +45,7 @@ from memfit.trace import OpTable, SwapTable, TensorTable, Trace
 from memfit.types import OpDispatchEvent, Phase
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+from memfit_profiler.modules import ModuleRecord, ModuleSpans, annotate
 from memfit_profiler.recorder import DETAILED, LIGHTWEIGHT, OFF, RawIteration, make_recorder
 from memfit_profiler.stages import Observation, Similarity, Stage, StageMachine
 
@@ -99,7 +101,9 @@ class OnlineProfiler:
         cosine_threshold: see :class:`~memfit_profiler.stages.StageMachine`.
         window: see :class:`~memfit_profiler.stages.StageMachine`.
         model: a module whose parameters and buffers are marked as such in traces (optimizer
-            parameters, gradients and states are marked without it).
+            parameters, gradients and states are marked without it), and whose names Detailed
+            traces use for modules (without it: the first module called in the iteration while
+            none runs; see :mod:`memfit_profiler.modules`).
         hooks: plugin hooks to deliver ``on_op_dispatch`` to (default: the installed plugins).
         keep_traces: how many Detailed traces to keep (oldest dropped first).
         prefer_native: use the native recorder when it can be built.
@@ -133,7 +137,8 @@ class OnlineProfiler:
         self.recorder = make_recorder(prefer_native)
         self.iterations: list[IterationRecord] = []
         self.observations: list[Observation] = []
-        self._traces: list[Trace | tuple[RawIteration, float, int, frozenset[int]]] = []
+        self._traces: list[Trace | tuple[RawIteration, float, int, frozenset[int], ModuleRecord | None]] = []
+        self._modules = ModuleSpans(lambda: self.recorder.position()[0], model)
         self.peak_device_bytes = 0
         self._listeners: list[Callable[[Observation], None]] = []
         self._iteration_listeners: list[Callable[[IterationRecord], None]] = []
@@ -176,6 +181,7 @@ class OnlineProfiler:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._modules.uninstall()
         self.recorder.set_mode(OFF)
         with self._uncounted():
             trailing = self.recorder.take()
@@ -281,20 +287,27 @@ class OnlineProfiler:
         self.recorder.set_optimizer_phase(False)
         if self._detailed:  # only Detailed traces mark static storages; skip the walk otherwise
             self._static_keys.update(_storage_keys(optimizer_tensors(optimizer, gradients=True)))
-        self._end_iteration("optimizer")
+        self._end_iteration("optimizer", optimizer)
 
     def _begin_iteration(self) -> None:
         if self.mode == "auto":
             self._detailed = self.machine.stage is Stage.GENPOLICY
         else:
             self._detailed = self.mode == "detailed"
+        # module hooks only while recording in detail: Lightweight iterations pay nothing for them
+        if self._detailed:
+            self._modules.begin()
+        elif self._modules.installed:
+            self._modules.uninstall()
         self.recorder.set_mode(DETAILED if self._detailed else LIGHTWEIGHT)
         if self.backend is not None:
             # per-iteration peaks; the run's peak is kept in self.peak_device_bytes
             self.backend.reset_peak_memory_stats()
         self._started_at = time.perf_counter()
 
-    def _end_iteration(self, ended_by: Literal["optimizer", "explicit"]) -> None:
+    def _end_iteration(
+        self, ended_by: Literal["optimizer", "explicit"], optimizer: torch.optim.Optimizer | None = None
+    ) -> None:
         if not self._running:
             raise MemfitError("the profiler is not running; use it as a context manager or call start()")
         if self._detailed and self.backend is not None:
@@ -305,11 +318,17 @@ class OnlineProfiler:
         self.peak_device_bytes = max(self.peak_device_bytes, peak)
         with self._uncounted():  # the recorded columns are host bookkeeping, not device memory
             raw = self.recorder.take()
-            self._process(raw, seconds, peak, ended_by)
+            modules = self._modules.finish(int(raw.tokens.size), optimizer) if self._detailed else None
+            self._process(raw, seconds, peak, ended_by, modules)
         self._begin_iteration()
 
     def _process(
-        self, raw: RawIteration, seconds: float, peak: int, ended_by: Literal["optimizer", "explicit"]
+        self,
+        raw: RawIteration,
+        seconds: float,
+        peak: int,
+        ended_by: Literal["optimizer", "explicit"],
+        modules: ModuleRecord | None = None,
     ) -> None:
         cuts = [0, *raw.boundaries.tolist(), raw.tokens.size]
         segments = [(a, b) for a, b in zip(cuts, cuts[1:], strict=False) if b > a]
@@ -341,7 +360,7 @@ class OnlineProfiler:
             )
             self.iterations.append(record)
             if detailed and raw.detail is not None and len(segments) == 1:
-                self._keep_trace(raw, seconds, record.index)
+                self._keep_trace(raw, seconds, record.index, modules)
             elif detailed and raw.detail is not None and last:
                 log.info(
                     "memfit-profiler: iteration %d had no optimizer step; its detailed record is dropped", record.index
@@ -353,10 +372,10 @@ class OnlineProfiler:
                 iteration_listener(record)
 
     # -- traces ------------------------------------------------------------------------------
-    def _keep_trace(self, raw: RawIteration, seconds: float, iteration: int) -> None:
+    def _keep_trace(self, raw: RawIteration, seconds: float, iteration: int, modules: ModuleRecord | None) -> None:
         callbacks = (self.hooks or get_hooks()).op_dispatch_callbacks()
         # Static storages as of now: a later storage may reuse a freed activation's address.
-        pending = (raw, seconds, iteration, frozenset(self._static_keys))
+        pending = (raw, seconds, iteration, frozenset(self._static_keys), modules)
         if callbacks:
             trace = self._build_trace(*pending)
             _deliver(trace, callbacks)
@@ -365,7 +384,14 @@ class OnlineProfiler:
             self._traces.append(pending)
         del self._traces[: max(0, len(self._traces) - self.keep_traces)]
 
-    def _build_trace(self, raw: RawIteration, seconds: float, iteration: int, static_keys: frozenset[int]) -> Trace:
+    def _build_trace(
+        self,
+        raw: RawIteration,
+        seconds: float,
+        iteration: int,
+        static_keys: frozenset[int],
+        modules: ModuleRecord | None = None,
+    ) -> Trace:
         d = raw.detail
         assert d is not None
         n_ops = int(d["device_bytes"].size)
@@ -417,9 +443,10 @@ class OnlineProfiler:
         )
         use_ops, use_tensors = trace.tensor_uses()
         count, tag, stack = tensor_features(tokens, phases, use_ops, use_tensors, n_tensors)
-        return dataclasses.replace(
+        trace = dataclasses.replace(
             trace, tensors=dataclasses.replace(tensors, op_count=count, op_tag=tag, op_call_stack=stack)
         )
+        return annotate(trace, modules, raw.detail_base) if modules is not None else trace
 
 
 def _deliver(trace: Trace, callbacks: tuple[Callable[[OpDispatchEvent], None], ...]) -> None:
