@@ -218,6 +218,7 @@ class SwapSession:
         self._models: ModelFinder | None = None
         self._recompute: AppliedRecompute | None = None
         self._recompute_plan: Any = None  # the plan whose Recompute actions are applied
+        self._recompute_owner: tuple[int, int | None] | None = None  # its (sequence, candidate)
 
     # -- lifecycle ---------------------------------------------------------------------------
     def __enter__(self) -> SwapSession:
@@ -379,7 +380,7 @@ class SwapSession:
         assert self.runtime is not None
         counters = self.runtime.end_iteration()
         copied = self.backend.copy_throughput()
-        owner = self._applied[counters["plan"]] if counters["plan"] is not None else None
+        owner = self._applied[counters["plan"]] if counters["plan"] is not None else self._recompute_owner
         self.iterations.append(
             {
                 "iteration": record.index,
@@ -476,6 +477,7 @@ class SwapSession:
             self._set_recompute(recompute)
         self._in_place = [b for _, b in applicable]
         self._applied = [a for a, b in applicable if b.entries]
+        self._recompute_owner = applicable[0][0] if recompute is not None and self._recompute is not None else None
 
     def _set_recompute(self, plan: Any) -> None:
         """Checkpoint the modules ``plan`` recomputes (none: undo), from the next iteration on."""
@@ -486,6 +488,7 @@ class SwapSession:
             self._recompute = None
         self._recompute_plan = None
         if self.profiler is not None:  # saved bytes shrink under checkpointing: compare operators instead
+            self.runtime.take_saved_bytes()  # what was counted while checkpointing is not comparable
             self.profiler.set_saved_bytes_source(self.runtime.take_saved_bytes if plan is None else None)
         if plan is None:
             return
