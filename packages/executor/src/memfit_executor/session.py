@@ -529,9 +529,7 @@ class SwapSession:
         if plans.candidates:
             self.planning_iterations.append(record.index)
 
-    def _plan_candidates(
-        self, trace: Any, save_log: SaveLog, record: Any, plans: _SequencePlans
-    ) -> list[Binding]:
+    def _plan_candidates(self, trace: Any, save_log: SaveLog, record: Any, plans: _SequencePlans) -> list[Binding]:
         if not self.hooks.planners():
             self._note("no planner is installed: running with OOM handling only (pip install memfit-policies)")
             return []
@@ -542,7 +540,17 @@ class SwapSession:
         asked = None if self.options.planner == "auto" else [self.options.planner]
         proposed = [p for p in self.hooks.plan_candidates(problem, variations, asked) if p.actions]
         self.plans_generated += len(proposed)
-        bound = (bind(p, trace, save_log, record.phase_ops, traced_here=True) for p in proposed)
+        # a plan that recomputes must fit: inside a checkpointed module the tensors are checkpoint's,
+        # and the OOM handler cannot swap them out when the prediction falls short
+        usable = [p for p in proposed if p.is_feasible() or not _recomputes(p)]
+        if len(usable) < len(proposed):
+            left_out = sorted({p.planner for p in proposed if p not in usable})
+            self._note(
+                f"plans of planner {', '.join(left_out)} that recompute but do not fit the budget are not applied: "
+                "memory held by checkpointed modules cannot be swapped out when memory runs short"
+                + ("" if usable else "; training goes on with passive swaps only")
+            )
+        bound = (bind(p, trace, save_log, record.phase_ops, traced_here=True) for p in usable)
         candidates = [b for b in bound if b.entries or _recomputes(b.plan)]
         plans.feasible = any(p.is_feasible() for p in proposed) if proposed else None
         plans.lowest_peak_bytes = min((p.predicted.peak_bytes for p in proposed), default=None)

@@ -205,18 +205,42 @@ def _composite_names(trace: Trace) -> frozenset[str]:
 
     A checkpoint policy is asked about dispatcher-level operators only; in a record_function trace a
     composite (``aten::linear``) and the operators inside it (``aten::addmm``) share their output.
+    An operator counts as composite when any of its overloads is ``CompositeImplicitAutograd``.
     """
     if trace.op_level != "record_function":
         return frozenset()
+    from memfit.trace import _RECORD_FUNCTION_ONLY_OPS
+
     try:
         import torch
-
-        has = torch._C._dispatch_has_kernel_for_dispatch_key
-        return frozenset(n for n in trace.op_names if n.startswith("aten::") and has(n, "CompositeImplicitAutograd"))
-    except (ImportError, RuntimeError):  # torch absent, or a name the dispatcher does not know
-        from memfit.trace import _RECORD_FUNCTION_ONLY_OPS
-
+    except ImportError:  # planning without torch: the common composites
         return _RECORD_FUNCTION_ONLY_OPS
+    composite = set(_RECORD_FUNCTION_ONLY_OPS)
+    for name in trace.op_names:
+        namespace, _, base = name.partition("::")
+        packet = getattr(getattr(torch.ops, namespace, None), base, None) if base else None
+        if packet is None or not hasattr(packet, "overloads"):
+            continue
+        for overload in packet.overloads():
+            qualified = getattr(packet, overload).name()
+            try:
+                has = torch._C._dispatch_has_kernel_for_dispatch_key(qualified, "CompositeImplicitAutograd")
+            except RuntimeError:  # an overload the dispatcher does not register (``*_hacked_twin``)
+                continue
+            if has:
+                composite.add(name)
+                break
+    return frozenset(composite)
+
+
+KERNEL_INNER_OPS = frozenset(
+    {
+        "aten::empty", "aten::empty_like", "aten::empty_strided", "aten::fill_", "aten::zero_", "aten::copy_",
+        "aten::resize_", "aten::set_", "aten::as_strided", "aten::detach", "aten::alias", "aten::lift_fresh",
+    }
+)  # fmt: skip
+"""In a record_function trace, operators that native kernels call inside themselves (to allocate,
+fill or copy their outputs): a checkpoint policy never sees those calls, so they are never kept."""
 
 
 def module_stats(trace: Trace, seconds: np.ndarray | None = None) -> dict[str, ModuleStats]:
@@ -287,12 +311,17 @@ def _stats_of(
     creator: dict[int, int] = {}  # tensor row -> position of the operator that created it here
     saved = 0
     names = tuple(trace.op_name(int(i)) for i in forward)
+    inner = KERNEL_INNER_OPS if trace.op_level == "record_function" else frozenset()
     for pos, i in enumerate(forward):
         inputs = set(trace.op_inputs(int(i)).tolist())
         outputs = trace.op_outputs(int(i)).tolist()
         new = [t for t in outputs if t not in inputs and t not in creator]
         changed = [t for t in outputs if t in inputs]
         random[pos] = names[pos] in RANDOM_OPS
+        if names[pos] in inner:  # never kept, and what it allocates is its caller's (module docs)
+            view_like[pos] = True
+            creator.update((t, pos) for t in new)
+            continue
         if names[pos].endswith("_") and changed:  # in place: decided with the storage's creator
             owner = creator.get(changed[0])
             if owner is None:
