@@ -10,6 +10,11 @@ EXPECTED_OUTPUT = {
     "profile_a_run.py": ["-> GenPolicy", "-> Stable", "Stable     sequence 2 (new)", "trace saved and reloaded"],
     "plan_swaps.py": ["activations swapped", "plan saved and reloaded"],
     "plan_from_a_simulation.py": ["llama2-7b on h100", "(within budget: True)", "plan was bound: 0"],
+    "recompute_under_a_budget.py": [
+        "(within budget: True)",
+        "bit-identical to training without memfit: True",
+        "sac plan: checkpoint",
+    ],
     "train_under_a_budget.py": ["(within budget: True)", "bit-identical to training without memfit: True"],
     "simulate_your_model.py": ["prediction off by", "does NOT fit in 80 GiB", "1436 of 1436 operators attributed"],
 }
