@@ -66,6 +66,7 @@ import contextlib
 import difflib
 import functools
 import itertools
+import threading
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
@@ -234,17 +235,21 @@ class _CheckpointedForward:
         def run(*flat):
             return original(*flat[:n_args], **dict(zip(keys, flat[n_args:], strict=True)))
 
-        if self.decisions is None:
-            applied = self.applied
-            return checkpoint(
-                run,
-                *inputs,
-                use_reentrant=False,
-                preserve_rng_state=True,
-                context_fn=lambda: (contextlib.nullcontext(), _RecomputeSide(applied, None)),
-            )
-        policy = _CallPolicy(self.decisions)
-        out = checkpoint(run, *inputs, use_reentrant=False, preserve_rng_state=True, context_fn=self._contexts(policy))
+        options = {"use_reentrant": False, "preserve_rng_state": True}
+        observing = self.applied.on_saved is not None and _SAVED_OBSERVER is not None
+        if observing:
+            options["determinism_check"] = _SAVED_OBSERVER
+        previous = _saved.callback
+        _saved.callback = self.applied.on_saved if observing else None
+        try:
+            if self.decisions is None:
+                applied = self.applied
+                contexts = lambda: (contextlib.nullcontext(), _RecomputeSide(applied, None))  # noqa: E731
+                return checkpoint(run, *inputs, context_fn=contexts, **options)
+            policy = _CallPolicy(self.decisions)
+            out = checkpoint(run, *inputs, context_fn=self._contexts(policy), **options)
+        finally:
+            _saved.callback = previous
         self._check(policy)
         return out
 
@@ -295,10 +300,15 @@ class AppliedRecompute:
         recompute_context: The context entered around each recomputation, if any.
     """
 
-    def __init__(self, recompute_context: Callable[[], AbstractContextManager] | None) -> None:
+    def __init__(
+        self,
+        recompute_context: Callable[[], AbstractContextManager] | None,
+        on_saved: Callable[[torch.Tensor], None] | None = None,
+    ) -> None:
         self.modules: tuple[str, ...] = ()
         self.recomputations = 0
         self.recompute_context = recompute_context
+        self.on_saved = on_saved
         self._installed: list[tuple[nn.Module, _CheckpointedForward, Any]] = []
 
     def _install(self, name: str, module: nn.Module, action: Recompute) -> None:
@@ -352,6 +362,7 @@ def apply_recompute(
     actions: Sequence[Recompute],
     *,
     recompute_context: Callable[[], AbstractContextManager] | None = None,
+    on_saved: Callable[[torch.Tensor], None] | None = None,
 ) -> AppliedRecompute:
     """Checkpoint the modules the actions name, saving what they say to save.
 
@@ -361,6 +372,11 @@ def apply_recompute(
         recompute_context: A zero-argument callable returning a context manager, entered around
             each recomputation in backward (never in forward): e.g. to pause an operator recorder
             so that recomputed operators do not look like a changed program.
+        on_saved: Called with each tensor autograd saves inside a checkpointed module in forward
+            (checkpoint's own hooks take those, so a caller's ``saved_tensors_hooks`` never see
+            them): the swap session counts their bytes as it counts every other save. Needs
+            ``torch.utils.checkpoint``'s determinism-check table (present since torch 2.1); without
+            it the callback is never called.
 
     Returns:
         The handle; :meth:`AppliedRecompute.remove` (or leaving its ``with`` block) undoes it.
@@ -411,11 +427,44 @@ def apply_recompute(
                     "nested checkpointing is not supported; keep one of the two actions"
                 )
 
-    applied = AppliedRecompute(recompute_context)
+    applied = AppliedRecompute(recompute_context, on_saved)
     applied.modules = tuple(name for name, _, _ in resolved)
     for name, module, action in resolved:
         applied._install(name, module, action)
     return applied
+
+
+class _SavedCallback(threading.local):
+    callback: Callable[[torch.Tensor], None] | None = None
+
+
+_saved = _SavedCallback()
+
+
+def _observe_saved(x: torch.Tensor) -> Any:
+    """The metadata function checkpoint calls for each tensor it packs: tell the observer, then the default."""
+    callback = _saved.callback
+    if callback is not None and torch._C._current_graph_task_id() == -1:  # forward, not backward's check
+        callback(x)
+    return _default_metadata(x)
+
+
+def _register_saved_observer() -> str | None:
+    # checkpoint calls a "determinism check" metadata function on every tensor it packs, the only
+    # public-facing way to see the saves of a checkpointed region; the table is private, so fail soft
+    import torch.utils.checkpoint as checkpointing
+
+    table = getattr(checkpointing, "_allowed_determinism_checks_to_fns", None)
+    if not isinstance(table, dict) or "default" not in table:
+        return None
+    global _default_metadata
+    _default_metadata = table["default"]
+    table.setdefault("memfit_saved_bytes", _observe_saved)
+    return "memfit_saved_bytes"
+
+
+_default_metadata: Callable[[torch.Tensor], Any] = lambda x: None  # noqa: E731
+_SAVED_OBSERVER = _register_saved_observer()
 
 
 class _Seen:

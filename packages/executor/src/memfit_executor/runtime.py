@@ -351,6 +351,18 @@ class SwapRuntime:
         forwards, self._forwards = self._forwards, []
         return [(start, nbytes) for start, nbytes in forwards]
 
+    def count_saved(self, t: torch.Tensor) -> None:
+        """Count a tensor saved for backward by another hook (checkpoint's, in a checkpointed module).
+
+        Counted as :meth:`take_saved_bytes` counts the saves it packs, so a forward pass saves the
+        same bytes with or without recomputation, and the profiler's change test compares like with like.
+        """
+        if t.device.type != self.device.type or t.layout is not torch.strided:
+            return
+        if self._in_backward:  # as in _pack: the first save of any kind starts a forward pass
+            self._new_forward(self._position()[0])
+        self._forwards[-1][1] += t.untyped_storage().nbytes()
+
     def protect(self, tensors: Any) -> None:
         """Never track these tensors' storages (parameters, optimizer states).
 

@@ -148,6 +148,8 @@ class _SequencePlans:
     strained_replans: int = 0
     feasible: bool | None = None
     lowest_peak_bytes: int | None = None
+    swap_only: bool = False
+    """Planned without recomputation: other sequences recur too (see SwapSession._one_sequence_recomputes)."""
 
     def next_trial(self) -> int | None:
         tried = {t.candidate for t in self.trials}
@@ -409,6 +411,7 @@ class SwapSession:
                 self._check_health(record, plans, counters, copied)
             for t in self.profiler.observations[-1].transitions:
                 self._on_transition(t.sequence, t.after)
+            self._one_sequence_recomputes(record)
         self._apply_plans(latest=record.sequence)
         next_stage = self.profiler.machine.stage  # a re-plan may have moved it since the record was made
         if next_stage is Stage.STABLE:
@@ -445,6 +448,35 @@ class SwapSession:
             elif plans.candidates:
                 plans.chosen = plans.candidates[0]
             plans.candidates, plans.trials, plans.strained, plans.behind = [], [], 0, 0
+
+    def _one_sequence_recomputes(self, record: Any) -> None:
+        """Recompute only while one sequence recurs: checkpointing applies to the whole model.
+
+        The plans of several recurring sequences are in place at once and each forward pass picks
+        its own by the saves it matches; a checkpointed module cannot: it would be applied before
+        the forward pass shows which sequence it is. When a second sequence is planned for, the
+        ones whose plan or candidates recompute are planned again, without recomputation.
+        """
+        if len(self._plans) < 2:
+            return
+        for plans in list(self._plans.values()):
+            bindings = ([plans.chosen] if plans.chosen is not None else []) + plans.candidates
+            if plans.swap_only or not any(_recomputes(b.plan) for b in bindings):
+                plans.swap_only = True
+                continue
+            plans.swap_only = True
+            reason = "another sequence recurs: recomputation applies to the whole model, so this one swaps only"
+            self.replans.append(
+                {"iteration": record.index, "sequence": plans.sequence, "reason": reason, "bandwidth": self._bandwidth}
+            )
+            log.info("memfit-executor: planning sequence %d again: %s", plans.sequence, reason)
+            plans.candidates, plans.trials = [], []
+            if plans.chosen is not None and _recomputes(plans.chosen.plan):
+                plans.chosen = None
+            seq = self.profiler.machine.sequence(plans.sequence)
+            if seq is not None and seq.stage.value == "Stable":
+                self.profiler.replan(plans.sequence)
+                self._on_transition(plans.sequence, self.profiler.machine.sequence(plans.sequence).stage)
 
     def _apply_plans(self, latest: int) -> None:
         """Put in place, for the next iteration, every sequence's plan (or the candidate under trial)."""
@@ -487,9 +519,6 @@ class SwapSession:
             self._recompute.remove()
             self._recompute = None
         self._recompute_plan = None
-        if self.profiler is not None:  # saved bytes shrink under checkpointing: compare operators instead
-            self.runtime.take_saved_bytes()  # what was counted while checkpointing is not comparable
-            self.profiler.set_saved_bytes_source(self.runtime.take_saved_bytes if plan is None else None)
         if plan is None:
             return
         model = self._models.model if self._models is not None else None
@@ -498,7 +527,9 @@ class SwapSession:
             return
         actions = [a for a in plan.actions if isinstance(a, Recompute)]
         try:
-            self._recompute = apply_recompute(model, actions, recompute_context=self._not_recorded)
+            self._recompute = apply_recompute(
+                model, actions, recompute_context=self._not_recorded, on_saved=self.runtime.count_saved
+            )
         except MemfitError as exc:  # a plan made from another model (a simulated trace of a look-alike)
             self._note(f"a plan's recomputation does not fit the model in training and is left out: {exc}")
             return
@@ -543,11 +574,19 @@ class SwapSession:
         # a plan that recomputes must fit: inside a checkpointed module the tensors are checkpoint's,
         # and the OOM handler cannot swap them out when the prediction falls short
         usable = [p for p in proposed if p.is_feasible() or not _recomputes(p)]
+        if plans.swap_only or len(self._plans) > 1:  # see _one_sequence_recomputes
+            plans.swap_only = True
+            usable = [p for p in usable if not _recomputes(p)]
         if len(usable) < len(proposed):
             left_out = sorted({p.planner for p in proposed if p not in usable})
+            why = (
+                "several sequences recur and checkpointing applies to the whole model"
+                if plans.swap_only
+                else "they do not fit the budget, and memory held by checkpointed modules cannot be swapped out "
+                "when memory runs short"
+            )
             self._note(
-                f"plans of planner {', '.join(left_out)} that recompute but do not fit the budget are not applied: "
-                "memory held by checkpointed modules cannot be swapped out when memory runs short"
+                f"plans of planner {', '.join(left_out)} that recompute are not applied: {why}"
                 + ("" if usable else "; training goes on with passive swaps only")
             )
         bound = (bind(p, trace, save_log, record.phase_ops, traced_here=True) for p in usable)
