@@ -146,7 +146,12 @@ def test_changing_sequences_for_300_iterations_and_the_capuchin_baseline():
     # The Capuchin-style matcher, (operator index, i-th saved tensor), on the same run: like
     # Capuchin, it handles OOM while measuring and relies on the plan alone once Stable.
     baseline = memfit.swap(
-        budget=budget, backend="cpu-sim", matcher="position", oom_handler="until-stable", identity_oracle=True
+        budget=budget,
+        backend="cpu-sim",
+        matcher="position",
+        oom_handler="until-stable",
+        identity_oracle=True,
+        planner="swap",  # Capuchin swaps: a plan that recomputes would leave nothing to mis-swap
     )
     crashed = False
     try:

@@ -60,6 +60,7 @@ def gpt2_block() -> ModuleStats:
         seconds=np.array([ms / 1e3 for _, ms, _, _ in GPT2_BLOCK]),
         view_like=np.array([v for *_, v in GPT2_BLOCK]),
         random=np.zeros(n, dtype=bool),
+        tail=np.zeros(n, dtype=bool),
         group=np.arange(n),
         forced_store=np.zeros(n, dtype=bool),
         saved_bytes=0,
@@ -118,7 +119,8 @@ def test_local_policies_fit_the_budget_and_the_ilp_is_optimal(keep_fraction):
     stats = ModuleStats(
         module="m", op_index=np.arange(n), names=tuple(f"aten::op{i}" for i in range(n)),
         memory=rng.integers(1, 100, n) * 1024, seconds=rng.uniform(1e-4, 1e-2, n),
-        view_like=np.zeros(n, dtype=bool), random=np.zeros(n, dtype=bool), group=np.arange(n),
+        view_like=np.zeros(n, dtype=bool), random=np.zeros(n, dtype=bool), tail=np.zeros(n, dtype=bool),
+        group=np.arange(n),
         forced_store=np.zeros(n, dtype=bool), saved_bytes=0, forward_end=n - 1, backward_start=n, transient_bytes=0,
     )  # fmt: skip
     oracle = _brute_force_recompute(stats, keep_fraction)
@@ -154,7 +156,22 @@ def test_module_stats_of_a_simulated_llama():
     assert layer.view_like[[n in ("aten::view", "aten::t", "aten::transpose") for n in layer.names]].all()
     assert 0 < layer.saved_bytes <= layer.total_bytes
     assert layer.forward_end < layer.backward_start
+    # early stop: after the last operator whose output backward reads nothing is recomputed
+    created_for_backward = [
+        pos for pos, i in enumerate(layer.op_index[:-1])
+        if any(t in set(np.flatnonzero(_read_in_backward(trace))) for t in trace.op_outputs(int(i)))
+        and layer.memory[pos] > 0
+    ]  # fmt: skip
+    assert layer.tail[-1] and not layer.tail[max(created_for_backward)]
+    assert (layer.seconds[layer.tail] == 0).all()
     assert stats["layers.1"].forward_end < stats["layers.0"].backward_start  # layer 0 waits through layer 1
+
+
+def _read_in_backward(trace):
+    read = np.zeros(len(trace.tensors), dtype=bool)
+    for i in np.flatnonzero(trace.ops.phase == Phase.BWD.value):
+        read[trace.op_inputs(int(i))] = True
+    return read
 
 
 def test_the_global_ilp_beats_every_full_checkpointing_choice_that_fits():
@@ -192,6 +209,7 @@ def test_the_sac_plan_carries_operator_decisions_and_fits():
         s = stats[action.module]
         assert action.ops == s.names and len(action.save) == len(action.ops)
         assert not any(save for save, view in zip(action.save, s.view_like, strict=True) if view)  # views: free
+        assert not any(save for save, tail in zip(action.save, s.tail, strict=True) if tail)  # never re-run
         assert action.recompute_seconds == pytest.approx(float(s.seconds[~np.array(action.save)].sum()))
     assert plan.predicted.recompute_seconds == pytest.approx(sum(a.recompute_seconds for a in plan.actions))
     assert max(plan.predicted.memory_curve) == plan.predicted.peak_bytes <= budget - plan.predicted.margin_bytes

@@ -26,7 +26,8 @@ e.g. ``aten::mm``; overloads share the name) in one forward call of the module:
     mutated");
   - **random** operators (tag ``nondeterministic_seeded``): recomputation replays the RNG from the
     start of the module, so a random operator recomputed after a saved one would draw the saved
-    one's numbers: silently wrong gradients;
+    one's numbers: silently wrong gradients (the fused attentions, tagged because they may drop
+    out, only when their ``dropout_p`` is not 0);
   - operators returning **uninitialised memory** (``aten::empty_like``, ...), which a program only
     makes to fill in place (dropout's mask).
 
@@ -119,8 +120,30 @@ def _always_recomputed(op: Any) -> bool:
     if schema is None:  # a higher-order operator: torch.compile's business, not eager SAC's
         return False
     aliases = schema.is_mutable or any(r.alias_info is not None for r in schema.returns)
-    random = torch.Tag.nondeterministic_seeded in op.tags
+    random = torch.Tag.nondeterministic_seeded in op.tags and _dropout_argument(op) is None
     return aliases or random or schema.name in _UNINITIALISED
+
+
+@functools.cache
+def _dropout_argument(op: Any) -> int | None:
+    """Position of ``dropout_p`` in a random-tagged operator (the fused attentions), else None.
+
+    They are tagged random because they may drop out; without dropout they are deterministic
+    and may be kept (as upstream's SAC estimator counts them).
+    """
+    schema = getattr(op, "_schema", None)
+    if schema is None or torch.Tag.nondeterministic_seeded not in op.tags:
+        return None
+    names = [a.name for a in schema.arguments]
+    return names.index("dropout_p") if "dropout_p" in names else None
+
+
+def _drops_out(op: Any, args: tuple, kwargs: dict) -> bool:
+    index = _dropout_argument(op)
+    if index is None:
+        return False
+    p = kwargs.get("dropout_p", args[index] if len(args) > index else 0.0)
+    return bool(p)
 
 
 @functools.cache
@@ -167,7 +190,7 @@ class _CallPolicy:
         k = counts.get(name, 0)
         counts[name] = k + 1
         saves = self.decisions.by_name.get(name)
-        if saves is None or k >= len(saves) or not saves[k] or _always_recomputed(op):
+        if saves is None or k >= len(saves) or not saves[k] or _always_recomputed(op) or _drops_out(op, args, kwargs):
             return CheckpointPolicy.PREFER_RECOMPUTE
         if not recompute:
             output = getattr(ctx, "op_output", None)  # torch ≥ 2.7

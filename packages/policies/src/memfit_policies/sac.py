@@ -75,12 +75,10 @@ RANDOM_OPS = frozenset(
         "aten::native_dropout", "aten::bernoulli", "aten::bernoulli_", "aten::rand", "aten::rand_like",
         "aten::randn", "aten::randn_like", "aten::randint", "aten::randint_like", "aten::normal",
         "aten::normal_", "aten::uniform_", "aten::exponential_", "aten::multinomial", "aten::randperm",
-        "aten::_fused_dropout", "aten::rrelu_with_noise", "aten::_scaled_dot_product_flash_attention",
-        "aten::_scaled_dot_product_efficient_attention", "aten::_scaled_dot_product_cudnn_attention",
+        "aten::_fused_dropout", "aten::rrelu_with_noise",
     }
 )  # fmt: skip
-"""Operators that draw random numbers (``torch.Tag.nondeterministic_seeded``; the fused attentions
-only with dropout, which the trace cannot tell: grouping them costs nothing when they are not)."""
+"""Operators that draw random numbers, when torch is not there to ask (``torch.Tag.nondeterministic_seeded``)."""
 
 _MATMUL_OPS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::linear"})
 _ATTENTION_OPS = frozenset(
@@ -124,8 +122,12 @@ class ModuleStats:
     memory: np.ndarray
     """Bytes of the storages each operator creates (0 for views, in-place operators and the last)."""
     seconds: np.ndarray
+    """Seconds each operator takes to recompute (its forward time; 0 for the ``tail``)."""
     view_like: np.ndarray
     random: np.ndarray
+    tail: np.ndarray
+    """Operators after the last one whose output backward reads: recomputation stops before them
+    (non-reentrant checkpoint's early stop), so they cost nothing and are never kept."""
     group: np.ndarray
     """Decision group of each operator: the position (in this module) of the operator deciding for
     it: itself, or the creator of the storage it changes in place."""
@@ -147,6 +149,7 @@ class ModuleStats:
 
     @property
     def total_seconds(self) -> float:
+        """Time to recompute the whole module (full activation checkpointing)."""
         return float(self.seconds.sum())
 
     def kept_bytes(self, keep: np.ndarray) -> int:
@@ -200,6 +203,35 @@ def _element_size(dtype: str) -> int:
     return max(1, int(digits[:2] if digits.startswith(("16", "32", "64")) else digits[0]) // 8)
 
 
+def _random_names(trace: Trace) -> frozenset[str]:
+    """Operators of the trace that draw random numbers: tagged ``nondeterministic_seeded`` in torch.
+
+    The fused attentions carry the tag because they may apply dropout; training LLMs runs them
+    without, and then the executor keeps them when a plan says so (memfit_executor.recompute), so
+    they count as deterministic here (the trace does not record ``dropout_p``).
+    """
+    try:
+        import torch
+    except ImportError:
+        return RANDOM_OPS
+    random = set(RANDOM_OPS)
+    for name in trace.op_names:
+        packet = _packet(torch, name)
+        if packet is None or name in _ATTENTION_OPS:
+            continue
+        for overload in packet.overloads():
+            if torch.Tag.nondeterministic_seeded in getattr(packet, overload).tags:
+                random.add(name)
+                break
+    return frozenset(random)
+
+
+def _packet(torch, name: str):
+    namespace, _, base = name.partition("::")
+    packet = getattr(getattr(torch.ops, namespace, None), base, None) if base else None
+    return packet if packet is not None and hasattr(packet, "overloads") else None
+
+
 def _composite_names(trace: Trace) -> frozenset[str]:
     """Operators a ``TorchDispatchMode`` never sees (decomposed above it), in a record_function trace.
 
@@ -217,9 +249,8 @@ def _composite_names(trace: Trace) -> frozenset[str]:
         return _RECORD_FUNCTION_ONLY_OPS
     composite = set(_RECORD_FUNCTION_ONLY_OPS)
     for name in trace.op_names:
-        namespace, _, base = name.partition("::")
-        packet = getattr(getattr(torch.ops, namespace, None), base, None) if base else None
-        if packet is None or not hasattr(packet, "overloads"):
+        packet = _packet(torch, name)
+        if packet is None:
             continue
         for overload in packet.overloads():
             qualified = getattr(packet, overload).name()
@@ -266,6 +297,7 @@ def module_stats(trace: Trace, seconds: np.ndarray | None = None) -> dict[str, M
     phase = trace.ops.phase
     composite = _composite_names(trace)
     used_in_backward = _used_in_backward(trace)
+    random_names = _random_names(trace)
     curve = trace.no_swap_memory_curve()
     stats: dict[str, ModuleStats] = {}
     for name in candidates:
@@ -281,7 +313,7 @@ def module_stats(trace: Trace, seconds: np.ndarray | None = None) -> dict[str, M
         forward = forward[kept]
         if forward.size < 2:
             continue
-        stats[name] = _stats_of(trace, name, forward, int(backward[0]), seconds, used_in_backward, curve)
+        stats[name] = _stats_of(trace, name, forward, int(backward[0]), seconds, used_in_backward, curve, random_names)
     return stats
 
 
@@ -301,6 +333,7 @@ def _stats_of(
     seconds: np.ndarray,
     used_in_backward: np.ndarray,
     curve: np.ndarray,
+    random_names: frozenset[str] = RANDOM_OPS,
 ) -> ModuleStats:
     n = forward.size
     memory = np.zeros(n, dtype=np.int64)
@@ -317,7 +350,7 @@ def _stats_of(
         outputs = trace.op_outputs(int(i)).tolist()
         new = [t for t in outputs if t not in inputs and t not in creator]
         changed = [t for t in outputs if t in inputs]
-        random[pos] = names[pos] in RANDOM_OPS
+        random[pos] = names[pos] in random_names
         if names[pos] in inner:  # never kept, and what it allocates is its caller's (module docs)
             view_like[pos] = True
             creator.update((t, pos) for t in new)
@@ -343,6 +376,15 @@ def _stats_of(
     memory[last] = 0
     for pos in np.flatnonzero(forced):
         forced[group == group[pos]] = True
+    # Non-reentrant checkpoint stops recomputing once every tensor backward needs is back: the
+    # operators after the last one whose output backward reads are never re-run (their time is
+    # not recomputation), and an output of theirs that a plan kept would stay in checkpoint's cache
+    # through backward: they are never kept.
+    output = {t for t in trace.op_outputs(int(forward[last])).tolist() if creator.get(t) == last}
+    needed = [pos for t, pos in creator.items() if used_in_backward[t] and t not in output]
+    tail = np.arange(n) > (max(needed) if needed else -1)
+    seconds = seconds[forward].astype(np.float64)
+    seconds[tail] = 0.0
     end = int(forward[-1])
     transient = max(0, int(curve[forward[0] : end + 1].max()) - int(curve[end]))
     return ModuleStats(
@@ -350,8 +392,9 @@ def _stats_of(
         op_index=forward,
         names=names,
         memory=memory,
-        seconds=seconds[forward].astype(np.float64),
+        seconds=seconds,
         view_like=view_like,
+        tail=tail,
         random=random,
         group=group,
         forced_store=forced,
@@ -378,11 +421,19 @@ class Candidate:
 
 
 def greedy_order(stats: ModuleStats) -> list[Candidate]:
-    """The module's candidates, most memory saved per second of recomputation first."""
+    """The module's candidates, most memory saved per second of recomputation first (computed once)."""
+    cached = stats.__dict__.get("_greedy_order")
+    if cached is None:
+        cached = _greedy_order(stats)
+        object.__setattr__(stats, "_greedy_order", cached)  # frozen: a cache, not state
+    return list(cached)
+
+
+def _greedy_order(stats: ModuleStats) -> list[Candidate]:
     candidates = []
     for head in np.unique(stats.group):
         members = np.flatnonzero(stats.group == head)
-        if stats.forced_store[members].any() or (stats.view_like[members] | stats.random[members]).all():
+        if stats.forced_store[members].any() or (stats.view_like | stats.random | stats.tail)[members].all():
             continue
         memory = int(stats.memory[members].sum())
         candidates.append(Candidate(members, memory, float(stats.seconds[members].sum())))
@@ -393,7 +444,7 @@ def greedy_order(stats: ModuleStats) -> list[Candidate]:
 def _always_recomputed(stats: ModuleStats) -> np.ndarray:
     """Operators never kept: views (recomputing them is free) and random operators (module docs)."""
     own = stats.group == np.arange(stats.group.size)
-    return (stats.view_like & ~stats.forced_store & own) | (stats.random & ~stats.forced_store)
+    return (stats.view_like & ~stats.forced_store & own) | ((stats.random | stats.tail) & ~stats.forced_store)
 
 
 @dataclass(frozen=True)
@@ -486,11 +537,13 @@ def greedy_policy(stats: ModuleStats, keep_fraction: float) -> np.ndarray:
     return keep
 
 
-def knapsack_policy(stats: ModuleStats, keep_fraction: float, resolution: float = 0.01) -> np.ndarray:
+def knapsack_policy(stats: ModuleStats, keep_fraction: float, resolution: float = 0.001) -> np.ndarray:
     """Alg. 8 (0/1 knapsack): keep the candidates worth the most recomputation time within the budget.
 
     Weights are the candidates' byte fractions rounded up to ``resolution``, so the kept set always
-    fits; candidates that cost no time to recompute are always discarded.
+    fits; candidates that cost no time to recompute are always discarded. The thesis rounds to 1%;
+    memfit to 0.1%: at 1% a block's small outputs (a norm's statistics, 0.05% of its bytes) each
+    weigh a whole percent and the knapsack keeps up to a fifth less than the budget allows.
     """
     keep = _required(stats)
     total = max(1, stats.total_bytes)
@@ -535,7 +588,8 @@ def ilp_policy(stats: ModuleStats, keep_fraction: float, time_limit: float = 10.
         return keep
     problem = pulp.LpProblem("sac_module", pulp.LpMaximize)
     x = [problem.add_variable(f"x{i}", cat="Binary") for i in range(len(items))]
-    problem += pulp.lpSum(v * c.seconds for v, c in zip(x, items, strict=True))
+    # in microseconds: seconds (1e-5) are below CBC's tolerances and it stops short of the optimum
+    problem += pulp.lpSum(v * (c.seconds * 1e6) for v, c in zip(x, items, strict=True))
     problem += pulp.lpSum(v * c.memory for v, c in zip(x, items, strict=True)) <= room
     problem.solve(_cbc(time_limit, gap))
     if problem.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
@@ -623,7 +677,7 @@ def solve_module_budgets(
     scale = 2.0**20  # MiB: keeps CBC's coefficients in a comfortable range
     for i, s in enumerate(stats):
         fit = tradeoff(s)
-        seconds = s.total_seconds
+        seconds = s.total_seconds * 1e3  # milliseconds: seconds are below CBC's tolerances
         problem += r[i] <= y[i]
         for k, b in zip(fit.slopes, fit.intercepts, strict=True):
             problem += rcp[i] >= float(k) * r[i] + float(b)
@@ -648,7 +702,7 @@ def solve_module_budgets(
         for i, s in enumerate(stats)
         if (y[i].value() or 0) > 0.5
     }
-    return ModuleBudgets(discard, float(pulp.value(problem.objective) or 0.0), name, solved)
+    return ModuleBudgets(discard, float(pulp.value(problem.objective) or 0.0) / 1e3, name, solved)
 
 
 # -- the plan ---------------------------------------------------------------------------------
