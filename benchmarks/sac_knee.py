@@ -23,7 +23,11 @@ Per configuration:
 * ``attention_flops_what_if``: the same curve with the attention operator costed by its FLOPs
   (``4·B·H·Sq·Skv·D`` at the spec's compute roofline). Under fake tensors on this CPU the step
   dispatches ``_scaled_dot_product_flash_attention_for_cpu``, which ``torch.utils.flop_counter``
-  has no formula for, so the simulator costs it by bytes alone;
+  has no formula for, so the simulator costs it by bytes alone. Counted non-causal: under fake
+  tensors transformers cannot tell the positions are not packed (its ``is_tracing`` is true for a
+  FakeTensor), so it builds a (batch, 1, seq, seq) mask instead of passing ``is_causal``, and each
+  layer turns it into an additive mask (``aten::where``) and repeats K and V (two ``aten::clone``)
+  — operators a real H100 run would not have;
 * the SAC plan at the budget (``generate_sac_plan``; default margin, global ILP, the ``--local``
   policy): its predicted peak, the recomputation it costs against full activation checkpointing
   of every layer (their peak and recomputation too), and the modules it checkpoints.
@@ -131,7 +135,7 @@ def breakdown(stats: ModuleStats) -> dict[str, dict[str, float]]:
 
 
 def attention_flops_seconds(trace: Any, seconds: np.ndarray, spec: Any) -> tuple[np.ndarray, float]:
-    """Per-operator seconds with every forward attention operator costed by FLOPs (and the FLOPs-based seconds)."""
+    """Per-operator seconds with every forward attention operator costed by FLOPs, and the seconds that adds."""
     out = seconds.copy()
     added = 0.0
     eff = spec.efficiency.get("compute", 1.0)
