@@ -254,3 +254,16 @@ def test_the_joint_plan_is_no_worse_than_swap_only_or_sac_only_and_frees_recompu
     created = {int(t) for n in solution.keep for i in solution.stats[n].op_index for t in trace.op_outputs(int(i))}
     assert all(under.tensors.is_param[t] for t in created)
     assert (under.ops.device_bytes == solution.curve).all()
+
+
+def test_a_selective_policy_that_costs_more_than_it_saves_becomes_full_checkpointing():
+    trace = Trace.load(DATA / "tiny_llama_simulated.npz")
+    stats = module_stats(trace)
+    activations = sum(s.saved_bytes for n, s in stats.items() if n.count(".") == 1)
+    limit = int(trace.peak_bytes() - 0.5 * activations)
+    free = solve_sac(trace, limit)
+    assert any(k.any() for k in free.keep.values())  # selective where policies cost nothing
+    costly = solve_sac(trace, limit, policy_overhead=1.0)  # a second per operator: never worth it
+    assert costly.keep and all(not k.any() for k in costly.keep.values())
+    assert costly.curve.max() <= limit and costly.policy_seconds == 0.0
+    assert costly.recompute_seconds == pytest.approx(sum(stats[n].total_seconds for n in costly.keep))

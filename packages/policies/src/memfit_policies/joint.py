@@ -56,6 +56,8 @@ class JointPlannerConfig(MemfitModel):
     """The SAC planner's local policy."""
     time_limit: float = Field(default=30.0, gt=0)
     """Seconds CBC may spend on each global ILP."""
+    policy_overhead: float = Field(default=20e-6, ge=0)
+    """As the SAC planner's: seconds a selective policy costs per forward operator."""
     swap: SwapPlannerConfig = Field(default_factory=SwapPlannerConfig)
     """Options of the swap part (its margin is this planner's)."""
 
@@ -109,7 +111,10 @@ def generate_joint_plan(
     tried: list[MemoryPlan] = []
     for share in sorted(set(config.shares)):
         target = limit + int((1.0 - share) * max(0, peak - limit))
-        solution = solve_sac(trace, target, local=config.local, time_limit=config.time_limit, seconds=seconds)
+        solution = solve_sac(
+            trace, target, local=config.local, time_limit=config.time_limit, seconds=seconds,
+            policy_overhead=config.policy_overhead,
+        )  # fmt: skip
         if share > 0 and not solution.keep:
             continue  # recomputation cannot help here (or was not needed): the swap-only plan covers it
         under = trace_under_recompute(trace, solution, seconds)
@@ -118,6 +123,7 @@ def generate_joint_plan(
         except CannotFit as exc:
             swapped = exc.plan
         recompute = solution.recompute_seconds
+        policy = solution.policy_seconds
         tried.append(
             swapped.model_copy(
                 update={
@@ -135,7 +141,7 @@ def generate_joint_plan(
                     ),
                     "predicted": swapped.predicted.model_copy(
                         update={
-                            "overhead_seconds": swapped.predicted.overhead_seconds + recompute,
+                            "overhead_seconds": swapped.predicted.overhead_seconds + recompute + policy,
                             "recompute_seconds": recompute,
                         }
                     ),
