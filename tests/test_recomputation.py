@@ -4,7 +4,8 @@ Exactness (issue: Auto-SAC, must show 1): the reference model for 20 iterations 
 the ``sac`` and the ``joint`` planner at a third of the unplanned peak: losses and parameters
 bit-identical to the plain run, peak within the budget. That recomputation really happens is
 checked by an observer the code under test does not own: a forward hook counting how often a
-layer's feed-forward runs (once per step without checkpointing, again in backward with it).
+layer's first feed-forward projection runs (once per step without checkpointing, again in
+backward with it).
 """
 
 import dataclasses
@@ -27,7 +28,9 @@ def train(steps, calls=None):
     run = build_training(CONFIG, batch_size=8, seq_len=256)
     if calls is not None:  # the oracle: how often each layer's feed-forward runs, per step
         for i, layer in enumerate(run.model.layers):
-            layer.feed_forward.register_forward_pre_hook(lambda *_, i=i: calls.__setitem__(i, calls.get(i, 0) + 1))
+            # inside the feed-forward: a checkpointed module's own hooks run once (recomputation calls
+            # its forward directly), its children's run again
+            layer.feed_forward.w1.register_forward_pre_hook(lambda *_, i=i: calls.__setitem__(i, calls.get(i, 0) + 1))
     losses = []
     per_step = []
     for _ in range(steps):
