@@ -230,7 +230,7 @@ def test_a_copy_stream_that_falls_behind_is_planned_for_again_with_the_measured_
     losses, peak = native_run(train, 26)
     budget = int(peak * 0.4)
     backend = CpuSimBackend(capacity=budget)
-    with memfit.swap(budget=budget, backend=backend) as session:
+    with memfit.swap(budget=budget, backend=backend, planner="swap") as session:  # copies: a swap plan
         got = train(26, backend)
     backend.close()
     report = session.report()

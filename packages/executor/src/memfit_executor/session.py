@@ -571,20 +571,27 @@ class SwapSession:
         asked = None if self.options.planner == "auto" else [self.options.planner]
         proposed = [p for p in self.hooks.plan_candidates(problem, variations, asked) if p.actions]
         self.plans_generated += len(proposed)
-        # a plan that recomputes must fit: inside a checkpointed module the tensors are checkpoint's,
-        # and the OOM handler cannot swap them out when the prediction falls short
-        usable = [p for p in proposed if p.is_feasible() or not _recomputes(p)]
+        # A plan that recomputes must keep its margin: inside a checkpointed module the tensors are
+        # checkpoint's, and the OOM handler cannot swap them out when the prediction falls short.
+        # For the same reason `auto` tries one only when no swap-only plan keeps its margin.
+        usable = [p for p in proposed if p.keeps_margin() or not _recomputes(p)]
+        swap_keeps_margin = any(p.keeps_margin() and not _recomputes(p) for p in proposed)
+        if self.options.planner == "auto" and swap_keeps_margin:
+            usable = [p for p in usable if not _recomputes(p)]
         if plans.swap_only or len(self._plans) > 1:  # see _one_sequence_recomputes
             plans.swap_only = True
             usable = [p for p in usable if not _recomputes(p)]
         if len(usable) < len(proposed):
             left_out = sorted({p.planner for p in proposed if p not in usable})
-            why = (
-                "several sequences recur and checkpointing applies to the whole model"
-                if plans.swap_only
-                else "they do not fit the budget, and memory held by checkpointed modules cannot be swapped out "
-                "when memory runs short"
-            )
+            if plans.swap_only:
+                why = "several sequences recur and checkpointing applies to the whole model"
+            elif self.options.planner == "auto" and swap_keeps_margin:
+                why = "a swap plan keeps its margin, and a recomputing plan the prediction misses cannot be rescued"
+            else:
+                why = (
+                    "they do not keep their margin, and memory held by checkpointed modules cannot be swapped "
+                    "out when memory runs short"
+                )
             self._note(
                 f"plans of planner {', '.join(left_out)} that recompute are not applied: {why}"
                 + ("" if usable else "; training goes on with passive swaps only")
