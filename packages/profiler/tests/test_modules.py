@@ -9,7 +9,6 @@ gradient and whose update each optimizer operator is.
 import numpy as np
 import pytest
 import torch
-from memfit.backends.cpu_sim import CpuSimBackend
 from memfit.models import build_training
 from memfit.tensors import storage_key
 from memfit.trace import TENSOR_CATEGORIES, Trace
@@ -20,14 +19,6 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.nn.modules import module as nn_module
 
 MATMULS = ("aten::mm", "aten::addmm")
-
-
-@pytest.fixture
-def backend():
-    sim = CpuSimBackend(capacity="1GiB")
-    with sim.activate():
-        yield sim
-    sim.close()
 
 
 @pytest.fixture(params=["native", "python"])

@@ -4,21 +4,12 @@ import numpy as np
 import pytest
 import torch
 from memfit import hookimpl
-from memfit.backends.cpu_sim import CpuSimBackend
 from memfit.errors import MemfitError
 from memfit.models import build_training
 from memfit.tensors import storage_key
 from memfit.trace import Trace
 from memfit_profiler import OnlineProfiler, Stage
 from torch.autograd.graph import saved_tensors_hooks
-
-
-@pytest.fixture
-def backend():
-    sim = CpuSimBackend(capacity="1GiB")
-    with sim.activate():
-        yield sim
-    sim.close()
 
 
 def test_stages_follow_a_stable_run_and_genpolicy_iterations_are_traced(backend):

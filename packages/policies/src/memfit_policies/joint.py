@@ -35,14 +35,13 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
-from memfit.config import MemfitModel, Size, format_size
-from memfit.errors import MemfitError
+from memfit.config import MemfitModel, Size
 from memfit.plan import MemoryPlan
 from memfit.trace import Trace
 from pydantic import Field
 
 from memfit_policies.sac import LocalPolicy, SacSolution, op_seconds, recompute_actions, solve_sac
-from memfit_policies.swap import CannotFit, SwapPlannerConfig, generate_swap_plan
+from memfit_policies.swap import CannotFit, SwapPlannerConfig, generate_swap_plan, planner_margin
 
 
 class JointPlannerConfig(MemfitModel):
@@ -97,13 +96,7 @@ def generate_joint_plan(
     When no mix fits, the plan with the lowest peak, whose prediction says by how much it misses.
     """
     config = config or JointPlannerConfig()
-    if budget_bytes <= 0:
-        raise MemfitError(f"the budget must be positive, got {budget_bytes} B")
-    margin = int(config.margin) if config.margin is not None else min(2 * 2**30, budget_bytes // 10)
-    if margin >= budget_bytes:
-        raise MemfitError(
-            f"the margin ({format_size(margin)}) leaves nothing of the budget ({format_size(budget_bytes)})"
-        )
+    margin = planner_margin(config.margin, budget_bytes)
     limit = budget_bytes - margin
     seconds, op_times = op_seconds(trace)
     peak = int(trace.no_swap_memory_curve().max(initial=0))

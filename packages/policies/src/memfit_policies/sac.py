@@ -70,6 +70,8 @@ from memfit.trace import Trace
 from memfit.types import Phase
 from pydantic import Field, PositiveFloat
 
+from memfit_policies.swap import planner_margin
+
 RANDOM_OPS = frozenset(
     {
         "aten::native_dropout", "aten::bernoulli", "aten::bernoulli_", "aten::rand", "aten::rand_like",
@@ -802,13 +804,7 @@ def generate_sac_plan(
     modules fully and its prediction says by how much it misses (``predicted.shortfall``).
     """
     config = config or SacPlannerConfig()
-    if budget_bytes <= 0:
-        raise MemfitError(f"the budget must be positive, got {budget_bytes} B")
-    margin = int(config.margin) if config.margin is not None else min(2 * 2**30, budget_bytes // 10)
-    if margin >= budget_bytes:
-        raise MemfitError(
-            f"the margin ({format_size(margin)}) leaves nothing of the budget ({format_size(budget_bytes)})"
-        )
+    margin = planner_margin(config.margin, budget_bytes)
     seconds, source_of_times = op_seconds(trace)
     solution = solve_sac(
         trace,

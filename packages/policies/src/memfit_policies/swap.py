@@ -221,8 +221,22 @@ def _minmax(x: np.ndarray) -> np.ndarray:
     return (x - x.min()) / max(span, 1e-12) if x.size else x
 
 
+def planner_margin(margin: int | None, budget: int) -> int:
+    """The bytes a planner keeps free below ``budget``: ``margin``, by default min(2 GiB, 10% of it).
+
+    Raises:
+        MemfitError: the budget is not positive, or the margin leaves nothing of it.
+    """
+    if budget <= 0:
+        raise MemfitError(f"the budget must be positive, got {budget} B")
+    margin = int(margin) if margin is not None else min(2 * 2**30, budget // 10)
+    if margin >= budget:
+        raise MemfitError(f"the margin ({format_size(margin)}) leaves nothing of the budget ({format_size(budget)})")
+    return margin
+
+
 def _defaults(config: SwapPlannerConfig, budget: int) -> tuple[int, int, int]:
-    margin = int(config.margin) if config.margin is not None else min(2 * 2**30, budget // 10)
+    margin = planner_margin(config.margin, budget)
     if config.layers_per_phase is not None:
         per_phase = config.layers_per_phase
     elif config.model_layers is not None:
