@@ -12,12 +12,14 @@ The reference Llama (``tiny`` with 6 layers, batch 8 × 256) trains on cpu-sim u
   within the budget (the default of ``memfit run``).
 
 ``step_s``: the median wall time of the last iterations (Stable for the sessions; the same count
-for ``full_ac``); ``peak_bytes``: the cpu-sim peak over the whole run (every iteration, WarmUp
-included). A session's step includes memfit's own costs (the Lightweight profiler, the swap
-runtime), as a user would pay them. Targets: ``joint`` no slower than the best of the others
+for ``full_ac``), and with ``--repeats R`` (default 3) the median over R runs, the five ways
+interleaved round by round so that a busy spell of the machine does not fall on one of them;
+``peak_bytes``: the highest cpu-sim peak over the runs (every iteration, WarmUp included). A
+session's step includes memfit's own costs (the Lightweight profiler, the swap runtime), as a
+user would pay them. Targets: ``joint`` no slower than the best of the others
 (2% noise), every peak within its budget, and ``auto`` faster than ``full_ac``.
 
-Run: python benchmarks/joint_plan.py [--iterations 24] [--fractions 0.25,0.4,0.6]
+Run: python benchmarks/joint_plan.py [--iterations 24] [--fractions 0.25,0.4,0.6] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -107,10 +109,23 @@ def session(planner: str, budget: int, iterations: int) -> dict:
     }
 
 
+def _combine(runs: list[dict]) -> dict:
+    """One way's runs: the median step time, the highest peak, the first run's details, every run's step."""
+    steps = [r["step_s"] for r in runs if r["step_s"] is not None]
+    return {
+        **runs[0],
+        "step_s": statistics.median(steps) if steps else None,
+        "peak_bytes": max(r["peak_bytes"] for r in runs),
+        "runs_step_s": [r["step_s"] for r in runs],
+        "runs_plan": [r.get("plan") for r in runs],
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iterations", type=int, default=24)
     parser.add_argument("--fractions", default="0.25,0.4,0.6")
+    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     started = time.perf_counter()
@@ -118,9 +133,12 @@ def main() -> None:
     rows = []
     for fraction in [float(f) for f in args.fractions.split(",")]:
         budget = int(peak * fraction)
-        result = {"full_ac": full_ac(budget, args.iterations)}
-        for planner in PLANNERS:
-            result[planner] = session(planner, budget, args.iterations)
+        runs: dict[str, list[dict]] = {k: [] for k in ("full_ac", *PLANNERS)}
+        for _ in range(args.repeats):  # round by round: every way once per round
+            runs["full_ac"].append(full_ac(budget, args.iterations))
+            for planner in PLANNERS:
+                runs[planner].append(session(planner, budget, args.iterations))
+        result = {k: _combine(v) for k, v in runs.items()}
         rows.append(
             {
                 "fraction": fraction,
