@@ -41,6 +41,23 @@ def test_allocations_outside_activation_are_not_counted(cpu_sim):
     del outside
 
 
+def test_freed_blocks_are_reused_while_active_and_released_after(cpu_sim):
+    """As a device's caching allocator: a freed block comes back for the next request of its size
+    (no page faults from the system allocator), counting is unchanged, and nothing stays cached
+    once the backend is inactive."""
+    with cpu_sim.activate():
+        before = cpu_sim.memory_allocated()
+        first = torch.empty(4 * MiB, dtype=torch.uint8)
+        address = first.data_ptr()
+        del first
+        assert cpu_sim.memory_allocated() == before  # freed: not counted, though kept
+        assert cpu_sim._native.cached_bytes() >= 4 * MiB
+        again = torch.empty(4 * MiB, dtype=torch.uint8)
+        assert again.data_ptr() == address and cpu_sim.memory_allocated() == before + 4 * MiB
+        del again
+    assert cpu_sim._native.cached_bytes() == 0
+
+
 def test_operator_temporaries_are_counted(cpu_sim):
     # A reduction over a non-contiguous view allocates a temporary that no dispatch-level tracker sees;
     # the allocator does, so the peak exceeds input + output.

@@ -278,6 +278,9 @@ class CpuSimBackend(Backend):
             self._native.set_capacity(self._capacity)
             previous_slot = self._native.set_slot(self._slot)
             previous = self._native.set_counting(True)
+            # freed blocks are kept for reuse, as a device's caching allocator keeps them (see the
+            # allocator's notes: glibc would page-fault them back in)
+            caching = self._native.set_caching(True)
         try:
             yield self
         finally:
@@ -285,6 +288,9 @@ class CpuSimBackend(Backend):
                 with _active_lock:
                     self._native.set_counting(previous)
                     self._native.set_slot(previous_slot)
+                    self._native.set_caching(caching)
+                    if not caching:
+                        self._native.empty_cache()
                     _active = None
 
     @contextlib.contextmanager
