@@ -457,14 +457,15 @@ class SwapSession:
         the forward pass shows which sequence it is. When a second sequence is planned for, the
         ones whose plan or candidates recompute are planned again, without recomputation.
         """
+        from memfit_profiler.stages import Stage
+
         if len(self._plans) < 2:
             return
         for plans in list(self._plans.values()):
             bindings = ([plans.chosen] if plans.chosen is not None else []) + plans.candidates
-            if plans.swap_only or not any(_recomputes(b.plan) for b in bindings):
-                plans.swap_only = True
+            already, plans.swap_only = plans.swap_only, True
+            if already or not any(_recomputes(b.plan) for b in bindings):
                 continue
-            plans.swap_only = True
             reason = "another sequence recurs: recomputation applies to the whole model, so this one swaps only"
             self.replans.append(
                 {"iteration": record.index, "sequence": plans.sequence, "reason": reason, "bandwidth": self._bandwidth}
@@ -474,7 +475,7 @@ class SwapSession:
             if plans.chosen is not None and _recomputes(plans.chosen.plan):
                 plans.chosen = None
             seq = self.profiler.machine.sequence(plans.sequence)
-            if seq is not None and seq.stage.value == "Stable":
+            if seq is not None and seq.stage is Stage.STABLE:
                 self.profiler.replan(plans.sequence)
                 self._on_transition(plans.sequence, self.profiler.machine.sequence(plans.sequence).stage)
 
@@ -578,8 +579,7 @@ class SwapSession:
         swap_keeps_margin = any(p.keeps_margin() and not _recomputes(p) for p in proposed)
         if self.options.planner == "auto" and swap_keeps_margin:
             usable = [p for p in usable if not _recomputes(p)]
-        if plans.swap_only or len(self._plans) > 1:  # see _one_sequence_recomputes
-            plans.swap_only = True
+        if plans.swap_only:  # see _one_sequence_recomputes
             usable = [p for p in usable if not _recomputes(p)]
         if len(usable) < len(proposed):
             left_out = sorted({p.planner for p in proposed if p not in usable})

@@ -40,7 +40,7 @@ from memfit.plan import MemoryPlan
 from memfit.trace import Trace
 from pydantic import Field
 
-from memfit_policies.sac import LocalPolicy, SacSolution, op_seconds, recompute_actions, solve_sac
+from memfit_policies.sac import LocalPolicy, SacSolution, module_stats, op_seconds, recompute_actions, solve_sac
 from memfit_policies.swap import CannotFit, SwapPlannerConfig, generate_swap_plan, planner_margin
 
 
@@ -101,12 +101,13 @@ def generate_joint_plan(
     seconds, op_times = op_seconds(trace)
     peak = int(trace.no_swap_memory_curve().max(initial=0))
     swap_config = config.swap.model_copy(update={"margin": margin})
+    stats = module_stats(trace, seconds)  # one trace, several limits: computed once
     tried: list[MemoryPlan] = []
     for share in sorted(set(config.shares)):
         target = limit + int((1.0 - share) * max(0, peak - limit))
         solution = solve_sac(
             trace, target, local=config.local, time_limit=config.time_limit, seconds=seconds,
-            policy_overhead=config.policy_overhead,
+            policy_overhead=config.policy_overhead, stats=stats,
         )  # fmt: skip
         if share > 0 and not solution.keep:
             continue  # recomputation cannot help here (or was not needed): the swap-only plan covers it

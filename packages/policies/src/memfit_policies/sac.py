@@ -325,10 +325,10 @@ def module_stats(trace: Trace, seconds: np.ndarray | None = None) -> dict[str, M
 
 
 def _used_in_backward(trace: Trace) -> np.ndarray:
+    """Per tensor row: whether a backward operator reads it."""
+    reader = np.repeat(np.arange(trace.n_ops), np.diff(trace.ops.inputs_offsets))
     used = np.zeros(len(trace.tensors), dtype=bool)
-    backward = np.flatnonzero(trace.ops.phase == Phase.BWD.value)
-    for i in backward:
-        used[trace.op_inputs(int(i))] = True
+    used[trace.ops.inputs_values[trace.ops.phase[reader] == Phase.BWD.value]] = True
     return used
 
 
@@ -753,14 +753,16 @@ def solve_sac(
     gap: float = 0.01,
     seconds: np.ndarray | None = None,
     policy_overhead: float = 0.0,
+    stats: dict[str, ModuleStats] | None = None,
 ) -> SacSolution:
     """Both levels: module budgets from the global ILP, then each chosen module's operators.
 
     With ``policy_overhead`` (seconds per forward operator of a selective policy), a module whose
     selective plan saves less recomputation than its policy costs is checkpointed fully instead
-    (it then frees more memory, so the plan still fits).
+    (it then frees more memory, so the plan still fits). ``stats``: :func:`module_stats` of the
+    trace, when the caller solves several limits on one trace (computed here otherwise).
     """
-    all_stats = module_stats(trace, seconds)
+    all_stats = stats if stats is not None else module_stats(trace, seconds)
     if modules is not None:
         unknown = sorted(set(modules) - set(all_stats))
         if unknown:
@@ -774,9 +776,9 @@ def solve_sac(
     budgets = solve_module_budgets(chosen_stats, curve, limit_bytes, time_limit=time_limit, gap=gap)
     if not budgets.discard:
         budgets.discard = _fallback(chosen_stats) if int(curve.max(initial=0)) > limit_bytes else {}
-    policy = LOCAL_POLICIES[local]
+    local_policy = LOCAL_POLICIES[local]
     started = time.perf_counter()
-    keep = {name: policy(all_stats[name], 1.0 - r) for name, r in budgets.discard.items()}
+    keep = {name: local_policy(all_stats[name], 1.0 - r) for name, r in budgets.discard.items()}
     local_seconds = time.perf_counter() - started
     keep = {name: k for name, k in keep.items() if (~k).any()}
     for name, k in keep.items():
@@ -785,8 +787,8 @@ def solve_sac(
             keep[name] = np.zeros_like(k)
     predicted = predicted_curve(trace, all_stats, keep)
     recompute = sum(all_stats[n].recompute_seconds(k) for n, k in keep.items())
-    policy = policy_overhead * sum(len(all_stats[n].names) for n, k in keep.items() if k.any())
-    return SacSolution(keep, all_stats, predicted, recompute, budgets, local_seconds, policy)
+    policy_seconds = policy_overhead * sum(len(all_stats[n].names) for n, k in keep.items() if k.any())
+    return SacSolution(keep, all_stats, predicted, recompute, budgets, local_seconds, policy_seconds)
 
 
 def _fallback(stats: Sequence[ModuleStats]) -> dict[str, float]:
