@@ -241,8 +241,12 @@ def test_a_copy_stream_that_falls_behind_is_planned_for_again_with_the_measured_
     # planned again with what the link delivers (the emulated link never runs faster than its bandwidth)
     assert len(late) == 1 and late[0]["bandwidth"] <= bandwidth
     assert its[-1]["stage"] == "Stable"
-    # slow copies make compute wait; they never cost a passive swap
-    assert all(it["passive_swaps"] == 0 for it in its if it["stage"] == "Stable")
+    # slow copies make compute wait (a planned release waits for its copy); they never cost a
+    # passive swap. Checked on the plan that met the slow link, up to its re-plan: which candidate
+    # wins the trials after it is decided by timing, and not what this test is about.
+    behind = [it for it in its[slow_from : late[0]["iteration"] + 1] if it["stage"] == "Stable"]
+    assert behind and all(it["passive_swaps"] == 0 for it in behind)
+    assert any(it["copy_waits"] > 0 for it in behind)
 
 
 def test_memfit_run_executes_an_unmodified_script_and_writes_the_report(tmp_path):
