@@ -256,6 +256,14 @@ def test_the_joint_plan_is_no_worse_than_swap_only_or_sac_only_and_frees_recompu
     assert (under.ops.device_bytes == solution.curve).all()
 
 
+def test_a_joint_share_with_nothing_to_recompute_still_returns_a_plan():
+    # a session's variations ask for one share alone; when recomputation cannot help (here: the
+    # step already fits), the planner must still answer with a plan, not fail on an empty choice
+    trace = training_trace(n_layers=2, modules=True)
+    plan = generate_joint_plan(trace, 2 * trace.peak_bytes(), JointPlannerConfig(shares=(0.5,)), 5e9)
+    assert plan.planner == "joint" and plan.keeps_margin() and not plan.actions
+
+
 def test_a_selective_policy_that_costs_more_than_it_saves_becomes_full_checkpointing():
     trace = Trace.load(DATA / "tiny_llama_simulated.npz")
     stats = module_stats(trace)

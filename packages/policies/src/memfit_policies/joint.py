@@ -103,14 +103,18 @@ def generate_joint_plan(
     swap_config = config.swap.model_copy(update={"margin": margin})
     stats = module_stats(trace, seconds)  # one trace, several limits: computed once
     tried: list[MemoryPlan] = []
-    for share in sorted(set(config.shares)):
+    shares = sorted(set(config.shares))
+    for share in shares:
         target = limit + int((1.0 - share) * max(0, peak - limit))
         solution = solve_sac(
             trace, target, local=config.local, time_limit=config.time_limit, seconds=seconds,
             policy_overhead=config.policy_overhead, stats=stats,
         )  # fmt: skip
-        if share > 0 and not solution.keep:
-            continue  # recomputation cannot help here (or was not needed): the swap-only plan covers it
+        if share > 0 and not solution.keep and (tried or share != shares[-1]):
+            # recomputation cannot help here (or was not needed): the swap-only mix covers it. When
+            # no share so far gave a plan (the session's variations ask for one share alone), the
+            # last one still plans its swaps: a planner asked for a plan returns one.
+            continue
         under = trace_under_recompute(trace, solution, seconds)
         try:
             swapped = generate_swap_plan(under, budget_bytes, swap_config, bandwidth_bytes_per_s)
