@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from memfit.errors import MemfitError
 from memfit.models import KVCache, KVCacheHooks, Llama, LlamaConfig, kv_cache_bytes
-from memfit.models.llama import apply_rotary
+from memfit.models.llama import apply_rotary, rotary_tables
 
 TIGHT = {torch.float32: {"rtol": 1e-5, "atol": 1e-6}, torch.float64: {"rtol": 1e-12, "atol": 1e-13}}
 
@@ -223,6 +223,11 @@ def test_bad_input_is_explained():
         model.new_kv_cache(1, 129)
     with pytest.raises(MemfitError, match="another model configuration"):
         tiny_model(n_layers=3).prefill(torch.zeros(1, 2, dtype=torch.long), KVCache(model.config, batch_size=1))
+    chunk = model.new_kv_cache(1, 16)
+    model.prefill(torch.zeros(1, 3, dtype=torch.long), chunk)
+    # prefill refuses a non-empty cache; a caller going straight to a layer meets the attention's own check
+    with pytest.raises(MemfitError, match="2 new positions after 3 cached ones is not supported"):
+        model.layers[0](torch.zeros(1, 2, model.config.dim), *rotary_tables(model.config, 2), chunk, 0)
     with pytest.raises(MemfitError, match="max_new_tokens must be >= 0"):
         model.generate(torch.zeros(1, 2, dtype=torch.long), -1)
 

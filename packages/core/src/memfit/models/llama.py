@@ -155,7 +155,13 @@ class Attention(nn.Module):
         is_causal = True
         if cache is not None:
             k, v = cache.update(layer, k, v)
-            is_causal = seq > 1  # a prefill (the model checks the cache was empty); one new position sees all
+            if seq > 1 and k.shape[2] != seq:
+                # is_causal aligns the mask top-left: right for a prefill only, wrong for a chunk after cached tokens.
+                raise MemfitError(
+                    f"attention over {seq} new positions after {k.shape[2] - seq} cached ones is not supported: "
+                    "prefill an empty cache, then decode one token at a time"
+                )
+            is_causal = seq > 1  # a prefill; one new position sees every cached one, so no mask
         groups = c.n_heads // c.n_kv_heads
         if groups > 1:
             k = k.repeat_interleave(groups, dim=1)
