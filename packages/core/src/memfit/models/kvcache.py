@@ -9,8 +9,9 @@ allocation. Memory held is therefore ``kv_cache_bytes(config, length, ...)``: th
 rounded up to a whole block, whatever ``max_len`` is.
 
 **Reading.** A layer's attention reads its keys and values as one tensor: the blocks are
-concatenated and cut to the tokens held. That copy is a temporary the size of one layer's cache;
-it is why a block's tensors are free to move as soon as the read is done (:meth:`KVCacheHooks.after_read`).
+concatenated and cut to the tokens held. That copy is a temporary the size of one layer's cache
+(the attention then repeats it to ``n_heads`` heads, as the training forward does); it is why a
+block's tensors are free to move as soon as the read is done (:meth:`KVCacheHooks.after_read`).
 
 **Hook points** (:class:`KVCacheHooks`). Core holds no offload policy; it calls the cache's hooks at
 fixed points of every :meth:`~memfit.models.Llama.prefill` and :meth:`~memfit.models.Llama.decode_step`,
