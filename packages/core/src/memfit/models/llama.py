@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from memfit.errors import MemfitError
+from memfit.models.kvcache import DEFAULT_BLOCK_SIZE, KVCache, KVCacheHooks
 
 
 @dataclass(frozen=True)
@@ -136,18 +137,36 @@ class Attention(nn.Module):
         self.wv = nn.Linear(config.dim, kv_dim, bias=False)
         self.wo = nn.Linear(config.dim, config.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None, layer: int = 0
+    ) -> torch.Tensor:
+        """Attend over ``x`` (training); with ``cache``, over the cached positions of ``layer`` too (inference).
+
+        With a cache, ``x`` holds the step's new positions and ``cos``/``sin`` their rows; either the
+        cache was empty (a prefill: causal over ``x``) or ``x`` is one position (a decode step: it sees
+        every cached position, so no mask).
+        """
         c = self.config
         batch, seq, _ = x.shape
         q = self.wq(x).view(batch, seq, c.n_heads, c.head_dim).transpose(1, 2)
         k = self.wk(x).view(batch, seq, c.n_kv_heads, c.head_dim).transpose(1, 2)
         v = self.wv(x).view(batch, seq, c.n_kv_heads, c.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        is_causal = True
+        if cache is not None:
+            k, v = cache.update(layer, k, v)
+            if seq > 1 and k.shape[2] != seq:
+                # is_causal aligns the mask top-left: right for a prefill only, wrong for a chunk after cached tokens.
+                raise MemfitError(
+                    f"attention over {seq} new positions after {k.shape[2] - seq} cached ones is not supported: "
+                    "prefill an empty cache, then decode one token at a time"
+                )
+            is_causal = seq > 1  # a prefill; one new position sees every cached one, so no mask
         groups = c.n_heads // c.n_kv_heads
         if groups > 1:
             k = k.repeat_interleave(groups, dim=1)
             v = v.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, c.dim))
 
 
@@ -174,8 +193,13 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
         self.feed_forward = FeedForward(config)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None, layer: int = 0
+    ) -> torch.Tensor:
+        if cache is None:
+            x = x + self.attention(self.attention_norm(x), cos, sin)
+        else:
+            x = x + self.attention(self.attention_norm(x), cos, sin, cache, layer)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -213,3 +237,110 @@ class Llama(nn.Module):
     def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         logits = self(tokens)
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+    # -- inference with a KV cache (memfit.models.kvcache) --
+
+    def new_kv_cache(
+        self,
+        batch_size: int,
+        max_len: int | None = None,
+        *,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        hooks: KVCacheHooks | None = None,
+    ) -> KVCache:
+        """An empty :class:`~memfit.models.KVCache` on this model's device and dtype.
+
+        ``max_len`` (default: ``config.max_seq_len``) bounds prompt plus generated tokens; blocks of
+        ``block_size`` positions are allocated as tokens arrive.
+        """
+        weight = self.tok_embeddings.weight
+        return KVCache(
+            self.config,
+            batch_size=batch_size,
+            max_len=max_len,
+            block_size=block_size,
+            device=weight.device,
+            dtype=weight.dtype,
+            hooks=hooks,
+        )
+
+    @torch.no_grad()
+    def prefill(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Run the prompt ``tokens`` ``(batch, seq)`` into the empty ``cache``; return the next token's logits.
+
+        The logits, ``(batch, vocab)``, are those of ``self(tokens)[:, -1]`` (see the docs page on the reference models
+        for how exactly they agree).
+
+        Raises:
+            MemfitError: the cache is not empty, or does not fit this model, batch or prompt length.
+        """
+        if tokens.dim() != 2 or tokens.shape[1] == 0:
+            raise MemfitError(f"prefill takes tokens of shape (batch, seq) with seq >= 1, got {tuple(tokens.shape)}")
+        if cache.length:
+            raise MemfitError(
+                f"prefill needs an empty KV cache, this one holds {cache.length} tokens; "
+                "continue it with decode_step or start a new cache"
+            )
+        return self._cached_step(tokens, cache)
+
+    @torch.no_grad()
+    def decode_step(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Append one token per sequence, ``(batch,)`` or ``(batch, 1)``, to ``cache``; return the next logits.
+
+        The logits, ``(batch, vocab)``, are those of a full forward over every token so far, at the last position.
+
+        Raises:
+            MemfitError: the cache is empty (prefill first) or full (the message says how to get a larger one),
+                or the tokens are not one per sequence of the cache's batch.
+        """
+        if tokens.dim() == 1:
+            tokens = tokens[:, None]
+        if tokens.dim() != 2 or tokens.shape[1] != 1:
+            raise MemfitError(
+                f"decode_step takes one token per sequence, (batch,) or (batch, 1); got {tuple(tokens.shape)}"
+            )
+        if not cache.length:
+            raise MemfitError("decode_step needs a KV cache that holds a prompt: call prefill first")
+        return self._cached_step(tokens, cache)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompt: torch.Tensor,
+        max_new_tokens: int,
+        *,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        hooks: KVCacheHooks | None = None,
+    ) -> torch.Tensor:
+        """Greedy decoding: ``prompt`` ``(batch, seq)`` followed by ``max_new_tokens`` argmax tokens.
+
+        Builds a cache of ``seq + max_new_tokens`` positions (with ``hooks``, if given), prefills
+        it with the prompt and decodes one token at a time.
+        """
+        if max_new_tokens < 0:
+            raise MemfitError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        if max_new_tokens == 0:
+            return prompt
+        cache = self.new_kv_cache(
+            prompt.shape[0], prompt.shape[-1] + max_new_tokens, block_size=block_size, hooks=hooks
+        )
+        generated = [self.prefill(prompt, cache).argmax(-1)]
+        for _ in range(max_new_tokens - 1):
+            generated.append(self.decode_step(generated[-1], cache).argmax(-1))
+        return torch.cat([prompt, torch.stack(generated, dim=1)], dim=1)
+
+    def _cached_step(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        if tokens.shape[0] != cache.batch_size:
+            raise MemfitError(f"tokens have batch {tokens.shape[0]}, the KV cache was made for {cache.batch_size}")
+        if cache.config != self.config:
+            raise MemfitError("the KV cache was made for another model configuration; make it with model.new_kv_cache")
+        start, stop = cache.begin_step(tokens.shape[1])
+        # The tables of a full forward over `stop` tokens, cut to this step's rows: the same values
+        # whatever the step, so cached and full-forward positions are rotated alike.
+        cos, sin = rotary_tables(self.config, stop, device=tokens.device)
+        cos, sin = cos[start:stop], sin[start:stop]
+        h = self.tok_embeddings(tokens)
+        for index, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, cache, index)
+        cache.end_step()
+        return self.output(self.norm(h[:, -1:]))[:, 0]
