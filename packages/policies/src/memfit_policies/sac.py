@@ -32,7 +32,10 @@ Decisions the thesis leaves open and memfit's choices (``docs/sac.md`` says why)
 * **autograd-saved operators** are candidates like any other (upstream's choice; the thesis
   stores them): recomputing them is what saves memory;
 * the greedy stops when the kept bytes fit the module's budget (Alg. 7 as printed subtracts the
-  stored bytes twice, which over-discards);
+  stored bytes twice, which over-discards), then fills the room its last discard left and weighs
+  the best single candidate (:func:`greedy_policy`);
+* the knapsack is exact on the candidates' byte sizes, not on 1% of the module's bytes
+  (:func:`knapsack_policy`);
 * the fit is the **lower convex hull** of the shifted curve (point k at ``(x_k, y_{k+1})``), not
   ``pwlf``'s least-squares fit: it is exact at the hull's corners, deterministic, convex (which the
   ILP's epigraph form needs) and needs no extra dependency;
