@@ -552,6 +552,10 @@ class _Items:
     """Per operator: never kept (:func:`_always_recomputed`)."""
     owner: np.ndarray
     """Per operator: the position of its candidate in greedy order (-1: none)."""
+    keepable: np.ndarray
+    """Operators kept when their candidate is (its members not always recomputed)."""
+    kept_alone: np.ndarray
+    """Per operator: kept whatever the candidates (the force-stored ones)."""
     by_density: np.ndarray
     """Positions of the candidates that cost time to recompute, most seconds per byte first."""
     dense_w: np.ndarray
@@ -594,6 +598,8 @@ def _items(stats: ModuleStats) -> _Items:
             all_bytes=kept,
             always=always,
             owner=owner,
+            keepable=np.flatnonzero((owner >= 0) & ~always),
+            kept_alone=~always & (owner < 0),
             by_density=by_density,
             dense_w=dense_w,
             dense_v=dense_v,
@@ -608,9 +614,8 @@ def _items(stats: ModuleStats) -> _Items:
 
 def _keep_mask(items: _Items, chosen: np.ndarray) -> np.ndarray:
     """The keep-mask with the candidates at ``chosen`` (positions in greedy order) kept, the others discarded."""
-    member = items.owner >= 0
-    keep = ~items.always & ~member
-    keep[member] = chosen[items.owner[member]] & ~items.always[member]
+    keep = items.kept_alone.copy()
+    keep[items.keepable] = chosen[items.owner[items.keepable]]
     return keep
 
 
@@ -718,15 +723,17 @@ def knapsack_policy(stats: ModuleStats, keep_fraction: float, max_cells: int = K
             cells, weights = max_cells, np.ceil(weights * (max_cells / left) - 1e-9).astype(np.int64)
         else:
             weights = weights // unit
-        rows = np.zeros((core.size + 1, cells + 1))  # rows[i + 1][c]: best of the first i + 1 within c cells
+        # rows[i + 1][pad + c]: the most seconds the first i + 1 candidates keep within c cells; the
+        # first ``pad`` columns (-inf) stand for negative capacities, so each row is one np.maximum
+        weights = np.minimum(weights, cells + 1)
+        pad = int(weights.max())
+        rows = np.empty((core.size + 1, pad + cells + 1))
+        rows[:, :pad] = -np.inf
+        rows[0, pad:] = 0.0
         for i, (wi, vi) in enumerate(zip(weights.tolist(), values.tolist(), strict=True)):
-            prev, row = rows[i], rows[i + 1]
-            if wi > cells:
-                row[:] = prev
-                continue
-            row[:wi] = prev[:wi]
-            np.maximum(prev[wi:], prev[: cells + 1 - wi] + vi, out=row[wi:])
-        c = cells
+            prev = rows[i]
+            np.maximum(prev[pad:], prev[pad - wi : pad - wi + cells + 1] + vi, out=rows[i + 1, pad:])
+        c = pad + cells
         for i in range(core.size - 1, -1, -1):
             if rows[i + 1, c] != rows[i, c]:
                 chosen[items.by_density[core[i]]] = True
