@@ -7,6 +7,7 @@ brute-force enumeration over small problems, and memory re-derived from the trac
 from __future__ import annotations
 
 import itertools
+import math
 from pathlib import Path
 
 import numpy as np
@@ -131,6 +132,122 @@ def test_local_policies_fit_the_budget_and_the_ilp_is_optimal(keep_fraction):
         results[name] = stats.recompute_seconds(keep)
         assert results[name] >= oracle - 1e-12, name  # nothing beats the optimum
     assert results["ilp"] == pytest.approx(oracle, rel=1e-3)
+
+
+def _random_module(seed: int, scale: int) -> ModuleStats:
+    """A module of 8-14 decision units with in-place followers, views, a force-stored group and free candidates."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(10, 17))
+    memory = rng.integers(1, 64, n) * scale
+    seconds = rng.uniform(1e-5, 1e-3, n) * (rng.random(n) > 0.1)  # some cost nothing to recompute
+    if seed % 3 == 0:
+        memory[rng.integers(0, n, 3)] = memory[0]  # equal candidates, equal MSPS ties
+        seconds[rng.integers(0, n, 3)] = seconds[0]
+    view_like = rng.random(n) < 0.15
+    view_like[0] = False
+    group = np.arange(n)
+    for pos in range(1, n):
+        if not view_like[pos] and rng.random() < 0.15:  # in place on an earlier operator's storage
+            owner = int(rng.integers(0, pos))
+            if not view_like[owner]:
+                group[pos] = group[owner]
+    memory[view_like | (group != np.arange(n))] = 0  # views and in-place operators create nothing
+    seconds[view_like] = 0.0
+    forced = np.zeros(n, dtype=bool)
+    if seed % 4 == 1:
+        forced[group == group[int(rng.integers(0, n))]] = True
+    forced &= ~view_like
+    return ModuleStats(
+        module="m", op_index=np.arange(n), names=tuple(f"aten::op{i}" for i in range(n)), memory=memory,
+        seconds=seconds, view_like=view_like, random=np.zeros(n, dtype=bool), tail=np.zeros(n, dtype=bool),
+        group=group, forced_store=forced, saved_bytes=0, forward_end=n - 1, backward_start=n, transient_bytes=0,
+    )  # fmt: skip
+
+
+def _enumerated(stats: ModuleStats, budget_bytes: float) -> tuple[float, float]:
+    """(least recomputation, most seconds kept) over every set of decision units that fits: the oracle.
+
+    Decision units are read from the statistics directly (a group head and its in-place followers,
+    neither view-like nor force-stored), independently of the policies' own candidate lists.
+    """
+    heads = [h for h in np.unique(stats.group) if not stats.forced_store[h] and not stats.view_like[h]]
+    units = [np.flatnonzero(stats.group == h) for h in heads]
+    assert len(units) <= 14
+    masks = np.array(list(itertools.product([False, True], repeat=len(units))), dtype=bool).reshape(-1, len(units))
+    unit_bytes = np.array([stats.memory[u].sum() for u in units], dtype=np.float64)
+    unit_seconds = np.array([stats.seconds[u].sum() for u in units])
+    forced_bytes = float(stats.memory[stats.forced_store].sum())
+    fits = forced_bytes + masks @ unit_bytes <= budget_bytes
+    if not fits.any():
+        return float("nan"), 0.0
+    kept = float((masks[fits] @ unit_seconds).max())
+    return float(stats.seconds.sum()) - float(stats.seconds[stats.forced_store].sum()) - kept, kept
+
+
+@pytest.mark.parametrize("seed", range(24))
+@pytest.mark.parametrize("keep_fraction", [0.1, 0.3, 0.55, 0.8, 1.0])
+def test_the_knapsack_is_optimal_and_the_greedy_within_half_against_enumeration(seed, keep_fraction):
+    stats = _random_module(seed, scale=4096 if seed % 2 else 1)  # byte grids of 4096 B, or of 1 B
+    budget = keep_fraction * stats.total_bytes
+    oracle, most_kept = _enumerated(stats, budget)
+    if np.isnan(oracle):  # the force-stored operators alone do not fit: only they are kept
+        for policy in (greedy_policy, knapsack_policy):
+            assert (policy(stats, keep_fraction) == stats.forced_store).all()
+        return
+    knapsack = knapsack_policy(stats, keep_fraction)
+    assert stats.kept_bytes(knapsack) <= budget
+    assert stats.recompute_seconds(knapsack) == pytest.approx(oracle, rel=1e-9, abs=1e-12)
+    greedy = greedy_policy(stats, keep_fraction)
+    assert stats.kept_bytes(greedy) <= budget
+    assert stats.recompute_seconds(greedy) >= oracle - 1e-12
+    kept_seconds = float(stats.seconds[greedy & ~stats.forced_store].sum())
+    assert kept_seconds >= most_kept / 2 - 1e-12  # greedy knapsack's bound, with the best single candidate
+    if stats.kept_bytes(~stats.view_like) <= budget:  # everything fits: nothing is recomputed but views
+        assert stats.recompute_seconds(greedy) == pytest.approx(oracle, abs=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_knapsack_on_a_rounded_grid_fits_and_loses_at_most_its_resolution(seed):
+    stats = _random_module(seed, scale=1)
+    stats.memory[:] = stats.memory * 997 + (stats.memory > 0)  # odd sizes: the exact grid is too fine
+    keep_fraction, cells = 0.4, 16
+    budget = keep_fraction * stats.total_bytes
+    room = math.floor(budget) - float(stats.memory[stats.forced_store].sum())
+    if room < 0:
+        return
+    knapsack = knapsack_policy(stats, keep_fraction, max_cells=cells)
+    assert stats.kept_bytes(knapsack) <= budget
+    recompute = stats.recompute_seconds(knapsack)
+    # rounding each weight up by under room/cells: whatever fits n of those less still fits the grid
+    candidates = len({int(g) for g in stats.group[~stats.view_like & ~stats.forced_store]})
+    assert _enumerated(stats, budget)[0] - 1e-12 <= recompute
+    assert recompute <= _enumerated(stats, budget - candidates * room / cells)[0] + 1e-12
+    assert recompute <= stats.recompute_seconds(greedy_policy(stats, keep_fraction)) + 1e-12
+
+
+def _module_of(memory: list[int], seconds: list[float]) -> ModuleStats:
+    n = len(memory)
+    return ModuleStats(
+        module="m", op_index=np.arange(n), names=tuple(f"aten::op{i}" for i in range(n)),
+        memory=np.array(memory, dtype=np.int64), seconds=np.array(seconds), view_like=np.zeros(n, dtype=bool),
+        random=np.zeros(n, dtype=bool), tail=np.zeros(n, dtype=bool), group=np.arange(n),
+        forced_store=np.zeros(n, dtype=bool), saved_bytes=0, forward_end=n - 1, backward_start=n, transient_bytes=0,
+    )  # fmt: skip
+
+
+def test_the_greedy_fills_the_room_its_last_discard_leaves_and_weighs_the_best_single_candidate():
+    # MSPS order: small (10 B/s), big (8 B/s), kept (0.1 B/s). Under 17 of 20 bytes, Alg. 7 discards
+    # small and big (10 bytes kept, 7 unused); small fits again: only big is recomputed
+    fill = _module_of([2, 8, 10], [0.2, 1.0, 100.0])
+    keep = greedy_policy(fill, 17 / 20)
+    assert keep.tolist() == [True, False, True]
+    assert fill.recompute_seconds(keep) == pytest.approx(_enumerated(fill, 17)[0])
+    # MSPS order: large (1 B/s), then dense (0.5 B/s). Under 100 of 101 bytes the greedy keeps dense
+    # alone (2 s); keeping large alone saves 100 s
+    single = _module_of([1, 100], [2.0, 100.0])
+    keep = greedy_policy(single, 100 / 101)
+    assert keep.tolist() == [False, True]
+    assert single.recompute_seconds(keep) == pytest.approx(_enumerated(single, 100)[0])
 
 
 def test_module_stats_of_a_simulated_llama():
