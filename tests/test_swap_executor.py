@@ -346,3 +346,4 @@ def test_a_plan_that_cannot_fit_is_said_and_reported(caplog):
     assert got == losses and report["peak_device_bytes"] <= budget
     assert report["plan_feasible"] is False and report["lowest_planned_peak_bytes"] > budget
     assert "no plan fits the budget" in caplog.text and any("no plan fits" in n for n in report["notes"])
+    assert caplog.text.count("no plan fits the budget") == 1  # once for the sequence, not every planning iteration

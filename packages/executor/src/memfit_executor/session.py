@@ -598,9 +598,10 @@ class SwapSession:
             )
         bound = (bind(p, trace, save_log, record.phase_ops, traced_here=True) for p in usable)
         candidates = [b for b in bound if b.entries or _recomputes(b.plan)]
+        told = plans.feasible is False  # said once per sequence, not at every planning iteration
         plans.feasible = any(p.is_feasible() for p in proposed) if proposed else None
         plans.lowest_peak_bytes = min((p.predicted.peak_bytes for p in proposed), default=None)
-        if plans.feasible is False:
+        if plans.feasible is False and not told:
             closest = min(proposed, key=lambda p: p.predicted.peak_bytes)
             self._note(
                 f"no plan fits the budget of {format_size(self.budget_bytes)} (sequence {plans.sequence}, iteration "
