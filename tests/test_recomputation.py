@@ -13,6 +13,7 @@ import sys
 import textwrap
 
 import memfit
+import numpy as np
 import pytest
 from memfit.errors import MemfitError
 from memfit.models import LlamaConfig, build_training
@@ -112,3 +113,26 @@ def test_an_unknown_planner_is_a_clear_error(tmp_path):
     script.write_text("print('never')\n")
     result = run_memfit("run", "--backend", "cpu-sim", "--planner", "sack", "--", sys.executable, str(script))
     assert result.returncode != 0 and "unknown planner 'sack'" in result.stderr and "never" not in result.stdout
+
+
+def test_a_step_that_cannot_fit_checkpoints_the_nesting_level_that_peaks_lowest():
+    # GPT-2's `transformer` is a checkpointable child of the root: checkpointing it recomputes the
+    # whole stack at once in backward, so its transient is as high as what it frees, while its
+    # blocks come back one at a time. The fallback plan must be the blocks, not the outermost module.
+    from memfit_policies.sac import generate_sac_plan, module_stats, predicted_curve
+    from memfit_simulator import simulate
+    from memfit_simulator.models import model_source
+
+    pytest.importorskip("transformers")
+    overrides = {"n_layer": 3, "n_embd": 64, "n_head": 2, "vocab_size": 256}  # activations, not logits, dominate
+    src = model_source("hf:gpt2", batch=8, seq=128, overrides=overrides)
+    trace = simulate(src.build, src.step, device="cpu-sim").trace()
+    stats = module_stats(trace)
+    assert "transformer" in stats and "transformer.h.0" in stats
+    plan = generate_sac_plan(trace, trace.peak_bytes() // 10)  # far below what recomputation reaches
+    assert not plan.is_feasible()
+    assert {a.module for a in plan.actions} == {"transformer.h.0", "transformer.h.1", "transformer.h.2"}
+    # the independent check: the outermost module checkpointed alone peaks higher (the curve of the
+    # same trace, nothing of the planner's choice in it)
+    outer = predicted_curve(trace, stats, {"transformer": np.zeros(len(stats["transformer"].names), bool)})
+    assert plan.predicted.peak_bytes < int(outer.max())

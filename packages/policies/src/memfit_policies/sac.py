@@ -939,7 +939,8 @@ def solve_sac(
     curve = trace.no_swap_memory_curve()
     budgets = solve_module_budgets(chosen_stats, curve, limit_bytes, time_limit=time_limit, gap=gap)
     if not budgets.discard:
-        budgets.discard = _fallback(chosen_stats) if int(curve.max(initial=0)) > limit_bytes else {}
+        too_high = int(curve.max(initial=0)) > limit_bytes
+        budgets.discard = _fallback(trace, {s.module: s for s in chosen_stats}) if too_high else {}
     local_policy = LOCAL_POLICIES[local]
     started = time.perf_counter()
     keep = {name: local_policy(all_stats[name], 1.0 - r) for name, r in budgets.discard.items()}
@@ -955,10 +956,26 @@ def solve_sac(
     return SacSolution(keep, all_stats, predicted, recompute, budgets, local_seconds, policy_seconds)
 
 
-def _fallback(stats: Sequence[ModuleStats]) -> dict[str, float]:
-    """No solution under the limit: checkpoint the outermost modules fully (the lowest peak reachable here)."""
-    names = [s.module for s in stats]
-    return {n: 1.0 for n in names if not any(n.startswith(f"{m}.") for m in names if m != n)}
+def _fallback(trace: Trace, stats: dict[str, ModuleStats]) -> dict[str, float]:
+    """No solution under the limit: full checkpointing of the nesting level with the lowest peak.
+
+    The outermost modules are not always it: a module's backward recomputes its whole forward at
+    once, so checkpointing a model's body (``transformer`` in a Hugging Face GPT-2) brings all its
+    activations back together, while its blocks one level down come back one at a time. Level
+    ``d``: the modules with ``d`` checkpointable ancestors, and the shallower ones with no
+    checkpointable descendant (nothing deeper stands for them).
+    """
+    names = list(stats)
+    ancestors = {n: sum(n.startswith(f"{m}.") for m in names) for n in names}
+    has_child = {n: any(m.startswith(f"{n}.") for m in names) for n in names}
+    best: tuple[int, list[str]] | None = None
+    for depth in sorted(set(ancestors.values())):
+        level = [n for n in names if ancestors[n] == depth or (ancestors[n] < depth and not has_child[n])]
+        full = {n: LOCAL_POLICIES["greedy"](stats[n], 0.0) for n in level}  # as the plan would apply it
+        peak = int(predicted_curve(trace, stats, full).max())
+        if best is None or peak < best[0]:
+            best = (peak, level)
+    return {n: 1.0 for n in best[1]} if best else {}
 
 
 def generate_sac_plan(
@@ -966,8 +983,9 @@ def generate_sac_plan(
 ) -> MemoryPlan:
     """A selective-recomputation plan for ``trace`` under ``budget_bytes`` (module docs).
 
-    When the step cannot fit even with every module checkpointed, the plan checkpoints the outermost
-    modules fully and its prediction says by how much it misses (``predicted.shortfall``).
+    When the step cannot fit even with every module checkpointed, the plan checkpoints fully the
+    modules of the nesting level that peaks lowest, and its prediction says by how much it misses
+    (``predicted.shortfall``).
     """
     config = config or SacPlannerConfig()
     margin = planner_margin(config.margin, budget_bytes)
@@ -1011,7 +1029,8 @@ def sac_plan(
     shortfall = ""
     if peak > budget_bytes - margin:
         shortfall = (
-            f"checkpointing every module memfit can checkpoint still peaks at {format_size(peak)}, over the budget "
+            f"checkpointing modules still peaks at {format_size(peak)} at best (every module of one nesting level "
+            f"fully), over the budget "
             f"of {format_size(budget_bytes)} minus the margin ({format_size(margin)}): what stays is outside "
             "checkpointable modules (parameters, gradients, optimizer state, the model's own outputs). A larger "
             "budget, a smaller batch, or swapping as well (planner 'joint') would help"
