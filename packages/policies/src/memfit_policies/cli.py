@@ -20,7 +20,7 @@ from memfit.plan import MemoryPlan, Recompute, Swap
 from memfit.plotting import ByteAxis, pyplot
 from memfit.plugins import get_hooks
 from memfit.trace import Trace
-from memfit.types import PlanningProblem
+from memfit.types import Phase, PlanningProblem
 from rich.console import Console
 from rich.table import Table
 
@@ -60,8 +60,9 @@ def plot_memory(trace: Trace, plan: MemoryPlan, path: Path) -> None:
             "budget - margin": {"color": "#ff9896", "linestyle": ":", "linewidth": 1},
         },
     )
-    backward = next((layer.start_op for layer in plan.layers if layer.phase == "BWD"), None)
-    if backward is not None:
+    backward_ops = np.flatnonzero(trace.ops.phase == Phase.BWD.value)  # the trace's, not the plan's: SAC has no layers
+    if backward_ops.size:
+        backward = int(backward_ops[0])
         ax.axvline(backward, color="#bbbbbb", linewidth=0.6, zorder=0, label="backward begins")
     ax.set_xlabel("operator")
     if plan.keeps_margin():
