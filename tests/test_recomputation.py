@@ -136,3 +136,32 @@ def test_a_step_that_cannot_fit_checkpoints_the_nesting_level_that_peaks_lowest(
     # same trace, nothing of the planner's choice in it)
     outer = predicted_curve(trace, stats, {"transformer": np.zeros(len(stats["transformer"].names), bool)})
     assert plan.predicted.peak_bytes < int(outer.max())
+
+
+def test_a_transformers_layer_recomputes_without_writing_its_kv_cache_twice():
+    # transformers models build a KV cache in training too (use_cache defaults to True); a
+    # recomputed layer would append its keys again, and torch's selective checkpointing then
+    # meets operators forward never ran (it raised "aten.slice.Tensor ... not found in storage").
+    transformers = pytest.importorskip("transformers")
+    import torch
+    from memfit_executor.recompute import RecomputePlanWarning, apply_recompute
+
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, n_positions=64, vocab_size=128)
+
+    def grads(checkpointed: bool):
+        torch.manual_seed(0)
+        model = transformers.GPT2LMHeadModel(config).train()
+        ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+        # selective: the first of the block's four matrix products kept, the rest recomputed
+        keep_first = Recompute(module="transformer.h.0", ops=("aten::addmm",) * 4, save=(True, False, False, False))
+        actions = [keep_first] if checkpointed else []
+        with apply_recompute(model, actions):
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    plain_loss, plain_grads = grads(False)
+    with pytest.warns(RecomputePlanWarning, match="KV cache is turned off"):
+        loss, got = grads(True)
+    assert torch.equal(loss, plain_loss)
+    assert all(torch.equal(a, b) for a, b in zip(got, plain_grads, strict=True))

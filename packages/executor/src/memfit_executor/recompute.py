@@ -66,6 +66,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import functools
+import inspect
 import itertools
 import threading
 import warnings
@@ -242,12 +243,16 @@ class _CheckpointedForward:
         self.original = original
         self.decisions = _Decisions(action) if any(action.save) else None  # nothing kept: full checkpointing
         self.warned = False
+        self.cache_keywords = _cache_keywords(getattr(original, "__self__", None))
+        self.signature = inspect.signature(original) if self.cache_keywords else None
         functools.update_wrapper(self, original)  # inspect.signature(module.forward) still sees the original's
         setattr(self, _MARK, applied)
 
     def __call__(self, *args, **kwargs):
         if not torch.is_grad_enabled():
             return self.original(*args, **kwargs)
+        if self.cache_keywords:
+            args, kwargs = self._without_cache(args, kwargs)
         # kwargs travel as positional inputs: checkpoint infers the device whose RNG state it
         # preserves from those, and its own keywords (debug, early_stop, ...) cannot collide.
         keys = tuple(kwargs)
@@ -275,6 +280,34 @@ class _CheckpointedForward:
             _saved.callback = previous
         self._check(policy)
         return out
+
+    def _without_cache(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """A transformers layer's KV-cache arguments, turned off as transformers' own checkpointing does.
+
+        Recomputation re-runs the layer's forward; a layer that writes its cache would append its
+        keys and values a second time (the next attention then reads twice the keys, and torch's
+        selective checkpointing fails on operators forward did not run).
+        """
+        assert self.signature is not None
+        try:  # the cache may come by position (GPT-2's blocks take ``past_key_values`` second)
+            bound = self.signature.bind_partial(*args, **kwargs)
+        except TypeError:
+            return args, kwargs  # the call itself is wrong: let the forward say so
+        given = bound.arguments
+        on = [k for k in self.cache_keywords if k in given and given[k] is not None and given[k] is not False]
+        off = {k: self.cache_keywords[k] for k in on}
+        if not off:
+            return args, kwargs
+        if not self.applied.warned_cache:
+            self.applied.warned_cache = True
+            warnings.warn(
+                f"{self.name!r} is checkpointed: its KV cache is turned off in training ({', '.join(off)}), "
+                "as transformers' gradient checkpointing does (the recomputation would write the cache twice)",
+                RecomputePlanWarning,
+                stacklevel=3,
+            )
+        given.update(off)
+        return bound.args, bound.kwargs
 
     def _contexts(self, policy: _CallPolicy) -> Callable[[], tuple[Any, Any]]:
         def context_fn():
@@ -312,6 +345,20 @@ class _CheckpointedForward:
             )
 
 
+def _cache_keywords(module: Any) -> dict[str, Any]:
+    """The cache arguments to turn off when ``module`` is recomputed (transformers' layers), with their off values.
+
+    transformers marks its decoder layers by subclassing ``GradientCheckpointingLayer``, whose
+    ``_can_checkpoint_with_cache`` says whether the layer only reads its cache (then it may keep it).
+    """
+    if module is None or not hasattr(type(module), "_can_checkpoint_with_cache"):
+        return {}
+    off: dict[str, Any] = {"use_cache": False}
+    if not type(module)._can_checkpoint_with_cache:
+        off.update(past_key_values=None, layer_past=None)
+    return off
+
+
 class AppliedRecompute:
     """Recomputation applied to a model's modules (from :func:`apply_recompute`).
 
@@ -332,6 +379,8 @@ class AppliedRecompute:
         self.recomputations = 0
         self.recompute_context = recompute_context
         self.on_saved = on_saved
+        self.warned_cache = False
+        """Whether turning a transformers layer's KV cache off was said (once per application)."""
         self._installed: list[tuple[nn.Module, _CheckpointedForward, Any]] = []
 
     def _install(self, name: str, module: nn.Module, action: Recompute) -> None:
