@@ -253,6 +253,17 @@ def test_version_2_plans_written_by_the_old_code_are_read():
     assert plan.predicted.recompute_seconds == 0.0 and plan.source.op_times == ""
 
 
+def test_version_3_plans_written_by_the_old_code_are_read():
+    """data/plan_v3.json was written by memfit at plan schema version 3: a swap and an operator-level Recompute."""
+    plan = MemoryPlan.load(DATA / "plan_v3.json")
+    assert plan.schema_version == PLAN_SCHEMA_VERSION
+    swap, recompute = plan.actions
+    assert isinstance(swap, Swap) and swap.first_backward_use_op == 700 and swap.tensor.shape == (256, 1024)
+    assert isinstance(recompute, Recompute) and recompute.save == (True, False) and recompute.discard_fraction == 0.5
+    assert plan.source.op_times == "trace durations (simulated)" and plan.predicted.recompute_seconds == 0.002
+    assert len(plan.layers) == 2 and plan.keeps_margin()
+
+
 def test_a_recompute_has_one_decision_per_operator():
     with pytest.raises(ValueError, match="save has 1 entries but ops has 2"):
         Recompute(module="layers.0", ops=("aten::mm", "aten::relu"), save=(True,))
