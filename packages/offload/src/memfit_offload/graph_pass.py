@@ -38,7 +38,7 @@ from torch.fx import GraphModule, Node
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from memfit_offload.costs import DeviceSpeed, node_seconds, transfer_seconds
-from memfit_offload.ops import PREFETCH, RELEASE, STORE, WAIT
+from memfit_offload.ops import PREFETCH, PREFETCH_DEFERRED, RELEASE, STORE, WAIT
 from memfit_offload.schedule import Offloaded, Program, just_in_time, refine, simulate
 
 __all__ = ["Candidate", "OffloadDecision", "analyse", "apply"]
@@ -290,6 +290,7 @@ def apply(fw: GraphModule, bw: GraphModule, num_fwd_outputs: int, decision: Offl
     placed = sorted(
         zip(decision.chosen, decision.prefetch_at, strict=True), key=lambda cp: (cp[1], cp[0].first_backward_use)
     )
+    last_prefetch = None
     for c, p in placed:
         first_member = bw_placeholders[c.members[0]]
         anchor = bw_nodes[p - offset]
@@ -298,6 +299,7 @@ def apply(fw: GraphModule, bw: GraphModule, num_fwd_outputs: int, decision: Offl
             fetched = bw.graph.call_function(PREFETCH, (first_member,))
         fetched.meta["val"] = val
         fetched.meta["memfit"] = {"kind": "prefetch", "value": c.name}
+        last_prefetch = fetched
         reader = bw_nodes[c.first_backward_use - offset]
         with bw.graph.inserting_before(reader):
             waited = bw.graph.call_function(WAIT, (fetched,))
@@ -313,6 +315,10 @@ def apply(fw: GraphModule, bw: GraphModule, num_fwd_outputs: int, decision: Offl
                 for user in list(placeholder.users):
                     if user is not fetched:
                         user.replace_input_with(placeholder, view)
+    if last_prefetch is not None:
+        # deferred prefetches (optimizer states) queue behind the activations' on the copy stream
+        with bw.graph.inserting_after(last_prefetch):
+            bw.graph.call_function(PREFETCH_DEFERRED, (last_prefetch,))
     for gm in (fw, bw):
         gm.graph.lint()
         gm.recompile()

@@ -13,6 +13,9 @@ through the active memfit backend's copy stream and events:
 * ``prefetch(host) -> x``: a new device tensor with the host's sizes and strides, filled by a
   host-to-device copy queued on the copy stream after the store of ``host`` (never before it: the
   copy stream waits for the store's event).
+* ``prefetch_deferred(after)``: issue the prefetches other parts of memfit deferred to this point
+  of the graph (optimizer states: :func:`memfit_offload.offload_optimizer`), behind the prefetch
+  of ``after`` on the copy stream.
 * ``wait(x)``: the compute stream waits for the prefetch that made ``x``; placed right before the
   first reader of ``x``. The time the host blocks here is the *exposed* transfer time.
 
@@ -44,7 +47,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,6 +106,8 @@ class OffloadRuntime:
         # debug: released device storages (kept alive so their addresses are not reused) by host storage
         self.released: dict[int, tuple[torch.Tensor, int]] = {}
         self.unwaited: set[int] = set()  # debug: prefetched device storages not yet waited for
+        self.deferred_prefetches: list[Callable[[], None]] = []
+        """Called by ``memfit::prefetch_deferred`` (e.g. :func:`memfit_offload.offload_optimizer`'s prefetches)."""
 
     # -- installation ---------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -171,6 +176,10 @@ class OffloadRuntime:
             self.stats.waits.append(waited)
         if self.debug:
             self.unwaited.discard(key)
+
+    def prefetch_deferred(self) -> None:
+        for issue in list(self.deferred_prefetches):
+            issue()
 
     def drain(self) -> None:
         """Wait for every store still in flight and drop the device tensors held for them (end of a step)."""
@@ -258,12 +267,25 @@ def _wait_fake(x: torch.Tensor) -> None:
     return None
 
 
+@torch.library.custom_op("memfit::prefetch_deferred", mutates_args=())
+def prefetch_deferred(after: torch.Tensor) -> None:
+    """Issue the prefetches deferred to this point of the graph (optimizer states), behind ``after``'s."""
+    runtime().prefetch_deferred()
+
+
+@prefetch_deferred.register_fake
+def _prefetch_deferred_fake(after: torch.Tensor) -> None:
+    return None
+
+
 # Nodes without outputs survive dead-code elimination only when marked side-effecting.
 torch.fx.node.has_side_effect(torch.ops.memfit.release.default)
 torch.fx.node.has_side_effect(torch.ops.memfit.wait.default)
+torch.fx.node.has_side_effect(torch.ops.memfit.prefetch_deferred.default)
 
 STORE = torch.ops.memfit.store.default
 PREFETCH = torch.ops.memfit.prefetch.default
 RELEASE = torch.ops.memfit.release.default
 WAIT = torch.ops.memfit.wait.default
-CACHE_OPS = frozenset({STORE, PREFETCH, RELEASE, WAIT})
+PREFETCH_DEFERRED = torch.ops.memfit.prefetch_deferred.default
+CACHE_OPS = frozenset({STORE, PREFETCH, RELEASE, WAIT, PREFETCH_DEFERRED})
