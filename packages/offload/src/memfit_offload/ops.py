@@ -78,6 +78,19 @@ def _storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
+def _alias(target: torch.Tensor) -> torch.Tensor:
+    """A tensor over ``target``'s storage, sizes and strides with a version counter of its own.
+
+    The copy stream writes ``target`` after the operator has returned; autograd may already have
+    saved the returned tensor, and a write through a shared version counter would look like an
+    in-place modification of a saved tensor.
+    """
+    alias = torch.empty(0, dtype=target.dtype, device=target.device)
+    with torch.no_grad():
+        alias.set_(target.untyped_storage(), target.storage_offset(), target.size(), target.stride())
+    return alias
+
+
 def _extent(t: torch.Tensor) -> int:
     """Elements of storage a tensor of these sizes and strides reaches from offset 0."""
     if t.numel() == 0:
@@ -134,7 +147,7 @@ class OffloadRuntime:
             self._stored[_storage_key(host)] = (host, event)
         self.stats.stored_bytes += x.numel() * x.element_size()
         self.stats.stores += 1
-        return host
+        return _alias(host)
 
     def release(self, x: torch.Tensor, host: torch.Tensor) -> None:
         with self._lock:
@@ -158,6 +171,7 @@ class OffloadRuntime:
         event = self.backend.copy_async(device, host, stream)
         with self._lock:
             self._prefetched[_storage_key(device)] = (host, event)
+        device = _alias(device)
         self.stats.prefetched_bytes += host.numel() * host.element_size()
         self.stats.prefetches += 1
         if self.debug:
