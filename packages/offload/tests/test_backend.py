@@ -45,7 +45,7 @@ def test_offload_lowers_the_measured_cpu_sim_peak():
 
 
 class ResidualMLP(nn.Module):
-    """A model the offload tests did not write for the Llama: residual blocks of LayerNorm, GELU MLPs and dropout-free mixing."""
+    """Not the Llama the pass was developed on: residual blocks of LayerNorm and GELU MLPs."""
 
     def __init__(self, dim=96, depth=4):
         super().__init__()
