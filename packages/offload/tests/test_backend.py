@@ -172,3 +172,20 @@ def test_a_budget_offloads_only_what_it_needs():
     (decision,) = some.decisions
     assert 0 < len(decision.chosen) < len(all_decision.chosen)
     assert "not needed to fit the budget" in decision.excluded.values()
+
+
+def test_the_decisions_are_a_version_4_memory_plan():
+    from memfit.plan import MemoryPlan, Prefetch, Release, Store
+
+    *_, offload = train_llama(1, offload=OFFLOAD)
+    plan = offload.plan()
+    assert plan.schema_version == 4 and plan.planner == "offload"
+    assert MemoryPlan.from_json(plan.to_json()) == plan
+    (decision,) = offload.decisions
+    kinds = [type(a) for a in plan.actions]
+    assert kinds.count(Store) == kinds.count(Release) == kinds.count(Prefetch) == len(decision.chosen)
+    assert plan.predicted.peak_bytes < plan.source.peak_bytes
+    stores = {a.tensor.name: a.after_op for a in plan.actions if isinstance(a, Store)}
+    for action in plan.actions:
+        if isinstance(action, Prefetch):
+            assert stores[action.tensor.name] < action.before_op <= action.first_use_op
