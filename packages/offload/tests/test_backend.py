@@ -189,3 +189,15 @@ def test_the_decisions_are_a_version_4_memory_plan():
     for action in plan.actions:
         if isinstance(action, Prefetch):
             assert stores[action.tensor.name] < action.before_op <= action.first_use_op
+
+
+def test_the_predicted_memory_curve_never_goes_negative_and_offload_lowers_it():
+    *_, offload = train_llama(1, offload=OFFLOAD)
+    from memfit_offload.schedule import just_in_time, simulate
+
+    (decision,) = offload.decisions
+    program = decision.program
+    for placement in (just_in_time(program), decision.prefetch_at):
+        timeline = simulate(program, placement)
+        assert timeline.live_bytes.min() > 0
+        assert timeline.peak_bytes < simulate(program, None).peak_bytes

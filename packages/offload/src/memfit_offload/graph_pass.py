@@ -89,10 +89,14 @@ def _storage_nbytes(t: torch.Tensor) -> int:
     return int(t.untyped_storage().nbytes())
 
 
-def _live_bytes(graph: torch.fx.Graph, nodes: list[Node], persistent: Iterable[Node] = ()) -> np.ndarray:
+def _live_bytes(
+    graph: torch.fx.Graph, nodes: list[Node], persistent: Iterable[Node] = (), *, inputs_persist: bool = True
+) -> np.ndarray:
     """Device bytes live while each of ``nodes`` runs.
 
-    Placeholders and ``persistent`` nodes count throughout, other storages from their producer to their last use.
+    Placeholders count throughout when ``inputs_persist`` (the caller owns them: parameters, the batch), else
+    to their last use (backward's saved values are dropped as it consumes them); other storages from their
+    producer to their last use (``persistent`` ones: to the end).
     """
     position = {n: i for i, n in enumerate(nodes)}
     groups: dict[StorageWeakRef, list[Node]] = defaultdict(list)
@@ -105,14 +109,17 @@ def _live_bytes(graph: torch.fx.Graph, nodes: list[Node], persistent: Iterable[N
     kept = set(persistent)
     for members in groups.values():
         size = _storage_nbytes(_tensor_val(members[0]))
-        if members[0].op == "placeholder" or any(m in kept for m in members):
+        if members[0].op == "placeholder" and inputs_persist:
             always += size
             continue
-        start = min(position.get(m, 0) for m in members)
+        # every input is there when the graph starts
+        start = 0 if members[0].op == "placeholder" else min(position.get(m, 0) for m in members)
         end = start
         for m in members:
             for user in m.users:
                 end = max(end, position.get(user, len(nodes) - 1))
+        if any(m in kept for m in members):
+            end = len(nodes) - 1  # saved for backward: lives past the end of the graph
         delta[start] += size
         delta[end + 1] -= size
     return np.cumsum(delta)[: len(nodes)] + always
@@ -141,7 +148,7 @@ def analyse(
 
     seconds = np.array([node_seconds(n, speed) for n in fw_nodes] + [node_seconds(n, speed) for n in bw_nodes])
     fw_live = _live_bytes(fw.graph, fw_nodes, persistent=[n for n in saved if isinstance(n, Node)])
-    bw_live = _live_bytes(bw.graph, bw_nodes)
+    bw_live = _live_bytes(bw.graph, bw_nodes, inputs_persist=False)
     fw_inputs = sum(
         _storage_nbytes(v) for n in fw_nodes if n.op == "placeholder" and (v := _tensor_val(n)) is not None
     )
