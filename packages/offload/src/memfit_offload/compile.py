@@ -39,7 +39,7 @@ from torch.fx.graph import _BoxedCodeGen
 
 from memfit_offload.costs import DeviceSpeed, measure_cpu_speed
 from memfit_offload.graph_pass import OffloadDecision, apply, decide
-from memfit_offload.ops import CACHE_OPS, WAIT, OffloadRuntime
+from memfit_offload.ops import CACHE_OPS, LOWERED, WAIT, OffloadRuntime
 
 __all__ = ["OffloadBackend", "backend"]
 
@@ -163,6 +163,9 @@ class OffloadBackend:
 
             run_checked._boxed_call = True  # type: ignore[attr-defined]
             return run_checked
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and node.target in LOWERED:
+                node.target = LOWERED[node.target]
         gm.graph.set_codegen(_BoxedCodeGen())
         gm.recompile()
 
