@@ -8,11 +8,16 @@ with AdamW, compiled with ``memfit_offload.backend`` in three modes, each trial 
   on the host between steps;
 * ``refined``: the same, prefetches placed by Algorithm 1 (``memfit_offload.schedule``).
 
-Measured per trial, after ``--warmup`` steps (compilation, optimizer state creation), over
-``--steps`` steps: the cpu-sim peak (every allocation counted at the allocator), the median step
-time, and the exposed transfer time per step (host time blocked waiting for prefetches). Trials of
-the three modes alternate, ``--repeats`` rounds; step times are the median over rounds. Also
-printed: the refinement's predicted exposed transfer (its two-stream timeline) for jit and refined.
+Measured after ``--warmup`` steps (compilation, optimizer state creation):
+
+* peak: each mode alone in its own process on a fresh cpu-sim device (every allocation counted
+  at the allocator), over two steps;
+* step time and exposed transfer (host time blocked waiting for prefetches, per step): the three
+  modes in one process, their steps interleaved (none, jit, refined, none, ...), so that the load
+  of a shared machine hits them alike; median over ``--steps`` rounds, then over ``--repeats``
+  processes. Compute runs on ``--threads`` torch threads (default 1: the copy stream's worker
+  thread gets the other core, as a copy engine runs beside the compute units);
+* the refinement's predicted exposed transfer (its two-stream timeline) for jit and refined.
 
 Targets (issue 13): at the default bandwidth (12 GB/s), peak >= 26% below ``none`` with step time
 <= 2% above it; refined exposed transfer below jit's at every bandwidth.
@@ -22,7 +27,7 @@ Prints a table and one JSON object ``{"settings": {...}, "training": [{"bandwidt
 "predicted_exposed_s": {"jit", "refined"}}, ...]}``.
 
 Run: python benchmarks/offload.py [--bandwidths 4,12,24] [--model small] [--batch 8] [--seq 256]
-     [--steps 6] [--warmup 2] [--repeats 2]
+     [--steps 6] [--warmup 2] [--repeats 2] [--threads 1] [--budget SIZE]
 """
 
 from __future__ import annotations
@@ -38,45 +43,75 @@ MODES = ("none", "jit", "refined")
 DEFAULT_BANDWIDTH_GBPS = 12.0
 
 
-def trial(args: argparse.Namespace) -> dict:
-    import time
-
+def _build(mode: str, args: argparse.Namespace, sim):
     import memfit_offload
+    from memfit.models import build_training
+
+    run = build_training(args.model, batch_size=args.batch, seq_len=args.seq, seed=0)
+    offload = memfit_offload.backend(args.budget, device_backend=sim, order=mode)
+    run.model.compile(backend=offload)
+    if mode != "none":
+        memfit_offload.offload_optimizer(run.optimizer, backend=offload)
+    return run, offload
+
+
+def peak_trial(args: argparse.Namespace) -> dict:
+    """One mode alone on a fresh cpu-sim device: its peak (and the refinement's predicted exposed time)."""
     import torch
     from memfit.backends.cpu_sim import CpuSimBackend
-    from memfit.models import build_training
     from memfit_offload.schedule import simulate
 
+    torch.set_num_threads(args.threads)
     sim = CpuSimBackend(capacity="32GiB", copy_bandwidth=int(args.bandwidth * 1e9))
     with sim.activate():
-        run = build_training(args.model, batch_size=args.batch, seq_len=args.seq, seed=0)
-        offload = memfit_offload.backend(device_backend=sim, order=args.mode)
-        run.model.compile(backend=offload)
-        if args.mode != "none":
-            memfit_offload.offload_optimizer(run.optimizer, backend=offload)
+        run, offload = _build(args.mode, args, sim)
         for _ in range(args.warmup):
             run.step()
         sim.synchronize()
         sim.reset_peak_memory_stats()
-        offload.runtime.reset_stats()
-        seconds = []
-        for _ in range(args.steps):
-            start = time.perf_counter()
+        for _ in range(2):
             run.step()
-            seconds.append(time.perf_counter() - start)
         sim.synchronize()
         peak = sim.max_memory_allocated()
-        stats = offload.runtime.reset_stats()
         predicted = sum(simulate(d.program, d.prefetch_at).exposed_s for d in offload.decisions)
     sim.close()
-    torch._dynamo.reset()
     return {
         "mode": args.mode,
         "peak_bytes": peak,
-        "step_s": statistics.median(seconds),
-        "exposed_transfer_s": stats.exposed_seconds / args.steps,
         "predicted_exposed_s": predicted,
         "offloaded_values": sum(len(d.chosen) for d in offload.decisions),
+    }
+
+
+def timing_trial(args: argparse.Namespace) -> dict:
+    """The three modes in one process on one cpu-sim device, steps interleaved: the machine's load hits all alike."""
+    import time
+
+    import torch
+    from memfit.backends.cpu_sim import CpuSimBackend
+
+    torch.set_num_threads(args.threads)
+    sim = CpuSimBackend(capacity="32GiB", copy_bandwidth=int(args.bandwidth * 1e9))
+    seconds: dict[str, list[float]] = {mode: [] for mode in MODES}
+    with sim.activate():
+        runs = {mode: _build(mode, args, sim) for mode in MODES}
+        for _ in range(args.warmup):
+            for run, _ in runs.values():
+                run.step()
+        for mode in MODES:
+            runs[mode][1].runtime.reset_stats()
+        for _ in range(args.steps):
+            for mode, (run, _) in runs.items():
+                sim.synchronize()
+                start = time.perf_counter()
+                run.step()
+                seconds[mode].append(time.perf_counter() - start)
+        sim.synchronize()
+        exposed = {mode: runs[mode][1].runtime.reset_stats().exposed_seconds / args.steps for mode in MODES}
+    sim.close()
+    return {
+        "step_s": {mode: statistics.median(s) for mode, s in seconds.items()},
+        "exposed_transfer_s": {mode: exposed[mode] for mode in ("jit", "refined")},
     }
 
 
@@ -88,38 +123,39 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--trial", choices=MODES, help=argparse.SUPPRESS)
+    parser.add_argument("--repeats", type=int, default=2, help="timing trials per bandwidth (medians over them)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads for compute")
+    parser.add_argument("--budget", default=None, help="offload budget (default: offload every eligible activation)")
+    parser.add_argument("--trial", choices=(*MODES, "timing"), help=argparse.SUPPRESS)
     parser.add_argument("--bandwidth", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.trial:
         args.mode = args.trial
-        print(json.dumps(trial(args)))
+        print(json.dumps(timing_trial(args) if args.trial == "timing" else peak_trial(args)))
         return
 
     bandwidths = [float(b) for b in args.bandwidths.split(",")]
     common = ["--model", args.model, "--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps),
-              "--warmup", str(args.warmup)]  # fmt: skip
+              "--warmup", str(args.warmup), "--threads", str(args.threads)]  # fmt: skip
+    if args.budget is not None:
+        common += ["--budget", args.budget]
     rows = []
     for bandwidth in bandwidths:
-        trials: dict[str, list[dict]] = {mode: [] for mode in MODES}
-        for _ in range(args.repeats):
-            for mode in MODES:
-                result = run_trial(
-                    __file__, [*common, "--trial", mode, "--bandwidth", str(bandwidth)], f"{mode} at {bandwidth} GB/s"
-                )
-                trials[mode].append(result)
-                print(f"  {bandwidth:g} GB/s {mode}: {result}", file=sys.stderr)
+        where = ["--bandwidth", str(bandwidth)]
+        peaks = {mode: run_trial(__file__, [*common, "--trial", mode, *where], f"{mode} peak") for mode in MODES}
+        timings = [run_trial(__file__, [*common, "--trial", "timing", *where], f"timing at {bandwidth} GB/s")
+                   for _ in range(args.repeats)]  # fmt: skip
+        print(f"  {bandwidth:g} GB/s: {peaks} {timings}", file=sys.stderr)
         rows.append(
             {
                 "bandwidth_gbps": bandwidth,
-                "peak_bytes": {m: max(t["peak_bytes"] for t in trials[m]) for m in MODES},
-                "step_s": {m: statistics.median(t["step_s"] for t in trials[m]) for m in MODES},
+                "peak_bytes": {m: peaks[m]["peak_bytes"] for m in MODES},
+                "step_s": {m: statistics.median(t["step_s"][m] for t in timings) for m in MODES},
                 "exposed_transfer_s": {
-                    m: statistics.median(t["exposed_transfer_s"] for t in trials[m]) for m in ("jit", "refined")
+                    m: statistics.median(t["exposed_transfer_s"][m] for t in timings) for m in ("jit", "refined")
                 },
-                "predicted_exposed_s": {m: trials[m][0]["predicted_exposed_s"] for m in ("jit", "refined")},
-                "offloaded_values": trials["refined"][0]["offloaded_values"],
+                "predicted_exposed_s": {m: peaks[m]["predicted_exposed_s"] for m in ("jit", "refined")},
+                "offloaded_values": peaks["refined"]["offloaded_values"],
             }
         )
 
@@ -148,7 +184,8 @@ def main() -> None:
         "refined_exposed_below_jit": targets["refined_exposed_below_jit_everywhere"],
     }
     print(f"targets at {default['bandwidth_gbps']:g} GB/s: {json.dumps(targets)}")
-    settings = {k: getattr(args, k) for k in ("model", "batch", "seq", "steps", "warmup", "repeats")}
+    names = ("model", "batch", "seq", "steps", "warmup", "repeats", "threads", "budget")
+    settings = {k: getattr(args, k) for k in names}
     print(json.dumps({"settings": {**settings, "bandwidths_gbps": bandwidths}, "training": rows, "targets": targets}))
 
 
