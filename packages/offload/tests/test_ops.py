@@ -77,3 +77,15 @@ def test_the_operators_pass_opcheck(sim):
         torch.library.opcheck(torch.ops.memfit.store.default, (x,), test_utils=("test_schema", "test_faketensor"))
         host = torch.ops.memfit.store(x)
         torch.library.opcheck(torch.ops.memfit.prefetch.default, (host,), test_utils=("test_schema", "test_faketensor"))
+
+
+def test_a_store_nobody_prefetches_leaves_no_record(sim):
+    runtime = OffloadRuntime(sim)
+    with sim.activate(), runtime.installed():
+        x = torch.randn(256, 256)
+        host = torch.ops.memfit.store(x)
+        torch.ops.memfit.release(x, host)
+        assert len(runtime._stored) == 1
+        del host  # e.g. a forward under grad mode whose backward never runs
+        runtime.drain()
+        assert runtime._stored == {} and runtime._held == []

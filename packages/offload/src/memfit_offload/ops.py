@@ -47,6 +47,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -113,9 +114,10 @@ class OffloadRuntime:
         self.debug = debug
         self.stats = TransferStats()
         self._lock = threading.Lock()
-        self._stored: dict[int, tuple[torch.Tensor, Any]] = {}  # host storage -> (host, store event)
+        self._stored: dict[int, Any] = {}  # host storage -> its store's event, until prefetched
         self._prefetched: dict[int, tuple[torch.Tensor, Any]] = {}  # device storage -> (host, copy event)
-        self._held: list[tuple[Any, torch.Tensor]] = []  # released device tensors until their store completes
+        # copy sources and destinations, until their copy completes: released device tensors, host buffers
+        self._held: list[tuple[Any, torch.Tensor]] = []
         # debug: released device storages (kept alive so their addresses are not reused) by host storage
         self.released: dict[int, tuple[torch.Tensor, int]] = {}
         self.unwaited: set[int] = set()  # debug: prefetched device storages not yet waited for
@@ -143,18 +145,24 @@ class OffloadRuntime:
         buffer = self.backend.host_empty((_extent(x),), x.dtype)
         host = buffer.as_strided(x.size(), x.stride())
         event = self.backend.copy_async(host, x, self.backend.copy_stream())
+        key = _storage_key(host)
+        returned = _alias(host)
         with self._lock:
-            self._stored[_storage_key(host)] = (host, event)
+            self._stored[key] = event
+            self._held.append((event, host))  # the copy's destination lives until the copy is done
+            self._prune()
+        # a host copy nobody prefetches (a forward without backward) leaves no record behind
+        weakref.finalize(returned, self._stored.pop, key, None)
         self.stats.stored_bytes += x.numel() * x.element_size()
         self.stats.stores += 1
-        return _alias(host)
+        return returned
 
     def release(self, x: torch.Tensor, host: torch.Tensor) -> None:
         with self._lock:
-            entry = self._stored.get(_storage_key(host))
-            if entry is not None and not entry[1].query():
-                self._held.append((entry[1], x))  # freed once the store has read it
-            self._held = [(event, t) for event, t in self._held if not event.query()]
+            event = self._stored.get(_storage_key(host))
+            if event is not None and not event.query():
+                self._held.append((event, x))  # freed once the store has read it
+            self._prune()
         if self.debug:
             self.released[_storage_key(x)] = (x, _storage_key(host))
 
@@ -164,9 +172,10 @@ class OffloadRuntime:
             host_key = _storage_key(host)
             self.released = {k: v for k, v in self.released.items() if v[1] != host_key}
         with self._lock:
-            entry = self._stored.pop(_storage_key(host), None)
-        if entry is not None and not entry[1].query():
-            stream.wait_event(entry[1])  # never copy back before the store has completed
+            store_event = self._stored.pop(_storage_key(host), None)
+            self._prune()
+        if store_event is not None and not store_event.query():
+            stream.wait_event(store_event)  # never copy back before the store has completed
         device = torch.empty_strided(host.size(), host.stride(), dtype=host.dtype, device=self.backend.device)
         event = self.backend.copy_async(device, host, stream)
         with self._lock:
@@ -182,6 +191,7 @@ class OffloadRuntime:
         key = _storage_key(x)
         with self._lock:
             entry = self._prefetched.pop(key, None)
+            self._prune()
         if entry is not None:
             start = time.perf_counter()
             self.backend.current_stream().wait_event(entry[1])
@@ -190,6 +200,11 @@ class OffloadRuntime:
             self.stats.waits.append(waited)
         if self.debug:
             self.unwaited.discard(key)
+
+    def _prune(self) -> None:
+        """Drop what was held for copies that have completed (called with the lock held)."""
+        if self._held:
+            self._held = [(event, t) for event, t in self._held if not event.query()]
 
     def prefetch_deferred(self) -> None:
         for issue in list(self.deferred_prefetches):
