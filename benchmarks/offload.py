@@ -17,6 +17,8 @@ Measured after ``--warmup`` steps (compilation, optimizer state creation):
   of a shared machine hits them alike; median over ``--steps`` rounds, then over ``--repeats``
   processes. Compute runs on ``--threads`` torch threads (default 1: the copy stream's worker
   thread gets the other core, as a copy engine runs beside the compute units);
+* the compute thread's CPU time per step (``time.thread_time``), which the load of other
+  processes does not inflate as it does wall time;
 * the refinement's predicted exposed transfer (its two-stream timeline) for jit and refined.
 
 Targets (issue 13): at the default bandwidth (12 GB/s), peak >= 26% below ``none`` with step time
@@ -93,6 +95,7 @@ def timing_trial(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
     sim = CpuSimBackend(capacity="32GiB", copy_bandwidth=int(args.bandwidth * 1e9))
     seconds: dict[str, list[float]] = {mode: [] for mode in MODES}
+    cpu: dict[str, list[float]] = {mode: [] for mode in MODES}
     with sim.activate():
         runs = {mode: _build(mode, args, sim) for mode in MODES}
         for _ in range(args.warmup):
@@ -103,14 +106,16 @@ def timing_trial(args: argparse.Namespace) -> dict:
         for _ in range(args.steps):
             for mode, (run, _) in runs.items():
                 sim.synchronize()
-                start = time.perf_counter()
+                start, start_cpu = time.perf_counter(), time.thread_time()
                 run.step()
                 seconds[mode].append(time.perf_counter() - start)
+                cpu[mode].append(time.thread_time() - start_cpu)
         sim.synchronize()
         exposed = {mode: runs[mode][1].runtime.reset_stats().exposed_seconds / args.steps for mode in MODES}
     sim.close()
     return {
         "step_s": {mode: statistics.median(s) for mode, s in seconds.items()},
+        "compute_thread_cpu_s": {mode: statistics.median(s) for mode, s in cpu.items()},
         "exposed_transfer_s": {mode: exposed[mode] for mode in ("jit", "refined")},
     }
 
@@ -151,6 +156,9 @@ def main() -> None:
                 "bandwidth_gbps": bandwidth,
                 "peak_bytes": {m: peaks[m]["peak_bytes"] for m in MODES},
                 "step_s": {m: statistics.median(t["step_s"][m] for t in timings) for m in MODES},
+                "compute_thread_cpu_s": {
+                    m: statistics.median(t.get("compute_thread_cpu_s", {}).get(m, 0.0) for t in timings) for m in MODES
+                },
                 "exposed_transfer_s": {
                     m: statistics.median(t["exposed_transfer_s"][m] for t in timings) for m in ("jit", "refined")
                 },
