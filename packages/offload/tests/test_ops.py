@@ -89,3 +89,22 @@ def test_a_store_nobody_prefetches_leaves_no_record(sim):
         del host  # e.g. a forward under grad mode whose backward never runs
         runtime.drain()
         assert runtime._stored == {} and runtime._held == []
+
+
+def test_host_buffers_are_reused_once_the_program_drops_them(sim):
+    runtime = OffloadRuntime(sim)
+    with sim.activate(), runtime.installed():
+        x = torch.randn(128, 64)
+        first = torch.ops.memfit.store(x)
+        runtime.drain()
+        pointer = first.untyped_storage().data_ptr()
+        second_live = torch.ops.memfit.store(x)  # the first is still held: a new buffer
+        assert second_live.untyped_storage().data_ptr() != pointer
+        del first
+        runtime.drain()
+        y = torch.randn(128, 64)
+        third = torch.ops.memfit.store(y)
+        assert third.untyped_storage().data_ptr() == pointer
+        back = torch.ops.memfit.prefetch(third)
+        torch.ops.memfit.wait(back)
+        assert torch.equal(back, y)

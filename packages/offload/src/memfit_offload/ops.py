@@ -115,6 +115,7 @@ class OffloadRuntime:
         self.stats = TransferStats()
         self._lock = threading.Lock()
         self._stored: dict[int, Any] = {}  # host storage -> its store's event, until prefetched
+        self._pool: dict[tuple[int, torch.dtype], list[tuple[torch.Tensor, Any]]] = {}  # free host buffers
         self._prefetched: dict[int, tuple[torch.Tensor, Any]] = {}  # device storage -> (host, copy event)
         # copy sources and destinations, until their copy completes: released device tensors, host buffers
         self._held: list[tuple[Any, torch.Tensor]] = []
@@ -141,8 +142,24 @@ class OffloadRuntime:
         return stats
 
     # -- operator bodies --------------------------------------------------------------------------
+    def _host_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A host buffer from the pool (one whose last store is done) or a new one."""
+        free = self._pool.get((numel, dtype))
+        while free:
+            buffer, event = free.pop()
+            if event.query():
+                return buffer
+            free.insert(0, (buffer, event))
+            if all(not e.query() for _, e in free):
+                break
+        return self.backend.host_empty((numel,), dtype)
+
+    def _recycle(self, key: tuple[int, torch.dtype], buffer: torch.Tensor, event: Any) -> None:
+        self._pool.setdefault(key, []).append((buffer, event))
+
     def store(self, x: torch.Tensor) -> torch.Tensor:
-        buffer = self.backend.host_empty((_extent(x),), x.dtype)
+        numel = _extent(x)
+        buffer = self._host_buffer(numel, x.dtype)
         host = buffer.as_strided(x.size(), x.stride())
         event = self.backend.copy_async(host, x, self.backend.copy_stream())
         key = _storage_key(host)
@@ -151,8 +168,11 @@ class OffloadRuntime:
             self._stored[key] = event
             self._held.append((event, host))  # the copy's destination lives until the copy is done
             self._prune()
-        # a host copy nobody prefetches (a forward without backward) leaves no record behind
+        # once the program drops the host copy (autograd frees saved tensors after backward; or a
+        # forward without backward), its record goes and its buffer returns to the pool: host
+        # allocations cost tens of microseconds, and every step stores the same sizes again
         weakref.finalize(returned, self._stored.pop, key, None)
+        weakref.finalize(returned, self._recycle, (numel, x.dtype), buffer, event)
         self.stats.stored_bytes += x.numel() * x.element_size()
         self.stats.stores += 1
         return returned
