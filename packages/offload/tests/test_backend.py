@@ -201,3 +201,13 @@ def test_the_predicted_memory_curve_never_goes_negative_and_offload_lowers_it():
         timeline = simulate(program, placement)
         assert timeline.live_bytes.min() > 0
         assert timeline.peak_bytes < simulate(program, None).peak_bytes
+
+
+def test_adamw_states_offloaded_from_an_eager_model_train_bit_identically(eager_llama):
+    losses, grads, params, peak, _ = train_llama(4, optimizer=True)  # no compile: prefetched on gradients
+    eager_losses, eager_grads, eager_params, _, _ = eager_llama
+    assert_same(losses, eager_losses[:4])
+    for step_grads, eager_step_grads in zip(grads, eager_grads[:4], strict=True):
+        assert_same(step_grads, eager_step_grads)
+    *_, eager_four_steps_params, _, _ = train_llama(4)
+    assert_same(params, eager_four_steps_params)
