@@ -10,12 +10,16 @@ from memfit.config import MemfitConfig, format_size, parse_size, size_unit
 from memfit.errors import MemfitError, TraceFormatError
 from memfit.plan import (
     PLAN_SCHEMA_VERSION,
+    CachedTensor,
     InvalidPlanError,
     LogicalLayer,
     MemoryPlan,
     PlanPrediction,
     PlanSource,
+    Prefetch,
     Recompute,
+    Release,
+    Store,
     Swap,
     TensorMatch,
 )
@@ -237,7 +241,7 @@ def test_a_plan_with_swaps_must_carry_its_layers():
 def test_version_1_plans_written_by_the_old_code_are_read():
     """data/plan_v1.json was written by memfit's swap planner at plan schema version 1."""
     plan = MemoryPlan.load(DATA / "plan_v1.json")
-    assert plan.schema_version == PLAN_SCHEMA_VERSION == 3
+    assert plan.schema_version == PLAN_SCHEMA_VERSION == 4
     assert len(plan.actions) == 2 and len(plan.layers) == 9
     assert plan.predicted.margin_bytes == 0 and plan.predicted.shortfall == ""
     assert plan.is_feasible() and plan.keeps_margin()
@@ -251,6 +255,39 @@ def test_version_2_plans_written_by_the_old_code_are_read():
     assert isinstance(action, Recompute) and action.module == "layers.0" and action.saved_bytes == 2**20
     assert action.ops == () and action.save == () and action.discard_fraction == 1.0  # full recomputation
     assert plan.predicted.recompute_seconds == 0.0 and plan.source.op_times == ""
+
+
+def test_version_3_plans_written_by_the_old_code_are_read():
+    """data/plan_v3.json was written by memfit at plan schema version 3: a swap and an operator-level Recompute."""
+    plan = MemoryPlan.load(DATA / "plan_v3.json")
+    assert plan.schema_version == PLAN_SCHEMA_VERSION
+    swap, recompute = plan.actions
+    assert isinstance(swap, Swap) and swap.first_backward_use_op == 700 and swap.tensor.shape == (256, 1024)
+    assert isinstance(recompute, Recompute) and recompute.save == (True, False) and recompute.discard_fraction == 0.5
+    assert plan.source.op_times == "trace durations (simulated)" and plan.predicted.recompute_seconds == 0.002
+    assert len(plan.layers) == 2 and plan.keeps_margin()
+
+
+def test_cache_operator_actions_round_trip_and_are_ordered():
+    tensor = CachedTensor(name="mm_3", category="activation", nbytes=4096)
+    plan = MemoryPlan(
+        planner="offload", budget_bytes=2**20, source=PlanSource(kind="measured"),
+        actions=(Store(tensor=tensor, after_op=3), Release(tensor=tensor, after_op=5),
+                 Prefetch(tensor=tensor, before_op=9, first_use_op=12, predicted_stall_s=0.001)),
+        predicted=PlanPrediction(peak_bytes=2**19),
+    )  # fmt: skip
+    assert plan.schema_version == 4 and MemoryPlan.from_json(plan.to_json()) == plan
+    doc = json.loads(plan.to_json())
+    doc["actions"][2]["before_op"] = 2
+    with pytest.raises(InvalidPlanError, match="the prefetch of mm_3 precedes its store"):
+        MemoryPlan.from_json(json.dumps(doc))
+    doc["actions"][2]["before_op"] = 13
+    with pytest.raises(InvalidPlanError, match=r"before_op \(13\) must not follow first_use_op \(12\)"):
+        MemoryPlan.from_json(json.dumps(doc))
+    doc["actions"][2]["before_op"] = 9
+    doc["actions"][1]["after_op"] = 1
+    with pytest.raises(InvalidPlanError, match="the release of mm_3 precedes its store"):
+        MemoryPlan.from_json(json.dumps(doc))
 
 
 def test_a_recompute_has_one_decision_per_operator():
@@ -294,7 +331,7 @@ def test_invalid_plan_names_the_field(tmp_path):
     with pytest.raises(InvalidPlanError, match="actions.1: Input tag 'teleport' found using 'kind' does not match"):
         MemoryPlan.from_json(json.dumps(doc))
     doc = json.loads(a_plan().to_json())
-    doc["schema_version"] = 4
+    doc["schema_version"] = 5
     with pytest.raises(InvalidPlanError, match="schema_version"):
         MemoryPlan.from_json(json.dumps(doc))
     (tmp_path / "p.json").write_text("{")

@@ -50,8 +50,12 @@ from memfit.errors import MemfitError
 if TYPE_CHECKING:
     from memfit.trace import Trace
 
-PLAN_SCHEMA_VERSION = 3
+PLAN_SCHEMA_VERSION = 4
 """Bumped whenever a field is added or changes meaning; the previous versions stay readable.
+
+3 → 4: the cache-operator actions ``Store``, ``Prefetch`` and ``Release`` (graph-level offload,
+memfit-offload) of a tensor named by :class:`CachedTensor`. A version-3 plan reads unchanged (it
+has none of them).
 
 2 → 3: ``Recompute`` carries the operator-level decision (``ops``, ``save``) and the discarded
 fraction; ``predicted.recompute_seconds`` and ``source.op_times`` added. A version-2 plan reads
@@ -150,7 +154,56 @@ class Recompute(MemfitModel):
         return self
 
 
-Action = Annotated[Swap | Recompute, Field(discriminator="kind")]
+TensorCategory = Literal["activation", "optimizer_state", "parameter", "gradient", "kv_cache"]
+
+
+class CachedTensor(MemfitModel):
+    """A tensor a cache operator moves: its name in the program the plan was made from, and what it is."""
+
+    name: str
+    """The value's name in the plan's operator order (memfit-offload: the forward graph node that made it)."""
+    category: TensorCategory
+    nbytes: PositiveInt
+
+
+class Store(MemfitModel):
+    """Copy a tensor from the device to host memory on the copy stream (``memfit::store``)."""
+
+    kind: Literal["store"] = "store"
+    tensor: CachedTensor
+    after_op: NonNegativeInt
+    """Issue the copy right after this operator (the tensor's producer)."""
+
+
+class Release(MemfitModel):
+    """Give up the device copy of a stored tensor; freed once the store has completed (``memfit::release``)."""
+
+    kind: Literal["release"] = "release"
+    tensor: CachedTensor
+    after_op: NonNegativeInt
+    """Right after this operator (the tensor's last device use before the gap)."""
+
+
+class Prefetch(MemfitModel):
+    """Copy a stored tensor back to the device ahead of its next use (``memfit::prefetch`` + ``memfit::wait``)."""
+
+    kind: Literal["prefetch"] = "prefetch"
+    tensor: CachedTensor
+    before_op: NonNegativeInt
+    """Issue the copy right before this operator."""
+    first_use_op: NonNegativeInt
+    """The operator that waits for the copy (the tensor's next reader)."""
+    predicted_stall_s: NonNegativeFloat = 0.0
+    """Time that operator is predicted to wait for the copy."""
+
+    @model_validator(mode="after")
+    def _before_its_reader(self) -> Prefetch:
+        if self.before_op > self.first_use_op:
+            raise ValueError(f"before_op ({self.before_op}) must not follow first_use_op ({self.first_use_op})")
+        return self
+
+
+Action = Annotated[Swap | Recompute | Store | Release | Prefetch, Field(discriminator="kind")]
 
 
 class PlanSource(MemfitModel):
@@ -197,7 +250,7 @@ class PlanPrediction(MemfitModel):
 class MemoryPlan(MemfitModel):
     """A versioned, validated plan: actions plus the budget and what it was planned from."""
 
-    schema_version: Literal[3] = PLAN_SCHEMA_VERSION
+    schema_version: Literal[4] = PLAN_SCHEMA_VERSION
     planner: str
     budget_bytes: PositiveInt
     source: PlanSource
@@ -209,8 +262,8 @@ class MemoryPlan(MemfitModel):
     @model_validator(mode="before")
     @classmethod
     def _upgrade_older_versions(cls, data: Any) -> Any:
-        if isinstance(data, dict) and data.get("schema_version") in (1, 2):
-            return {**data, "schema_version": PLAN_SCHEMA_VERSION}  # 2 and 3 only added fields with defaults
+        if isinstance(data, dict) and data.get("schema_version") in (1, 2, 3):
+            return {**data, "schema_version": PLAN_SCHEMA_VERSION}  # 2, 3 and 4 only added fields and kinds
         return data
 
     @model_validator(mode="after")
@@ -230,6 +283,28 @@ class MemoryPlan(MemfitModel):
                 raise ValueError(
                     f"actions.{i}: swap_in_layer {action.swap_in_layer} but the plan has {len(self.layers)} layers"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _cache_operators_are_ordered(self) -> MemoryPlan:
+        stored: dict[str, int] = {}
+        released: dict[str, int] = {}
+        for action in self.actions:
+            if isinstance(action, Store):
+                stored[action.tensor.name] = action.after_op
+        for i, action in enumerate(self.actions):
+            name = getattr(getattr(action, "tensor", None), "name", None)
+            if isinstance(action, Release):
+                if name in stored and action.after_op < stored[name]:
+                    raise ValueError(f"actions.{i}: the release of {name} precedes its store")
+                released[name] = action.after_op
+        for i, action in enumerate(self.actions):
+            if isinstance(action, Prefetch):
+                name = action.tensor.name
+                if name in stored and action.before_op <= stored[name]:
+                    raise ValueError(f"actions.{i}: the prefetch of {name} precedes its store (never valid)")
+                if name in released and action.before_op <= released[name]:
+                    raise ValueError(f"actions.{i}: the prefetch of {name} precedes its release")
         return self
 
     def is_feasible(self) -> bool:

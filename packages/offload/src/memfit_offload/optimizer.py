@@ -1,0 +1,145 @@
+"""Optimizer states on the host between updates: stored after each step, prefetched while backward runs.
+
+AdamW keeps two tensors per parameter (``exp_avg``, ``exp_avg_sq``) that only the update reads.
+:func:`offload_optimizer` hooks the optimizer rather than compiling its step:
+
+* after ``optimizer.step()`` (a step post-hook), each state tensor is stored to host with
+  ``memfit::store`` and released with ``memfit::release``; the optimizer's state then holds the
+  host tensor;
+* while backward runs, the states are prefetched back with ``memfit::prefetch``: when a compiled
+  backward graph of :func:`memfit_offload.backend` passes its last activation prefetch (the
+  copy stream is then free; the marker operator ``memfit::prefetch_deferred``), or, for eager
+  models, when the parameter's gradient has been accumulated;
+* before ``optimizer.step()`` (a step pre-hook), the step waits for the prefetches
+  (``memfit::wait``; any state not prefetched yet is prefetched now) and puts the device tensors
+  back into the optimizer's state.
+
+Why hooks and not a compiled step: ``torch.optim`` steps do not trace on CPU (the step counter's
+``.item()``; ``capturable=True`` refuses CPU tensors), and re-implementing AdamW functionally
+changes its operator order and so its rounding (probe-gprobe Q1). Hooks keep
+``torch.optim.AdamW`` itself, so parameters are bit-identical to eager; the cost is that
+prefetches are issued at a few fixed points rather than placed by the refinement.
+
+Example:
+    ```python
+    import memfit_offload
+
+    offload = memfit_offload.backend(budget="12GiB")
+    model.compile(backend=offload)
+    memfit_offload.offload_optimizer(optimizer, backend=offload)
+    ```
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from memfit_offload.ops import OffloadRuntime
+
+__all__ = ["OptimizerOffload", "offload_optimizer"]
+
+
+class OptimizerOffload:
+    """The hooks :func:`offload_optimizer` installs; :meth:`remove` takes them away (states return to the device)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, runtime: OffloadRuntime, *, min_bytes: int = 0) -> None:
+        self.optimizer = optimizer
+        self.runtime = runtime
+        self.min_bytes = min_bytes
+        self._host: dict[tuple[int, str], torch.Tensor] = {}  # (param id, state key) -> host tensor
+        self._fetched: dict[tuple[int, str], torch.Tensor] = {}  # prefetched device tensors not yet waited
+        self._params = {id(p): p for group in optimizer.param_groups for p in group["params"]}
+        self._handles = [
+            optimizer.register_step_pre_hook(self._before_step),
+            optimizer.register_step_post_hook(self._after_step),
+        ]
+        for p in self._params.values():
+            if p.requires_grad:
+                self._handles.append(p.register_post_accumulate_grad_hook(self._on_gradient))
+        runtime.deferred_prefetches.append(self.prefetch_all)
+
+    def _offloadable(self, value: Any) -> bool:
+        return (
+            isinstance(value, torch.Tensor)
+            and value.dim() > 0
+            and value.numel() * value.element_size() >= max(self.min_bytes, 1)
+        )
+
+    def _prefetch(self, key: tuple[int, str]) -> None:
+        host = self._host.pop(key, None)
+        if host is None:
+            return
+        with self.runtime.installed():
+            self._fetched[key] = torch.ops.memfit.prefetch(host)
+
+    def prefetch_all(self) -> None:
+        """Issue the prefetch of every state still on the host (in parameter order)."""
+        for key in list(self._host):
+            self._prefetch(key)
+
+    def _on_gradient(self, p: torch.Tensor) -> None:
+        for key in [k for k in self._host if k[0] == id(p)]:
+            self._prefetch(key)
+
+    def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self.prefetch_all()
+        with self.runtime.installed():
+            for (pid, name), device in self._fetched.items():
+                torch.ops.memfit.wait(device)
+                optimizer.state[self._params[pid]][name] = device
+        self._fetched.clear()
+
+    def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        with self.runtime.installed():
+            for pid, p in self._params.items():
+                state = optimizer.state.get(p)
+                if not state:
+                    continue
+                for name, value in list(state.items()):
+                    if not self._offloadable(value):
+                        continue
+                    host = torch.ops.memfit.store(value)
+                    torch.ops.memfit.release(value, host)
+                    state[name] = host
+                    self._host[(pid, name)] = host
+                value = None  # the runtime holds the device tensor until its store completes, no longer
+
+    def remove(self) -> None:
+        """Remove the hooks and bring every state back to the device."""
+        self._before_step(self.optimizer, (), {})
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        if self.prefetch_all in self.runtime.deferred_prefetches:
+            self.runtime.deferred_prefetches.remove(self.prefetch_all)
+
+
+def offload_optimizer(
+    optimizer: torch.optim.Optimizer,
+    *,
+    backend: Any = None,
+    device_backend: Any = None,
+    min_bytes: int | str = 0,
+) -> OptimizerOffload:
+    """Keep ``optimizer``'s state tensors on the host between steps (see the module docs).
+
+    Args:
+        optimizer: any ``torch.optim`` optimizer (AdamW: ``exp_avg``, ``exp_avg_sq``); scalar
+            states (the step counter) stay on the device.
+        backend: the :class:`~memfit_offload.OffloadBackend` the model is compiled with: its
+            backward graphs issue the prefetches after their last activation prefetch, and
+            transfers share its runtime (statistics, copy stream).
+        device_backend: the memfit backend to copy through when no ``backend`` is given
+            (default: the active cpu-sim device, else the best available).
+        min_bytes: states smaller than this stay on the device.
+    """
+    from memfit_offload.compile import _active_device_backend, _size
+
+    if backend is not None:
+        runtime = backend.runtime
+    else:
+        runtime = OffloadRuntime(device_backend if device_backend is not None else _active_device_backend())
+    threshold = _size(min_bytes, "min_bytes") if min_bytes != 0 else 0
+    return OptimizerOffload(optimizer, runtime, min_bytes=threshold)
