@@ -19,8 +19,8 @@ backend's copy stream so that transfers overlap compute.
   is already there), a block stored in this step once its store's event has completed (checked
   with ``event.query()`` at every hook, never waited for: no host synchronisation).
 - **Prefetch distance** ``k`` (default 1): when layer ``i`` starts reading (``before_read``), the
-  stored blocks of layer ``i + k`` are **prefetched**: one device buffer per layer for keys and
-  one for values, filled by one copy per host segment. ``begin_step`` prefetches layers
+  stored blocks of layer ``i + k`` are **prefetched** into one device buffer (each block's key and
+  value adjacent, as on the host), filled by one copy per host segment. ``begin_step`` prefetches layers
   ``0 .. k - 1``. ``k = 0`` is just-in-time: each layer is fetched when it is needed, and its
   whole transfer is exposed. During layer ``i`` the device holds layers ``i .. i + k``.
 - ``before_read(layer)``: the layer's prefetch is installed into its blocks (views of the two
@@ -104,23 +104,27 @@ class KVOffloadStats:
 
 @dataclass(slots=True, eq=False)
 class _Segment:
-    """Host storage for blocks ``start .. start + capacity - 1`` of one layer."""
+    """Host storage for blocks ``start .. start + capacity - 1`` of one layer: ``(capacity, 2, *block_shape)``.
+
+    A block's key and value are adjacent, so any run of blocks is one contiguous range: one copy.
+    """
 
     start: int
-    keys: torch.Tensor  # (capacity, *block_shape)
-    values: torch.Tensor
+    buffer: torch.Tensor
 
     @property
     def capacity(self) -> int:
-        return self.keys.shape[0]
+        return self.buffer.shape[0]
 
 
 @dataclass(slots=True, eq=False)
 class _Prefetch:
-    """A layer's stored blocks on their way to the device (``event`` completes after the last copy)."""
+    """A layer's stored blocks on their way to the device, ``(blocks, 2, *block_shape)``.
 
-    keys: torch.Tensor  # (blocks, *block_shape)
-    values: torch.Tensor
+    ``event`` completes after the last copy.
+    """
+
+    buffer: torch.Tensor
     event: Any
 
 
@@ -145,7 +149,7 @@ class _CacheState:
 
 
 class _HostPool:
-    """Host buffers ``(blocks, *block_shape)`` kept for reuse, by block shape and dtype."""
+    """Host buffers ``(blocks, 2, *block_shape)`` kept for reuse, by block shape and dtype."""
 
     def __init__(self, backend: Any) -> None:
         self.backend = backend
@@ -153,13 +157,13 @@ class _HostPool:
         self.allocated_bytes = 0
 
     def take(self, blocks: int, block_shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        free = self._free[block_shape, dtype]
+        free = self._free[(2, *block_shape), dtype]
         fitting = [t for t in free if t.shape[0] >= blocks]
         if fitting:
             buffer = min(fitting, key=lambda t: t.shape[0])
             free.remove(buffer)
             return buffer
-        buffer = self.backend.host_empty((blocks, *block_shape), dtype)
+        buffer = self.backend.host_empty((blocks, 2, *block_shape), dtype)
         self.allocated_bytes += buffer.numel() * buffer.element_size()
         return buffer
 
@@ -279,8 +283,9 @@ class KVOffload(KVCacheHooks):
             began = time.perf_counter()
             self.backend.current_stream().wait_event(prefetch.event)
             self._wait_seconds += time.perf_counter() - began
-        stored = cache.blocks(layer)[: prefetch.keys.shape[0]]  # the tail, never stored, is still on the device
-        for block, key, value in zip(stored, prefetch.keys.unbind(0), prefetch.values.unbind(0), strict=True):
+        buffer = prefetch.buffer
+        stored = cache.blocks(layer)[: buffer.shape[0]]  # the tail, never stored, is still on the device
+        for block, key, value in zip(stored, buffer.select(1, 0).unbind(0), buffer.select(1, 1).unbind(0), strict=True):
             block.key, block.value = key, value
 
     def after_append(self, cache: KVCache, layer: int, start: int, stop: int) -> None:
@@ -291,8 +296,7 @@ class KVOffload(KVCacheHooks):
             return
         self._grow(cache, state, layer_state, full)
         backend = self.backend
-        stream = backend.copy_stream()
-        stream.wait_event(backend.current_stream().record_event())  # the blocks have been written
+        stream = self._copy_stream_after_compute()  # the blocks have been written
         blocks = cache.blocks(layer)
         reading: list[torch.Tensor] = []
         event = None
@@ -300,9 +304,9 @@ class KVOffload(KVCacheHooks):
             lo = max(layer_state.stored, segment.start)
             hi = min(full, segment.start + segment.capacity)
             for index in range(lo, hi):
-                block = blocks[index]
-                backend.copy_async(segment.keys[index - segment.start], block.key, stream)
-                event = backend.copy_async(segment.values[index - segment.start], block.value, stream)
+                block, host = blocks[index], segment.buffer[index - segment.start]
+                backend.copy_async(host[0], block.key, stream)
+                event = backend.copy_async(host[1], block.value, stream)
                 reading += (block.key, block.value)
         count = full - layer_state.stored
         self._blocks_stored += count
@@ -346,13 +350,10 @@ class KVOffload(KVCacheHooks):
         while layer.capacity < blocks:
             size = max(blocks - layer.capacity, layer.capacity, MIN_SEGMENT_BLOCKS)
             size = min(size, max(state.max_blocks - layer.capacity, blocks - layer.capacity))
-            keys = self._pool.take(size, cache.block_shape, cache.dtype)
-            values = self._pool.take(size, cache.block_shape, cache.dtype)
-            state.host_tensors += (keys, values)
-            # a pooled buffer may be larger than asked: use what it holds
-            capacity = min(keys.shape[0], values.shape[0])
-            layer.segments.append(_Segment(layer.capacity, keys[:capacity], values[:capacity]))
-            layer.capacity += capacity
+            buffer = self._pool.take(size, cache.block_shape, cache.dtype)  # may be larger than asked: use it all
+            state.host_tensors.append(buffer)
+            layer.segments.append(_Segment(layer.capacity, buffer))
+            layer.capacity += buffer.shape[0]
 
     def _prefetch(self, cache: KVCache, state: _CacheState, index: int) -> None:
         """Queue the copy of layer ``index``'s stored blocks to the device (once per step)."""
@@ -360,23 +361,27 @@ class KVOffload(KVCacheHooks):
         blocks = layer.stored
         if layer.prefetch is not None or blocks == 0:
             return
-        backend = self.backend
-        keys = torch.empty((blocks, *cache.block_shape), dtype=cache.dtype, device=cache.device)
-        values = torch.empty_like(keys)
-        stream = backend.copy_stream()
-        # the buffers may reuse memory the compute stream has just freed: copy after its pending work
-        stream.wait_event(backend.current_stream().record_event())
+        buffer = torch.empty((blocks, 2, *cache.block_shape), dtype=cache.dtype, device=cache.device)
+        # the buffer may reuse memory the compute stream has just freed: copy after its pending work
+        stream = self._copy_stream_after_compute()
         event = None
         for segment in layer.segments:
             count = min(segment.capacity, blocks - segment.start)
             if count <= 0:
                 break
             span = slice(segment.start, segment.start + count)
-            backend.copy_async(keys[span], segment.keys[:count], stream)
-            event = backend.copy_async(values[span], segment.values[:count], stream)
-        layer.prefetch = _Prefetch(keys, values, event)
+            event = self.backend.copy_async(buffer[span], segment.buffer[:count], stream)
+        layer.prefetch = _Prefetch(buffer, event)
         self._prefetches += 1
-        self._prefetched_bytes += 2 * keys.numel() * keys.element_size()
+        self._prefetched_bytes += buffer.numel() * buffer.element_size()
+
+    def _copy_stream_after_compute(self) -> Any:
+        """The copy stream, made to wait for the compute stream's work so far (unless that is already done)."""
+        stream = self.backend.copy_stream()
+        compute = self.backend.current_stream().record_event()
+        if not compute.query():  # on cpu-sim compute is synchronous: nothing to wait for
+            stream.wait_event(compute)
+        return stream
 
     def _release_stored(self) -> None:
         """Drop the device blocks of every completed store (in order: one copy stream completes in order)."""
