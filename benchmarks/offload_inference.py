@@ -82,6 +82,7 @@ class Bench:
         return cache, token, hooks
 
     def check_clean(self) -> None:
+        self.backend.synchronize()  # copies still queued hold their tensors (a prefetch when a step ran out)
         gc.collect()
         held = self.backend.memory_allocated() - self.baseline
         if held:
@@ -89,12 +90,12 @@ class Bench:
 
     def decode_peak(self, mode: str, length: int) -> int:
         """Peak counted bytes (weights included) of the two decode steps that reach ``length`` tokens."""
-        cache, token, _ = self.prefilled(mode, length - 2, length)
+        cache, token, hooks = self.prefilled(mode, length - 2, length)
         self.backend.reset_peak_memory_stats()
         for _ in range(2):
             token = self.model.decode_step(token, cache).argmax(-1)
         peak = self.backend.max_memory_allocated()
-        del cache, token
+        del cache, token, hooks
         self.check_clean()
         return peak
 
@@ -103,7 +104,7 @@ class Bench:
 
         ``None`` if the first step runs out of memory.
         """
-        cache, token, _ = self.prefilled(mode, start, stop)
+        cache, token, hooks = self.prefilled(mode, start, stop)
         reached = None
         self.backend.set_capacity(capacity)
         try:
@@ -114,7 +115,7 @@ class Bench:
             pass
         finally:
             self.backend.set_capacity(LIFTED)
-        del cache, token
+        del cache, token, hooks  # the hooks hold stores not yet released
         self.check_clean()
         return reached
 
