@@ -189,3 +189,18 @@ def test_bad_settings_are_explained(cpu_sim):
     elsewhere = KVCache(model.config, batch_size=1, device="meta", hooks=KVOffload(cpu_sim))
     with pytest.raises(MemfitError, match="KV cache is on meta but the backend 'cpu-sim' offloads from cpu"):
         elsewhere.begin_step(1)
+
+
+def test_one_offload_serves_two_caches_decoding_in_turn(cpu_sim):
+    model = tiny_model(n_layers=3)
+    tokens = torch.randint(0, model.config.vocab_size, (2, 40))
+    offload = KVOffload(cpu_sim)
+    with cpu_sim.activate():
+        plain = [decode_all(model, tokens[i : i + 1], 8, block_size=4)[0][0] for i in range(2)]  # batch 1, as below
+        caches = [model.new_kv_cache(1, 40, block_size=4, hooks=offload) for _ in range(2)]
+        logits = [[model.prefill(tokens[i : i + 1, :8], caches[i])] for i in range(2)]
+        for t in range(8, 40):
+            for i in range(2):
+                logits[i].append(model.decode_step(tokens[i : i + 1, t], caches[i]))
+    for i in range(2):
+        assert torch.equal(torch.cat(logits[i]), plain[i])
