@@ -43,7 +43,7 @@ cost the decode loop time a device's copy engine would not, so the offload slowd
 bound for the mechanism.
 
 Run: python benchmarks/offload_inference.py [--capacity 40MiB] [--bandwidth 12GB] [--distance 1] [--threads 1]
-(``PYTHONPATH=packages/offload/src`` until memfit-offload is installed.)
+`python benchmarks/offload.py` runs this too and reports both in one JSON object.
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@
   Algorithm 1 (:mod:`memfit_offload.schedule`);
 * :func:`offload_optimizer` — AdamW (any ``torch.optim`` optimizer) states on the host between
   updates, prefetched while backward runs;
+* :class:`KVOffload` — inference: a KV cache kept in host memory, each layer's blocks
+  prefetched a layer ahead of its attention (:mod:`memfit_offload.kv`);
 * :mod:`memfit_offload.ops` — the cache operators ``memfit::store``, ``memfit::prefetch``,
   ``memfit::wait`` and ``memfit::release``.
 
@@ -13,7 +15,7 @@ Importing this module imports torch; the plugin module (:mod:`memfit_offload.plu
 
 from memfit_offload.__about__ import __version__
 
-__all__ = ["OffloadBackend", "OptimizerOffload", "__version__", "backend", "offload_optimizer"]
+__all__ = ["KVOffload", "OffloadBackend", "OptimizerOffload", "__version__", "backend", "offload_optimizer"]
 
 
 def __getattr__(name: str):
@@ -25,4 +27,8 @@ def __getattr__(name: str):
         from memfit_offload import optimizer as _optimizer
 
         return getattr(_optimizer, name)
+    if name == "KVOffload":
+        from memfit_offload import kv as _kv
+
+        return _kv.KVOffload
     raise AttributeError(f"module 'memfit_offload' has no attribute {name!r}")
