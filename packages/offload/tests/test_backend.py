@@ -102,7 +102,7 @@ def test_a_residual_model_trains_bit_identically():
 
 def test_in_the_compiled_graphs_every_prefetch_follows_its_store_and_precedes_its_wait():
     *_, offload = train_llama(1, offload=OFFLOAD)
-    (fw, bw), = offload.graphs
+    ((fw, bw),) = offload.graphs
     positions = cache_op_positions(fw, bw)
     assert positions
     for ops in positions.values():

@@ -262,4 +262,3 @@ def backend(
         residency_weight=residency_weight,
         debug=debug,
     )
-

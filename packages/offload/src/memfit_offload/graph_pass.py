@@ -149,9 +149,7 @@ def analyse(
     seconds = np.array([node_seconds(n, speed) for n in fw_nodes] + [node_seconds(n, speed) for n in bw_nodes])
     fw_live = _live_bytes(fw.graph, fw_nodes, persistent=[n for n in saved if isinstance(n, Node)])
     bw_live = _live_bytes(bw.graph, bw_nodes, inputs_persist=False)
-    fw_inputs = sum(
-        _storage_nbytes(v) for n in fw_nodes if n.op == "placeholder" and (v := _tensor_val(n)) is not None
-    )
+    fw_inputs = sum(_storage_nbytes(v) for n in fw_nodes if n.op == "placeholder" and (v := _tensor_val(n)) is not None)
     # backward also holds the forward's inputs (parameters) although its graph may not read them all
     live = np.concatenate([fw_live, bw_live + fw_inputs])
 
@@ -192,9 +190,7 @@ def analyse(
             excluded[name] = f"small ({nbytes} B < min_bytes)"
             continue
         last_fw = max(position[base], *(position[u] for n in group for u in n.users if u.op != "output"))
-        bw_users = [
-            bw_position[u] for i in member_indices for u in bw_placeholders[i].users if u.op != "output"
-        ]
+        bw_users = [bw_position[u] for i in member_indices for u in bw_placeholders[i].users if u.op != "output"]
         if not bw_users:
             excluded[name] = "no backward reader"
             continue
@@ -229,9 +225,7 @@ def decide(
     fw_nodes, bw_nodes, candidates, excluded, seconds, live = analyse(
         fw, bw, num_fwd_outputs, speed=speed, min_bytes=min_bytes, kappa=kappa
     )
-    first_compute_bw = len(fw_nodes) + next(
-        (i for i, n in enumerate(bw_nodes) if n.op != "placeholder"), len(bw_nodes)
-    )
+    first_compute_bw = len(fw_nodes) + next((i for i, n in enumerate(bw_nodes) if n.op != "placeholder"), len(bw_nodes))
 
     def program_of(chosen: list[Candidate]) -> Program:
         return Program(
@@ -339,4 +333,3 @@ def cache_op_positions(fw: GraphModule, bw: GraphModule) -> dict[str, dict[str, 
         if info is not None:
             found[info["value"]][info["kind"]] = i
     return dict(found)
-

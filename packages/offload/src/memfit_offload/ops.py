@@ -246,9 +246,7 @@ class OffloadRuntime:
                 "the release is placed before the tensor's last device use"
             )
         if key in self.unwaited:
-            raise ResidencyError(
-                f"{reader} reads a prefetched tensor before its wait: the copy may not have completed"
-            )
+            raise ResidencyError(f"{reader} reads a prefetched tensor before its wait: the copy may not have completed")
 
 
 _current = threading.local()

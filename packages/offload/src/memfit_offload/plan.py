@@ -43,7 +43,9 @@ def plan_from_decisions(
                 Store(tensor=tensor, after_op=offset + value.store_after),
                 Release(tensor=tensor, after_op=offset + value.release_after),
                 Prefetch(
-                    tensor=tensor, before_op=offset + p, first_use_op=offset + value.first_use,
+                    tensor=tensor,
+                    before_op=offset + p,
+                    first_use_op=offset + value.first_use,
                     predicted_stall_s=after.stall_s[k],
                 ),  # fmt: skip
             ]
