@@ -237,7 +237,9 @@ class CpuSimBackend(Backend):
     def capacity_bytes(self) -> int:
         return self._capacity
 
-    def set_capacity(self, nbytes: int) -> None:
+    def set_capacity(self, nbytes: int | str) -> None:
+        """Bytes the device may hold from now on, or a size (``"8GiB"``), as the constructor takes."""
+        nbytes = parse_size(nbytes, what="cpu-sim capacity")
         if nbytes <= 0:
             raise MemfitError(f"cpu-sim capacity must be positive, got {nbytes}")
         self._capacity = nbytes
