@@ -52,5 +52,5 @@ print(f"capacity {CAPACITY}: longest context without offload {plain} tokens, wit
       f"({offloaded / plain:.2f}x)")  # fmt: skip
 common = min(len(plain_tokens), len(offload_tokens))
 print(f"same tokens over the first {common} decoded: {plain_tokens[:common] == offload_tokens[:common]}")
-print(f"KV cache at those lengths: {format_size(kv_cache_bytes(config, plain, block_size=16))} on the device without "
-      f"offload; {format_size(kv_cache_bytes(config, offloaded, block_size=16))} in all with it, mostly on the host")  # fmt: skip
+without, with_offload = (format_size(kv_cache_bytes(config, n, block_size=16)) for n in (plain, offloaded))
+print(f"KV cache at those lengths: {without} on the device without offload; {with_offload} with it, mostly on the host")
