@@ -189,7 +189,7 @@ def analyse(
         if nbytes < min_bytes:
             excluded[name] = f"small ({nbytes} B < min_bytes)"
             continue
-        last_fw = max(position[base], *(position[u] for n in group for u in n.users if u.op != "output"))
+        last_fw = max([position[base], *(position[u] for n in group for u in n.users if u.op != "output")])
         bw_users = [bw_position[u] for i in member_indices for u in bw_placeholders[i].users if u.op != "output"]
         if not bw_users:
             excluded[name] = "no backward reader"
