@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from memfit.errors import MemfitError
 from memfit.models import KVCache, KVCacheHooks, Llama, LlamaConfig, kv_cache_bytes
 from memfit.models.llama import apply_rotary, rotary_tables
+from memfit.testing import decode_all
 
 TIGHT = {torch.float32: {"rtol": 1e-5, "atol": 1e-6}, torch.float64: {"rtol": 1e-12, "atol": 1e-13}}
 
@@ -22,15 +23,6 @@ TIGHT = {torch.float32: {"rtol": 1e-5, "atol": 1e-6}, torch.float64: {"rtol": 1e
 def tiny_model(dtype=torch.float32, seed=0, **overrides) -> Llama:
     torch.manual_seed(seed)
     return Llama(LlamaConfig.preset("tiny", **overrides)).to(dtype).eval()
-
-
-def decode_all(model, tokens, prompt_len, *, block_size=16, hooks=None):
-    """Logits for positions prompt_len - 1 .. seq - 1: a prefill of the prompt, then one decode step per token."""
-    cache = model.new_kv_cache(tokens.shape[0], tokens.shape[1], block_size=block_size, hooks=hooks)
-    logits = [model.prefill(tokens[:, :prompt_len], cache)]
-    for t in range(prompt_len, tokens.shape[1]):
-        logits.append(model.decode_step(tokens[:, t], cache))
-    return torch.stack(logits, dim=1), cache
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

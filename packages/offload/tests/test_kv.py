@@ -12,6 +12,7 @@ import pytest
 import torch
 from memfit.errors import MemfitError
 from memfit.models import KVCache, Llama, LlamaConfig, kv_cache_bytes
+from memfit.testing import decode_all
 from memfit_offload.kv import KVOffload
 
 
@@ -28,15 +29,6 @@ def one_thread():
 def tiny_model(seed=0, dtype=torch.float32, **overrides) -> Llama:
     torch.manual_seed(seed)
     return Llama(LlamaConfig.preset("tiny", **overrides)).to(dtype).eval()
-
-
-def decode_all(model, tokens, prompt_len, *, block_size=16, hooks=None):
-    """Logits of a prefill of the prompt, then of one decode step per remaining token."""
-    cache = model.new_kv_cache(tokens.shape[0], tokens.shape[1], block_size=block_size, hooks=hooks)
-    logits = [model.prefill(tokens[:, :prompt_len], cache)]
-    for t in range(prompt_len, tokens.shape[1]):
-        logits.append(model.decode_step(tokens[:, t], cache))
-    return torch.stack(logits, dim=1), cache
 
 
 def layer_bytes(model, length, *, batch_size=1, block_size=16):

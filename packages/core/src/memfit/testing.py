@@ -214,6 +214,21 @@ def fake_accelerator():
     backend.close()
 
 
+def decode_all(model, tokens, prompt_len: int, *, block_size: int = 16, hooks=None):
+    """``(logits, cache)``: a prefill of ``tokens[:, :prompt_len]``, then one decode step per further token.
+
+    The logits are those for positions ``prompt_len - 1 .. seq - 1``, stacked on dim 1, to compare
+    with a full forward's (and decoding with offload hooks against decoding without).
+    """
+    import torch
+
+    cache = model.new_kv_cache(tokens.shape[0], tokens.shape[1], block_size=block_size, hooks=hooks)
+    logits = [model.prefill(tokens[:, :prompt_len], cache)]
+    for t in range(prompt_len, tokens.shape[1]):
+        logits.append(model.decode_step(tokens[:, t], cache))
+    return torch.stack(logits, dim=1), cache
+
+
 class BackendContract:
     """What every memfit backend must do. Subclass and implement :meth:`make_backend`."""
 
