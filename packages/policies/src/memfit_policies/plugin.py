@@ -31,17 +31,9 @@ SAC_VARIATIONS = ({}, {"local": "knapsack"})
 """Settings a swap session tries for the ``sac`` planner: the greedy and the knapsack local policy
 (within 5% of the per-module ILP and much faster to solve; ``local="ilp"`` on request)."""
 
-JOINT_VARIATIONS = (
-    {},
-    {"swap": SWAP_VARIATIONS[1]},
-    {"swap": SWAP_VARIATIONS[2]},
-    {"shares": (0.5,)},
-    {"shares": (0.75,)},
-)
-"""After the best predicted mix, the best mixes with the swap planner's finer logical layers (at
-tight budgets only those fit, so without them ``joint`` could not match ``swap`` there), then
-the mixes the prediction is least sure about: half and three quarters of the reduction by
-recomputation."""
+JOINT_VARIATIONS = ({}, {"shares": (0.5,)}, {"shares": (0.75,)})
+"""After the best predicted mix, the mixes the prediction is least sure about: half and three
+quarters of the reduction by recomputation."""
 
 
 @hookimpl
