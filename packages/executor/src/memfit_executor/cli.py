@@ -47,9 +47,16 @@ from rich.table import Table
     help="Which planner proposes plans: swap, sac (selective recomputation), joint (both), or auto (every "
     "installed planner; the fastest candidate within the budget wins).",
 )
+@click.option(
+    "--adapt/--no-adapt",
+    default=True,
+    show_default=True,
+    help="Plan a sequence again when its plan stops holding (passive swaps, copies falling behind); "
+    "--no-adapt keeps the first plans, e.g. on a shared host whose load would look like a slow link.",
+)
 @click.option("-v", "--verbose", is_flag=True, help="Log stage transitions and plans as they happen.")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, required=True)
-def run(backend, budget, report_path, matcher, release_mode, planner, verbose, command):
+def run(backend, budget, report_path, matcher, release_mode, planner, adapt, verbose, command):
     """Run COMMAND (python train.py ...) under memfit's swap executor, within BUDGET.
 
     The script needs no change: iterations end at each optimizer step. Whatever the script does
@@ -67,7 +74,9 @@ def run(backend, budget, report_path, matcher, release_mode, planner, verbose, c
     if verbose:
         logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
-        session = SwapSession(budget, backend, matcher=matcher, release_mode=release_mode, planner=planner)
+        session = SwapSession(
+            budget, backend, matcher=matcher, release_mode=release_mode, planner=planner, adapt=adapt
+        )
     except MemfitError as exc:  # an unknown planner: before the script runs
         raise click.ClickException(str(exc)) from exc
     failure: MemfitError | None = None

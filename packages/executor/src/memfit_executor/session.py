@@ -215,7 +215,8 @@ class SwapSession:
         self._applied: list[tuple[int, int | None]] = []  # per binding in place: (sequence, candidate or None)
         self._in_place: list[Binding] = []
         self._external: Binding | None = None
-        self._measured: tuple[int, float] = (0, 0.0)  # copy bytes and seconds over Stable iterations behind
+        # copy throughput (bytes/s) of each Stable iteration of the current run of iterations behind
+        self._measured: list[float] = []
         self._bandwidth = 0.0
         self._models: ModelFinder | None = None
         self._recompute: AppliedRecompute | None = None
@@ -624,14 +625,19 @@ class SwapSession:
         plans.strained = plans.strained + 1 if counters["passive_swaps"] > STRAINED_PASSIVE_SWAPS else 0
         behind = counters["swaps"] > 0 and counters["copy_waits"] > BEHIND_WAIT_FRACTION * counters["swaps"]
         plans.behind = plans.behind + 1 if behind else 0
-        if behind:
-            self._measured = (self._measured[0] + copied, self._measured[1] + seconds)
+        # Plan for the slowest iteration of the run: the link may have slowed down within it (an
+        # iteration before the change copies at the old rate), and a plan for a slower link only
+        # starts its copies earlier on a faster one, while one for a faster link keeps compute waiting.
+        if not behind:
+            self._measured = []
+        elif seconds > 0:
+            self._measured.append(copied / seconds)
         if not self.options.adapt:
             return
         reason = None
-        if plans.behind >= ADAPT_AFTER and self._measured[1] > 0:
-            measured = self._measured[0] / self._measured[1]
-            self._measured = (0, 0.0)
+        if plans.behind >= ADAPT_AFTER and self._measured:
+            measured = min(self._measured)
+            self._measured = []
             if measured < SLOWER_THAN_PLANNED * plans.bandwidth:
                 self._bandwidth = measured
                 reason = (

@@ -44,6 +44,12 @@ def _missing_toolchain() -> str | None:
     return None
 
 
+def build_directory(name: str, sources: tuple[str | os.PathLike[str], ...]) -> Path:
+    """Where ``name`` built from ``sources`` lives in the cache (its folder is also its module name)."""
+    digest = hashlib.sha256(b"".join(Path(s).read_bytes() for s in sources)).hexdigest()[:12]
+    return cache_dir() / f"{name}_{digest}"
+
+
 @functools.cache
 def load_extension(name: str, sources: tuple[str | os.PathLike[str], ...]) -> ModuleType:
     """Compile (once, cached) and import a C++ torch extension.
@@ -61,28 +67,51 @@ def load_extension(name: str, sources: tuple[str | os.PathLike[str], ...]) -> Mo
     from torch.utils import cpp_extension
 
     paths = [Path(s) for s in sources]
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in paths)).hexdigest()[:12]
-    module_name = f"{name}_{digest}"
     problem = _missing_toolchain()
     if problem:
         raise NativeBuildError(f"cannot build memfit's native extension {name!r}: {problem}")
-    build_dir = cache_dir() / module_name
+    build_dir = build_directory(name, sources)
+    module_name = build_dir.name
     build_dir.mkdir(parents=True, exist_ok=True)
     try:
-        return cpp_extension.load(
-            name=module_name,
-            sources=[str(p) for p in paths],
-            build_directory=str(build_dir),
-            # NDEBUG as in torch's own release build: its headers hold debug-only checks of state that
-            # only a debug build of torch maintains.
-            extra_cflags=["-O2", "-DNDEBUG"],
-            verbose=os.environ.get("MEMFIT_NATIVE_VERBOSE") == "1",
-        )
+        with _build_lock(build_dir):
+            return cpp_extension.load(
+                name=module_name,
+                sources=[str(p) for p in paths],
+                build_directory=str(build_dir),
+                # NDEBUG as in torch's own release build: its headers hold debug-only checks of state
+                # that only a debug build of torch maintains.
+                extra_cflags=["-O2", "-DNDEBUG"],
+                verbose=os.environ.get("MEMFIT_NATIVE_VERBOSE") == "1",
+            )
     except Exception as exc:  # compilation errors surface as RuntimeError/CalledProcessError
         raise NativeBuildError(
             f"building memfit's native extension {name!r} failed: {exc}. "
             f"Set MEMFIT_NATIVE_VERBOSE=1 to see the compiler output; the build folder is {build_dir}."
         ) from exc
+
+
+@contextlib.contextmanager
+def _build_lock(build_dir: Path) -> Iterator[None]:
+    """Hold an OS file lock around torch's build, and clear a ``lock`` file a killed build left.
+
+    torch's own build lock is a file whose existence is the lock: a process killed while it
+    builds leaves it behind, and every later process then waits for it forever. An ``flock``
+    is released by the kernel when its holder dies, so whoever holds ours knows that no build
+    is running and that a torch ``lock`` file is stale.
+    """
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: torch's lock alone
+        yield
+        return
+    with open(build_dir / "memfit-build.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            (build_dir / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def cpu_sim_allocator() -> ModuleType:
