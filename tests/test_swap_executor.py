@@ -248,6 +248,12 @@ def test_a_copy_stream_that_falls_behind_is_planned_for_again_with_the_measured_
     late = [r for r in report["replans"] if r["iteration"] >= slow_from and r["reason"].startswith("copies ran at")]
     # planned again with what the link delivers (the emulated link never runs faster than its bandwidth)
     assert len(late) == 1 and late[0]["bandwidth"] <= bandwidth
+    # planned again from the trace the sequence was first planned from (the profiler's own trace
+    # numbering is the oracle): the program did not change, only the link
+    first_trace = session.profiler.traces[0].iteration
+    replanned = [p for p in report["planned_from"] if p["iteration"] > late[0]["iteration"]]
+    assert report["planned_from"][0]["trace"] == first_trace
+    assert replanned and all(p["trace"] == first_trace for p in replanned)
     assert its[-1]["stage"] == "Stable"
     # slow copies make compute wait (a planned release waits for its copy); they never cost a
     # passive swap. Checked on the plan that met the slow link, up to its re-plan: which candidate

@@ -21,7 +21,8 @@ iterations of a sequence in a row need more than two passive swaps each, the seq
 again from a fresh trace with 5% less of the budget (twice at most); when in three in a row more
 than a quarter of the planned releases had to wait for their copy to the host (the copy stream
 is slower than the plan assumed: a busy host, a shared link), it is planned again with the copy
-bandwidth measured in the run.
+bandwidth measured in the run, from the trace it was first planned from (the program did not
+change; a fresh trace could come from an iteration that took a rare branch).
 
 Without memfit-profiler installed, the session runs with OOM handling only (positions are
 unknown, plans cannot be applied); without a planner (memfit-policies), likewise. Both are said
@@ -150,6 +151,10 @@ class _SequencePlans:
     lowest_peak_bytes: int | None = None
     swap_only: bool = False
     """Planned without recomputation: other sequences recur too (see SwapSession._one_sequence_recomputes)."""
+    first_trace: tuple[Any, SaveLog, tuple[int, int, int]] | None = None
+    """The trace, save log and phase boundaries the sequence was first planned from."""
+    from_first_trace: bool = False
+    """Plan again from :attr:`first_trace` instead of a fresh one (the program did not change, the link did)."""
 
     def next_trial(self) -> int | None:
         tried = {t.candidate for t in self.trials}
@@ -201,6 +206,8 @@ class SwapSession:
         self.plan_changes: list[int] = []
         """Iterations after which a plan was put in place that the previous iteration did not have."""
         self.planning_iterations: list[int] = []
+        self.planned_from: list[dict[str, int]] = []
+        """Per planning: the iteration it happened at, the sequence, and the iteration whose trace it used."""
         """Iterations whose trace the planners were asked to plan from."""
         self.replans: list[dict[str, Any]] = []
         """Stable sequences planned again, with why (``passive swaps`` or ``copy bandwidth``)."""
@@ -472,7 +479,7 @@ class SwapSession:
                 {"iteration": record.index, "sequence": plans.sequence, "reason": reason, "bandwidth": self._bandwidth}
             )
             log.info("memfit-executor: planning sequence %d again: %s", plans.sequence, reason)
-            plans.candidates, plans.trials = [], []
+            plans.candidates, plans.trials, plans.from_first_trace = [], [], True
             if plans.chosen is not None and _recomputes(plans.chosen.plan):
                 plans.chosen = None
             seq = self.profiler.machine.sequence(plans.sequence)
@@ -553,16 +560,31 @@ class SwapSession:
         if plans.applied_trial is not None and plans.candidates:
             within = record.peak_device_bytes <= self.budget_bytes
             plans.trials.append(_Trial(plans.applied_trial, record.seconds, within, counters["passive_swaps"]))
-        if plans.candidates or not record.detailed:
+        if plans.candidates:
             return
-        trace = next((t for t in reversed(self.profiler.traces) if t.iteration == record.index), None)
+        if plans.from_first_trace and plans.first_trace is not None:
+            # A re-plan for bandwidth: the sequence's program is the one first traced, so plan from
+            # that trace. A fresh one could come from an iteration that took a rare branch, whose
+            # plan then swaps the branch's tensor and, in every other iteration, its look-alike.
+            trace, finished_log, phase_ops = plans.first_trace
+        elif record.detailed:
+            trace = next((t for t in reversed(self.profiler.traces) if t.iteration == record.index), None)
+            phase_ops = record.phase_ops
+        else:
+            return
+        plans.from_first_trace = False
         if trace is None or finished_log is None or finished_log.first_save_op < 0:
             return
-        plans.candidates = self._plan_candidates(trace, finished_log, record, plans)
+        if plans.first_trace is None:
+            plans.first_trace = (trace, finished_log, phase_ops)
+        plans.candidates = self._plan_candidates(trace, finished_log, phase_ops, plans, record.index)
         if plans.candidates:
             self.planning_iterations.append(record.index)
+            self.planned_from.append({"iteration": record.index, "sequence": plans.sequence, "trace": trace.iteration})
 
-    def _plan_candidates(self, trace: Any, save_log: SaveLog, record: Any, plans: _SequencePlans) -> list[Binding]:
+    def _plan_candidates(
+        self, trace: Any, save_log: SaveLog, phase_ops: tuple[int, int, int], plans: _SequencePlans, iteration: int
+    ) -> list[Binding]:
         if not self.hooks.planners():
             self._note("no planner is installed: running with OOM handling only (pip install memfit-policies)")
             return []
@@ -597,7 +619,7 @@ class SwapSession:
                 f"plans of planner {', '.join(left_out)} that recompute are not applied: {why}"
                 + ("" if usable else "; training goes on with passive swaps only")
             )
-        bound = (bind(p, trace, save_log, record.phase_ops, traced_here=True) for p in usable)
+        bound = (bind(p, trace, save_log, phase_ops, traced_here=True) for p in usable)
         candidates = [b for b in bound if b.entries or _recomputes(b.plan)]
         told = plans.feasible is False  # said once per sequence, not at every planning iteration
         plans.feasible = any(p.is_feasible() for p in proposed) if proposed else None
@@ -606,7 +628,7 @@ class SwapSession:
             closest = min(proposed, key=lambda p: p.predicted.peak_bytes)
             self._note(
                 f"no plan fits the budget of {format_size(self.budget_bytes)} (sequence {plans.sequence}, iteration "
-                f"{record.index}): the lowest peak the planners reach is {format_size(closest.predicted.peak_bytes)}. "
+                f"{iteration}): the lowest peak the planners reach is {format_size(closest.predicted.peak_bytes)}. "
                 f"Training goes on with the closest plans and passive swaps, slower than a plan that fits. "
                 f"{closest.predicted.shortfall}".strip()
             )
@@ -640,6 +662,7 @@ class SwapSession:
             self._measured = []
             if measured < SLOWER_THAN_PLANNED * plans.bandwidth:
                 self._bandwidth = measured
+                plans.from_first_trace = True
                 reason = (
                     f"copies ran at {format_size(int(measured))}/s, the plan assumed "
                     f"{format_size(int(plans.bandwidth))}/s"
@@ -687,6 +710,7 @@ class SwapSession:
             "plans_generated": self.plans_generated,
             "plan_changes": self.plan_changes,
             "planning_iterations": self.planning_iterations,
+            "planned_from": self.planned_from,
             "plan_feasible": all(feasible) if feasible else None,
             "lowest_planned_peak_bytes": max(lowest) if lowest else None,
             "replans": self.replans,
