@@ -288,6 +288,38 @@ def test_hook_plan_memory(hooks, register_plugin):
     assert hooks.choose_plan(problem).planner == "fast"
 
 
+def test_a_planner_for_compiled_programs_is_asked_by_name_only(hooks, register_plugin):
+    class Compiled:
+        asked = 0
+
+        @hookimpl
+        def register_planners(self):
+            yield PlannerSpec(name="graph", runtime=False)
+
+        @hookimpl
+        def plan_memory(self, problem):
+            Compiled.asked += 1
+            return toy_plan("graph", 100)
+
+    class Both:  # one plugin serving both kinds answers for both when every planner is asked
+        @hookimpl
+        def register_planners(self):
+            yield PlannerSpec(name="eager")
+            yield PlannerSpec(name="graph2", runtime=False)
+
+        @hookimpl
+        def plan_memory(self, problem):
+            return [toy_plan(name, 500) for name in ("eager", "graph2") if problem.asks(name)]
+
+    register_plugin(Compiled(), "compiled")
+    register_plugin(Both(), "both")
+    problem = PlanningProblem(trace=_trace(4000), budget_bytes=1000)
+    assert hooks.runtime_planners() == ["eager"]
+    assert [p.planner for p in hooks.plan_memory(problem)] == ["eager"] and Compiled.asked == 0
+    assert sorted(p.planner for p in hooks.plan_memory(problem, ["graph", "graph2"])) == ["graph", "graph2"]
+    assert Compiled.asked == 1
+
+
 def test_choose_plan_without_feasible_plan_explains(hooks):
     with pytest.raises(MemfitError, match="no plan fits a budget of 1000 B"):
         hooks.choose_plan(PlanningProblem(trace=_trace(4000), budget_bytes=1000))

@@ -192,6 +192,14 @@ class Hooks:
         """Registered planners by name."""
         return {name: rec for name, (rec, _) in self._named_records("register_planners", "planner").items()}
 
+    def runtime_planners(self) -> list[str]:
+        """Names of the planners whose plans a swap session applies while the program runs (sorted).
+
+        What sessions and ``memfit plan`` ask by default; a planner with ``PlannerSpec.runtime``
+        false (memfit-offload's, whose plans need a compiled program) is asked only by name.
+        """
+        return sorted(name for name, spec in self.planners().items() if spec.runtime)
+
     def commands(self) -> dict[str, CommandSpec]:
         """Registered CLI subcommands by name."""
         return {name: rec for name, (rec, _) in self._named_records("register_commands", "command").items()}
@@ -298,10 +306,18 @@ class Hooks:
         return validated
 
     def _planner_plugins(self, planners: Iterable[str] | None) -> tuple[set[str] | None, list[Any]]:
-        """The selected planner names (``None``: all) and the plugins that do not serve any of them."""
-        if planners is None:
-            return None, []
+        """The selected planner names (``None``: all) and the plugins that do not serve any of them.
+
+        ``None`` asks every planner a session can apply and any unregistered ``plan_memory``
+        implementation, but not a plugin whose planners all need a compiled program
+        (``PlannerSpec.runtime`` false): those are asked by name only.
+        """
         records = self._named_records("register_planners", "planner")
+        if planners is None:
+            runtime = {plugin_name for spec, plugin_name in records.values() if spec.runtime}
+            compiled_only = {plugin_name for spec, plugin_name in records.values() if not spec.runtime} - runtime
+            skipped = [plugin for name, plugin in self.pm.list_name_plugin() if name in compiled_only]
+            return None, skipped
         wanted = {name.lower() for name in planners}
         unknown = sorted(wanted - set(records))
         if unknown:
@@ -318,7 +334,9 @@ class Hooks:
 
         The options are validated first (:meth:`validate_planner_options`) and each planner finds
         its options model in ``problem.options``. ``planners`` asks only those planners (names as
-        registered); ``None`` asks every installed one, and any other ``plan_memory`` implementation.
+        registered); ``None`` asks every installed one that a session can apply (not those with
+        ``PlannerSpec.runtime`` false, e.g. memfit-offload's), and any other ``plan_memory``
+        implementation.
 
         A planner that cannot fit the step still proposes its best-effort plan: see
         :mod:`memfit.plan` for how to tell (``keeps_margin``, ``is_feasible``, ``predicted.shortfall``).
@@ -336,7 +354,11 @@ class Hooks:
             for answer in hook(problem=problem)
             for p in ([answer] if isinstance(answer, MemoryPlan) else answer or ())
         ]
-        return [p for p in proposed if wanted is None or p.planner in wanted]
+        if wanted is None:  # a plugin serving both kinds answered for its compiled-program planners too
+            compiled = {name for name, (spec, _) in self._named_records("register_planners", "planner").items()
+                        if not spec.runtime}  # fmt: skip
+            return [p for p in proposed if p.planner not in compiled]
+        return [p for p in proposed if p.planner in wanted]
 
     def plan_candidates(
         self, problem: PlanningProblem, variations: int, planners: Iterable[str] | None = None

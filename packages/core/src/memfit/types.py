@@ -203,12 +203,17 @@ class PlannerSpec:
         variations: option settings worth trying as separate plan candidates (a swap session
             applies each for an iteration and keeps the fastest); each is laid over the caller's
             options, which win where both set an option. The first is usually ``{}``: the defaults.
+        runtime: whether a swap session can apply its plans while the program runs (swaps,
+            recomputation). ``False`` for plans that need a compiled program (memfit-offload's
+            cache operators): sessions never ask such a planner, and ``memfit plan`` asks it only
+            by name (``--planner offload``).
     """
 
     name: str
     description: str = ""
     options: type[MemfitModel] | None = None
     variations: tuple[Mapping[str, Any], ...] = ({},)
+    runtime: bool = True
 
 
 @dataclass(frozen=True, slots=True)

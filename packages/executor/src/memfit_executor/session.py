@@ -189,10 +189,18 @@ class SwapSession:
         self.hooks = hooks or get_hooks()
         if self.hooks.planners():  # a typo in a planner's options fails here, not mid-training
             self.hooks.validate_planner_options(self.options.planner_options)
-            if self.options.planner != "auto" and self.options.planner not in self.hooks.planners():
+            runtime = self.hooks.runtime_planners()
+            if self.options.planner != "auto" and self.options.planner not in runtime:
+                if self.options.planner in self.hooks.planners():  # e.g. offload: its plans need a compiled step
+                    raise MemfitError(
+                        f"planner {self.options.planner!r} plans for a compiled program and cannot be applied while "
+                        f"a script runs; compile the step with its torch.compile backend (offload: "
+                        f"torch.compile(model, backend=memfit_offload.backend(budget=...))), or choose auto or one of "
+                        f"the planners a session applies: {', '.join(runtime)}"
+                    )
                 raise MemfitError(
                     f"unknown planner {self.options.planner!r}; choose auto or one of the installed planners: "
-                    f"{', '.join(sorted(self.hooks.planners()))}"
+                    f"{', '.join(runtime)}"
                 )
         self._backend_arg = backend
         self._budget_arg = budget

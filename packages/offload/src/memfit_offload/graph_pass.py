@@ -39,7 +39,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from memfit_offload.costs import DeviceSpeed, node_seconds, transfer_seconds
 from memfit_offload.ops import PREFETCH, PREFETCH_DEFERRED, RELEASE, STORE, WAIT
-from memfit_offload.schedule import Offloaded, Program, just_in_time, refine, simulate
+from memfit_offload.schedule import Offloaded, Program, just_in_time, refine, select_largest_first
 
 __all__ = ["Candidate", "OffloadDecision", "analyse", "apply"]
 
@@ -240,14 +240,7 @@ def decide(
         )
 
     ranked = sorted(candidates, key=lambda c: (-c.nbytes, c.produced))
-    chosen: list[Candidate] = []
-    if budget_bytes is None:
-        chosen = ranked
-    else:
-        for c in ranked:
-            if simulate(program_of(chosen), just_in_time(program_of(chosen))).peak_bytes <= budget_bytes:
-                break
-            chosen.append(c)
+    chosen = select_largest_first(ranked, program_of, budget_bytes)
     for c in ranked[len(chosen) :]:
         excluded[c.name] = "not needed to fit the budget"
     chosen.sort(key=lambda c: (c.first_backward_use, c.produced))

@@ -51,8 +51,9 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 from memfit.errors import MemfitError
@@ -64,6 +65,7 @@ __all__ = [
     "check_order",
     "just_in_time",
     "refine",
+    "select_largest_first",
     "simulate",
 ]
 
@@ -278,6 +280,29 @@ def refine(
     result = tuple(placed)
     check_order(program, result)
     return result
+
+
+Candidate = TypeVar("Candidate")
+
+
+def select_largest_first(
+    ranked: Sequence[Candidate], program_of: Callable[[list[Candidate]], Program], budget_bytes: int | None
+) -> list[Candidate]:
+    """The shortest prefix of ``ranked`` whose program, prefetched just in time, peaks within the budget.
+
+    ``ranked`` comes largest first (HyperOffload §5.1: the fewest transfers that fit); without a
+    budget every candidate is taken. When even all of them do not fit, all are returned: the
+    plan then says how far above the budget the step stays.
+    """
+    if budget_bytes is None:
+        return list(ranked)
+    chosen: list[Candidate] = []
+    for candidate in ranked:
+        program = program_of(chosen)
+        if simulate(program, just_in_time(program)).peak_bytes <= budget_bytes:
+            break
+        chosen.append(candidate)
+    return chosen
 
 
 def _store_done(program: Program, kappa: float) -> list[float]:

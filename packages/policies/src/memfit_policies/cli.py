@@ -9,14 +9,16 @@ do are said, and exit status 1). ``--plot`` is drawn in every case, to show why.
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import click
 import numpy as np
 from memfit.config import format_size, parse_size
 from memfit.errors import MemfitError
-from memfit.plan import MemoryPlan, Recompute, Swap
+from memfit.plan import MemoryPlan, Recompute, Store, Swap
 from memfit.plotting import ByteAxis, pyplot
 from memfit.plugins import get_hooks
 from memfit.trace import Trace
@@ -81,7 +83,10 @@ def plot_memory(trace: Trace, plan: MemoryPlan, path: Path) -> None:
 
 def _actions(plan: MemoryPlan) -> str:
     counts = Counter(action.kind for action in plan.actions)
-    return ", ".join(f"{n} {kind}{'s' if n != 1 else ''}" for kind, n in counts.items()) or "no actions"
+    def plural(kind: str, n: int) -> str:
+        return kind if n == 1 else kind + ("es" if kind.endswith(("ch", "sh", "s", "x")) else "s")
+
+    return ", ".join(f"{n} {plural(kind, n)}" for kind, n in counts.items()) or "no actions"
 
 
 def summary(trace: Trace, plan: MemoryPlan) -> Table:
@@ -106,7 +111,8 @@ def summary(trace: Trace, plan: MemoryPlan) -> Table:
         table.add_row("recomputation per step", f"{predicted.recompute_seconds * 1e3:.2f} ms")
         table.add_row("operator times", plan.source.op_times or "not given")
     if swaps or not recomputed:
-        table.add_row("swap traffic per step", format_size(predicted.swap_bytes))
+        offloads = any(isinstance(action, Store) for action in plan.actions)
+        table.add_row(f"{'offload' if offloads else 'swap'} traffic per step", format_size(predicted.swap_bytes))
         table.add_row("predicted stall per step", f"{predicted.stall_seconds * 1e3:.2f} ms")
     if plan.layers:
         table.add_row("logical layers", str(len(plan.layers)))
@@ -135,7 +141,8 @@ def summary(trace: Trace, plan: MemoryPlan) -> Table:
     "planners",
     multiple=True,
     metavar="NAME",
-    help="Ask only this planner (repeat for several); default: every installed one (memfit plugins lists them).",
+    help="Ask only this planner (repeat for several); default: every installed planner a swap session applies "
+    "(memfit plugins lists them; offload, whose plans need torch.compile, only when named).",
 )
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), help="Write the plan here (JSON).")
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), help="Draw memory before/after (PNG).")
@@ -144,12 +151,23 @@ def summary(trace: Trace, plan: MemoryPlan) -> Table:
 @click.option("--layers-per-phase", type=click.IntRange(1), default=None, help="swap planner: logical layers a phase.")
 @click.option("--model-layers", type=click.IntRange(1), default=None, help="swap planner: the model's layer count.")
 @click.option("--min-tensor", default=None, help="swap planner: smallest tensor to swap (min(20MiB, budget/256)).")
-def plan(trace_path, budget, simulate_spec, planners, out, plot, bandwidth, **swap_flags):
+@click.option(
+    "--option",
+    "planner_options",
+    multiple=True,
+    metavar="PLANNER.FIELD=VALUE",
+    help="Any planner's option, e.g. offload.min_bytes=16KiB or sac.local=ilp (repeat for several; "
+    "values are JSON where they parse, text otherwise).",
+)
+def plan(trace_path, budget, simulate_spec, planners, out, plot, bandwidth, planner_options, **swap_flags):
     """Plan for the step in TRACE (or a simulated one, --simulate) so that it fits in --budget."""
     # the swap planner's flags, under its option names
     renamed = {"min_tensor": "min_tensor_bytes"}
     swap_options = {renamed.get(flag, flag): value for flag, value in swap_flags.items() if value is not None}
     try:
+        options = _parse_options(planner_options)
+        if swap_options:
+            options["swap"] = {**options.get("swap", {}), **swap_options}
         if swap_options and planners and "swap" not in {name.lower() for name in planners}:
             raise MemfitError(
                 "--margin, --layers-per-phase, --model-layers and --min-tensor are options of the swap planner, "
@@ -160,7 +178,7 @@ def plan(trace_path, budget, simulate_spec, planners, out, plot, bandwidth, **sw
             trace=trace,
             budget_bytes=parse_size(budget, what="budget"),
             host_to_device_bytes_per_s=parse_size(bandwidth, what="bandwidth"),
-            options={"swap": swap_options} if swap_options else {},
+            options=options,
         )
         result = get_hooks().choose_plan(problem, planners or None, require_feasible=False)
         console.print(summary(trace, result))
@@ -185,6 +203,22 @@ def plan(trace_path, budget, simulate_spec, planners, out, plot, bandwidth, **sw
     if out is not None:
         result.save(out)
         console.print(f"plan written to {out}")
+
+
+def _parse_options(pairs: tuple[str, ...]) -> dict[str, dict[str, Any]]:
+    """``("offload.min_bytes=16KiB", ...)`` as ``{"offload": {"min_bytes": "16KiB"}}`` (checked later, per planner)."""
+    options: dict[str, dict[str, Any]] = {}
+    for pair in pairs:
+        key, sep, text = pair.partition("=")
+        planner, dot, field = key.strip().partition(".")
+        if not (sep and dot and planner and field):
+            raise MemfitError(f"--option {pair!r}: expected PLANNER.FIELD=VALUE, e.g. offload.min_bytes=16KiB")
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            value = text  # a size such as 16KiB, a name such as ilp
+        options.setdefault(planner.lower(), {})[field] = value
+    return options
 
 
 def _load(trace_path: Path | None) -> Trace:

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 from memfit.errors import MemfitError
-from memfit.plan import MemoryPlan, Swap
+from memfit.plan import MemoryPlan, Prefetch, Store, Swap
 from memfit.trace import Trace
 
 from memfit_simulator.capture import CapturedStep, capture_step, to_trace
@@ -84,7 +84,10 @@ class SimulationResult:
         }
 
     def with_plan(self, plan: MemoryPlan) -> float:
-        """Step time with ``plan``'s swaps on a copy stream at the device's host bandwidth (stalls included)."""
+        """Step time with ``plan``'s transfers on a copy stream at the device's host bandwidth (stalls included).
+
+        Swaps and memfit-offload's store/prefetch both count (:func:`step_seconds_with_swaps`).
+        """
         return step_seconds_with_swaps(self.op_seconds, self.trace(), plan, self.spec.host_bandwidth)
 
     def to_json(self) -> dict[str, Any]:
@@ -234,26 +237,36 @@ def reference_step(config: Any, batch: int, seq: int, dtype: torch.dtype, optimi
 
 
 def step_seconds_with_swaps(op_seconds: np.ndarray, trace: Trace, plan: MemoryPlan, bandwidth: float) -> float:
-    """The step's makespan with ``plan``'s swaps on a copy stream.
+    """The step's makespan with ``plan``'s transfers on one FIFO copy stream.
 
-    Swap-outs follow their operator, swap-ins start at their layer, and the first backward use
-    waits for its swap-in.
+    Swaps: swap-outs follow their operator, swap-ins start at their layer, and the first backward
+    use waits for its swap-in. Cache operators (memfit-offload's plans): a store follows its
+    operator, a prefetch is issued when compute reaches its position and starts once its store
+    is done, and its first reader waits for it; releases take no time.
     """
     swaps = [a for a in plan.actions if isinstance(a, Swap)]
     timeline = StreamTimeline()
-    outs: dict[int, list[Swap]] = {}
-    ins: dict[int, list[Swap]] = {}
+    outs: dict[int, list[tuple[str, int]]] = {}
+    ins: dict[int, list[tuple[str, int, int]]] = {}
     for s in swaps:
-        outs.setdefault(s.swap_out_after_op, []).append(s)
+        key = f"swap{id(s)}"
+        outs.setdefault(s.swap_out_after_op, []).append((key, s.tensor.nbytes))
         start = plan.layers[s.swap_in_layer].start_op if plan.layers else s.release_at_op
-        ins.setdefault(max(start - 1, 0), []).append(s)
+        use = s.first_backward_use_op if s.first_backward_use_op is not None else max(start - 1, 0) + 1
+        ins.setdefault(max(start - 1, 0), []).append((key, s.tensor.nbytes, use))
+    for a in plan.actions:
+        if isinstance(a, Store):
+            outs.setdefault(a.after_op, []).append((a.tensor.name, a.tensor.nbytes))
+        elif isinstance(a, Prefetch):
+            ins.setdefault(max(a.before_op - 1, 0), []).append((a.tensor.name, a.tensor.nbytes, a.first_use_op))
+    stored: dict[str, int] = {}
     ready: dict[int, list[int]] = {}
     for i in range(trace.n_ops):
         op = timeline.add("compute", float(op_seconds[i]), tuple(ready.pop(i, ())))
-        for s in outs.get(i, ()):
-            timeline.add("copy", s.tensor.nbytes / bandwidth, (op,))
-        for s in ins.get(i, ()):
-            copy_in = timeline.add("copy", s.tensor.nbytes / bandwidth, (op,))
-            use = s.first_backward_use_op if s.first_backward_use_op is not None else i + 1
+        for key, nbytes in outs.get(i, ()):
+            stored[key] = timeline.add("copy", nbytes / bandwidth, (op,))
+        for key, nbytes, use in ins.get(i, ()):
+            after = (op, stored[key]) if key in stored else (op,)
+            copy_in = timeline.add("copy", nbytes / bandwidth, after)
             ready.setdefault(max(use, i + 1), []).append(copy_in)
     return timeline.makespan()
