@@ -55,7 +55,7 @@ class OffloadPlannerConfig(MemfitModel):
     """Options of the ``offload`` planner (the same meaning as :func:`memfit_offload.backend`'s)."""
 
     min_bytes: Size = 64 << 10
-    """Smaller activations stay on the device (a transfer's fixed cost outweighs what it frees); the backend's default."""
+    """Smaller activations stay on the device (a transfer's fixed cost outweighs what it frees); as the backend."""
     kappa: float = Field(default=1.2, ge=1.0)
     """Margin on transfer times: keep a value whose gap is under ``kappa`` round trips."""
     residency_weight: float = Field(default=0.05, ge=0.0)
