@@ -389,6 +389,23 @@ def test_a_joint_share_with_nothing_to_recompute_still_returns_a_plan():
     assert plan.planner == "joint" and plan.keeps_margin() and not plan.actions
 
 
+def test_joint_swaps_with_finer_layers_where_only_they_fit():
+    # the oracle is the swap planner itself: at this budget ten logical layers per phase cannot
+    # keep the margin and forty can; joint's swap-only mix must then keep it too
+    from memfit_policies.swap import CannotFit, SwapPlannerConfig, generate_swap_plan
+
+    trace = training_trace(n_layers=4, activation_bytes=64 * 2**20, modules=True)
+    budget = trace.peak_bytes() // 2
+    with pytest.raises(CannotFit):
+        generate_swap_plan(trace, budget, SwapPlannerConfig(), 10e9)
+    generate_swap_plan(trace, budget, SwapPlannerConfig(layers_per_phase=40), 10e9)
+    plan = generate_joint_plan(trace, budget, JointPlannerConfig(shares=(0.0,)), 10e9)
+    assert plan.keeps_margin() and not any(isinstance(a, Recompute) for a in plan.actions)
+    # a user's own layer count is kept (and here cannot keep the margin)
+    fixed = JointPlannerConfig(shares=(0.0,), swap=SwapPlannerConfig(layers_per_phase=10))
+    assert not generate_joint_plan(trace, budget, fixed, 10e9).keeps_margin()
+
+
 def test_a_selective_policy_that_costs_more_than_it_saves_becomes_full_checkpointing():
     trace = Trace.load(DATA / "tiny_llama_simulated.npz")
     stats = module_stats(trace)

@@ -83,6 +83,7 @@ def plot_memory(trace: Trace, plan: MemoryPlan, path: Path) -> None:
 
 def _actions(plan: MemoryPlan) -> str:
     counts = Counter(action.kind for action in plan.actions)
+
     def plural(kind: str, n: int) -> str:
         return kind if n == 1 else kind + ("es" if kind.endswith(("ch", "sh", "s", "x")) else "s")
 

@@ -40,6 +40,7 @@ from memfit.plan import MemoryPlan
 from memfit.trace import Trace
 from pydantic import Field
 
+from memfit_policies.plugin import FINER_LAYERS_PER_PHASE
 from memfit_policies.sac import LocalPolicy, SacSolution, module_stats, op_seconds, recompute_actions, solve_sac
 from memfit_policies.swap import CannotFit, SwapPlannerConfig, generate_swap_plan, planner_margin
 
@@ -116,10 +117,7 @@ def generate_joint_plan(
             # last one still plans its swaps: a planner asked for a plan returns one.
             continue
         under = trace_under_recompute(trace, solution, seconds)
-        try:
-            swapped = generate_swap_plan(under, budget_bytes, swap_config, bandwidth_bytes_per_s)
-        except CannotFit as exc:
-            swapped = exc.plan
+        swapped = _swap_the_rest(under, budget_bytes, swap_config, bandwidth_bytes_per_s)
         recompute = solution.recompute_seconds
         policy = solution.policy_seconds
         tried.append(
@@ -147,6 +145,32 @@ def generate_joint_plan(
             )
         )
     return min(tried, key=_preference)
+
+
+def _swap_the_rest(
+    trace: Trace, budget_bytes: int, config: SwapPlannerConfig, bandwidth_bytes_per_s: float | None
+) -> MemoryPlan:
+    """The swap plan of step 3; with finer logical layers when the default ones cannot fit.
+
+    At tight budgets only finer layers fit (swap-ins then start closer to their use). The swap
+    planner gets them as separate session candidates (``SWAP_VARIATIONS``); here they are a
+    fallback inside one plan, so a session tries no more joint candidates for them. The user's
+    ``layers_per_phase``, when set, is kept.
+    """
+    try:
+        return generate_swap_plan(trace, budget_bytes, config, bandwidth_bytes_per_s)
+    except CannotFit as exc:
+        closest = exc.plan
+    if config.layers_per_phase is not None or config.model_layers is not None:
+        return closest
+    for per_phase in FINER_LAYERS_PER_PHASE:
+        finer = config.model_copy(update={"layers_per_phase": per_phase})
+        try:
+            return generate_swap_plan(trace, budget_bytes, finer, bandwidth_bytes_per_s)
+        except CannotFit as exc:
+            if _preference(exc.plan) < _preference(closest):
+                closest = exc.plan
+    return closest
 
 
 def _preference(plan: MemoryPlan) -> tuple[int, float, int]:

@@ -13,10 +13,14 @@ from memfit.types import CommandSpec, PlannerSpec, PlanningProblem
 
 log = logging.getLogger("memfit.policies")
 
+FINER_LAYERS_PER_PHASE = (20, 40)
+"""Finer logical layers than the swap planner's default ten per phase (swap-ins then start closer to
+their use): the swap session's variations below, and the joint planner's fallback when the default
+layers cannot fit (memfit_policies.joint)."""
+
 SWAP_VARIATIONS = (
     {},
-    {"layers_per_phase": 20},
-    {"layers_per_phase": 40},
+    *({"layers_per_phase": n} for n in FINER_LAYERS_PER_PHASE),
     {"size_weight": 1.0},
     {"size_weight": 4.0},
 )
