@@ -275,6 +275,17 @@ class ParallelModel:
         for part in self.parts:
             yield from part.parameters()
 
+    def local_parameter_bytes(self) -> int:
+        """Bytes of the storages behind this rank's parameters (local shards of DTensors; each storage once)."""
+        from torch.distributed.tensor import DTensor
+
+        storages = {}
+        for p in self.parameters():
+            local = p.to_local() if isinstance(p, DTensor) else p
+            storage = local.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+        return sum(storages.values())
+
     def load_weights(self, full_state_dict: dict[str, torch.Tensor] | None) -> None:
         """Materialise this rank's parameters on the device and fill them from rank 0's full state dict.
 
@@ -285,7 +296,9 @@ class ParallelModel:
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
         for part in self.parts:
             part.to_empty(device=self.device)
-            set_model_state_dict(part, full_state_dict if dist.get_rank() == 0 else {}, options=options)
+            # a copy per part: loading replaces the dict's values by this part's (sharded) tensors
+            full = dict(full_state_dict) if dist.get_rank() == 0 and full_state_dict is not None else {}
+            set_model_state_dict(part, full, options=options)
         for part in self.parts:
             missing = [n for n, p in part.named_parameters() if p.is_meta]
             if missing:
@@ -335,7 +348,9 @@ def parallelize(
             parallelism, swapping, selective checkpointing, plain DDP) or that does not fit the model.
     """
     device = torch.device(device)
-    _refuse_unapplied(config, recipe)
+    problems = unapplied(config, recipe)
+    if problems:
+        raise MemfitError(f"cannot apply {config.describe()!r}: " + "; ".join(problems))
     if mesh is None:
         mesh = build_mesh(config, device.type)
 
@@ -352,8 +367,6 @@ def parallelize(
         ranges = split_blocks(len(block_names), config.stages)
     else:
         stage_ids, ranges = [0], [range(len(block_names))]
-    if recipe.stage is None and config.pp > 1:
-        raise MemfitError("the model recipe has no `stage` function: it cannot be pipelined (pp > 1)")
     parts = []
     for stage in stage_ids:
         model = copy.deepcopy(whole) if len(stage_ids) > 1 else whole
@@ -384,7 +397,8 @@ def _block(blocks: nn.Module, name: str) -> nn.Module:
     return blocks[name] if isinstance(blocks, nn.ModuleDict) else blocks[int(name)]
 
 
-def _refuse_unapplied(config: ParallelConfig, recipe: ModelRecipe) -> None:
+def unapplied(config: ParallelConfig, recipe: ModelRecipe) -> list[str]:
+    """What of ``config`` :func:`parallelize` cannot apply to the recipe's model (empty when it can apply all)."""
     problems = []
     if config.cp > 1:
         problems.append("context parallelism (cp > 1) is simulated by `memfit parallel plan` but not applied yet")
@@ -401,8 +415,9 @@ def _refuse_unapplied(config: ParallelConfig, recipe: ModelRecipe) -> None:
         problems.append(f"param_dtype={config.param_dtype} is applied by FSDP's mixed precision: it needs dp_shard > 1")
     if config.tp > 1 and recipe.block_tp_plan is None and recipe.tp_plan is None:
         problems.append("tp > 1 needs a TP plan in the model recipe (tp_plan / block_tp_plan)")
-    if problems:
-        raise MemfitError(f"cannot apply {config.describe()!r}: " + "; ".join(problems))
+    if config.pp > 1 and recipe.stage is None:
+        problems.append("pp > 1 needs a `stage` function in the model recipe")
+    return problems
 
 
 def _apply_tp(part: nn.Module, recipe: ModelRecipe, tp_mesh) -> None:

@@ -8,3 +8,8 @@ import click
 @click.group()
 def parallel():
     """Choose N-D parallelism by simulation (plan) and train the reference model with it (run)."""
+
+
+from memfit_parallel.launch import run  # noqa: E402
+
+parallel.add_command(run)

@@ -16,7 +16,10 @@ device's own counters (untested here). Per rank and configuration the report hol
 * ``load_peak_bytes``: the peak from applying the configuration (meta init, which allocates
   nothing) through materialising the local shards and receiving the weights from rank 0 (the
   broadcast's full-size temporaries included);
-* ``weights_bytes``: live bytes once the weights are in (this rank's parameter shards);
+* ``weights_bytes``: live bytes once the weights are in (this rank's parameter shards, and any
+  buffer a collective still holds);
+* ``param_bytes``: the bytes of this rank's parameter storages, counted from the tensors (FSDP's
+  padding included), not measured;
 * ``peak_bytes``: **the training peak**: the peak from just after the weights are in (the peak is
   reset there) through ``--steps`` whole steps (the local batch copied in, forward, backward,
   gradient reduction, the AdamW step which creates its states on the first step, zeroing the
@@ -142,7 +145,11 @@ def train_configs(
             pm.load_weights(full)
             del full
             load_peak = memory.max_memory_allocated()
+            # gloo's worker threads drop their references to the broadcast buffers on their own time
+            dist.barrier()
+            gc.collect()
             weights = memory.memory_allocated()
+            local_params = pm.local_parameter_bytes()
             memory.reset_peak_memory_stats()
             optimizer = torch.optim.AdamW(pm.parameters(), lr=lr, foreach=False)
             rows = pm.dp_slice(global_batch)
@@ -166,7 +173,7 @@ def train_configs(
             del pm, optimizer, loss
             gc.collect()
         seconds = time.perf_counter() - start
-        mine = [rank, start_bytes, load_peak, weights, peak, end_bytes, *step_peaks]
+        mine = [rank, start_bytes, load_peak, weights, peak, end_bytes, local_params, *step_peaks]
         ranks = _gather_ints(mine, world, device)
         report["runs"].append(
             {
@@ -182,7 +189,8 @@ def train_configs(
                         "weights_bytes": r[3],
                         "peak_bytes": r[4],
                         "end_bytes": r[5],
-                        "step_peak_bytes": r[6:],
+                        "param_bytes": r[6],
+                        "step_peak_bytes": r[7:],
                     }
                     for r in ranks
                 ],
