@@ -8,8 +8,12 @@ in this process with the same model, seed, global batch and learning rate.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,7 +23,7 @@ from memfit.errors import MemfitError
 from memfit.models import Llama, LlamaConfig, build_training
 from memfit_parallel.apply import LlamaStage, llama_recipe, split_blocks, unapplied
 from memfit_parallel.config import ParallelConfig
-from memfit_parallel.launch import RunRequest, check_request, launch, trainer_command
+from memfit_parallel.launch import RunRequest, _kill_group, check_request, launch, trainer_command
 from memfit_parallel.trainer import load_configs
 from torch import nn
 
@@ -146,6 +150,33 @@ def test_four_ranks_shard_the_weights_as_configured(four_rank_runs):
     # HSDP: sharded over 2, replicated over 2
     assert all(abs(r["param_bytes"] - total / 2) <= 0.01 * total for r in four_rank_runs["hsdp"]["ranks"])
     assert sum(r["param_bytes"] for r in four_rank_runs["pp4_1f1b"]["ranks"]) == total
+
+
+def test_a_users_own_model_trains_as_one_process_through_the_public_api(tmp_path):
+    """own_model.py: a residual MLP of the user's, with its own ModelRecipe (blocks, TP plan, stage), on 2 ranks."""
+    script = Path(__file__).with_name("own_model.py")
+    spec = importlib.util.spec_from_file_location("own_model", script)
+    own_model = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(own_model)
+    out = tmp_path / "losses.json"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    process = subprocess.Popen(
+        [*torchrun, str(script), str(out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        output, _ = process.communicate(timeout=LAUNCH_TIMEOUT_S)
+    finally:
+        if process.poll() is None:
+            _kill_group(process)
+    assert process.returncode == 0, output[-4000:]
+    got = json.loads(out.read_text())
+    want = own_model.reference()
+    assert set(got) == set(own_model.CONFIGS)
+    for name, losses in got.items():
+        assert len(losses) == own_model.STEPS
+        for step, (a, b) in enumerate(zip(losses, want, strict=True)):
+            assert math.isclose(a, b, rel_tol=REL_TOL), f"{name} step {step}: {a} vs {b}"
 
 
 # -- pieces, in this process ------------------------------------------------------------------
