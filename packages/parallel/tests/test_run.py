@@ -41,6 +41,7 @@ TWO_RANKS = {
     "pp_interleaved": ParallelConfig(pp=2, pp_schedule="interleaved_1f1b", stages_per_rank=2, microbatches=2),
     "pp_gpipe": ParallelConfig(pp=2, pp_schedule="gpipe", microbatches=2),
     "fsdp_full_ac": ParallelConfig(dp_shard=2, activation_checkpoint="full"),
+    "ddp": ParallelConfig(dp_replicate=2),
 }
 FOUR_RANKS = {
     "fsdp": ParallelConfig(dp_shard=4),
@@ -58,6 +59,7 @@ FOUR_RANKS = {
         activation_checkpoint="full",
     ),  # fmt: skip
     "fsdp_tp_full_ac": ParallelConfig(dp_shard=2, tp=2, activation_checkpoint="full"),
+    "ddp_tp": ParallelConfig(dp_replicate=2, tp=2),
 }
 
 
@@ -106,6 +108,7 @@ def assert_peaks_recorded(run: dict, world: int) -> None:
     assert sorted(r["rank"] for r in ranks) == list(range(world))
     for r in ranks:
         assert len(r["step_peak_bytes"]) == STEPS and r["peak_bytes"] == max(r["step_peak_bytes"])
+        assert r["steady_peak_bytes"] == min(r["step_peak_bytes"][1:])
         # the training peak holds the weights, their gradients and AdamW's two states at least
         assert r["weights_bytes"] >= r["param_bytes"] > 0 and r["load_peak_bytes"] >= r["weights_bytes"]
         assert r["peak_bytes"] >= 3 * r["param_bytes"]
@@ -128,6 +131,7 @@ def test_two_ranks_shard_the_weights_as_configured(two_rank_runs):
         assert held == total, name  # each parameter lives on exactly one stage
     tp = [r["param_bytes"] for r in two_rank_runs["tp"]["ranks"]]
     assert all(total / 2 < w < total * 0.6 for w in tp)  # sharded matrices, replicated norms
+    assert [r["param_bytes"] for r in two_rank_runs["ddp"]["ranks"]] == [total, total]  # whole copies
 
 
 def test_full_activation_checkpointing_lowers_the_training_peak(two_rank_runs):
@@ -204,9 +208,9 @@ def test_stages_split_the_blocks_evenly_first_stages_taking_the_rest():
 def test_what_is_not_applied_yet_is_named():
     recipe = llama_recipe("tiny")
     assert unapplied(ParallelConfig(dp_shard=2, tp=2), recipe) == []
-    problems = unapplied(ParallelConfig(cp=2, swap=True, dp_replicate=2), recipe)
+    problems = unapplied(ParallelConfig(cp=2, swap=True), recipe)
     assert any("context parallelism" in p for p in problems) and any("swap" in p for p in problems)
-    assert any("plain DDP" in p for p in problems)
+    assert any("bfloat16" in p for p in unapplied(ParallelConfig(tp=2, param_dtype="bfloat16"), recipe))
     sac = ParallelConfig(dp_shard=2, activation_checkpoint="sac", sac_memory_fraction=0.5)
     assert any("sac" in p for p in unapplied(sac, recipe))
 

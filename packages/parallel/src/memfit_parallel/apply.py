@@ -383,9 +383,9 @@ def parallelize(
         # 4. AC
         if config.activation_checkpoint == "full":
             _apply_full_ac(part, recipe.blocks)
-        # 5. FSDP / HSDP
-        if config.dp_shard > 1:
-            _apply_fsdp(part, recipe.blocks, config, mesh)
+        # 5. FSDP / HSDP / DDP
+        if config.dp > 1:
+            _apply_data_parallel(part, recipe.blocks, config, mesh)
 
     pm = ParallelModel(config=config, recipe=recipe, mesh=mesh, device=device, parts=parts, stage_ids=stage_ids)
     if config.pp > 1:
@@ -409,10 +409,10 @@ def unapplied(config: ParallelConfig, recipe: ModelRecipe) -> list[str]:
             'activation_checkpoint="sac" is not applied yet (it needs a per-rank SAC plan from memfit-policies); '
             'use "full" or "none"'
         )
-    if config.dp_replicate > 1 and config.dp_shard == 1:
-        problems.append("plain DDP (dp_replicate > 1 with dp_shard = 1) is not applied; use dp_shard (FSDP) or HSDP")
-    if config.param_dtype != "float32" and config.dp_shard == 1:
-        problems.append(f"param_dtype={config.param_dtype} is applied by FSDP's mixed precision: it needs dp_shard > 1")
+    if config.param_dtype != "float32" and config.dp == 1:
+        problems.append(
+            f"param_dtype={config.param_dtype} is applied by FSDP's mixed precision: it needs data parallelism"
+        )
     if config.tp > 1 and recipe.block_tp_plan is None and recipe.tp_plan is None:
         problems.append("tp > 1 needs a TP plan in the model recipe (tp_plan / block_tp_plan)")
     if config.pp > 1 and recipe.stage is None:
@@ -451,13 +451,21 @@ def _apply_full_ac(part: nn.Module, blocks_attr: str) -> None:
         blocks[name] = checkpoint_wrapper(blocks[name], checkpoint_impl=CheckpointImpl.NO_REENTRANT)
 
 
-def _apply_fsdp(part: nn.Module, blocks_attr: str, config: ParallelConfig, mesh) -> None:
+def _apply_data_parallel(part: nn.Module, blocks_attr: str, config: ParallelConfig, mesh) -> None:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    dp_mesh = mesh["dp_replicate", "dp_shard"] if config.dp_replicate > 1 else mesh["dp_shard"]
     dtype = getattr(torch, config.param_dtype)
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     blocks = list(getattr(part, blocks_attr).values())
+    if config.dp_shard == 1:
+        # plain DDP: FSDP2's replicate (whole parameters on every rank, gradients all-reduced per block)
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+
+        for block in blocks:
+            replicate(block, mesh=mesh["dp_replicate"], mp_policy=policy)
+        replicate(part, mesh=mesh["dp_replicate"], mp_policy=policy)
+        return
+    dp_mesh = mesh["dp_replicate", "dp_shard"] if config.dp_replicate > 1 else mesh["dp_shard"]
     for index, block in enumerate(blocks):
         # the last block is gathered again right at the start of backward: keep it; with PP keep all
         # (one all-gather per step instead of one per microbatch)

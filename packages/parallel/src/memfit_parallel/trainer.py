@@ -25,9 +25,16 @@ device's own counters (untested here). Per rank and configuration the report hol
   gradient reduction, the AdamW step which creates its states on the first step, zeroing the
   gradients, and the loss all-reduce for logging); the parameters are resident throughout;
 * ``step_peak_bytes``: the same peak for each step alone (reset before each step);
+* ``steady_peak_bytes``: the least of the step peaks after the first (the first creates AdamW's
+  states; the later steps allocate alike, so their differences are timing noise: see below);
 * ``end_bytes``: live bytes after the last step (parameters and optimizer states).
 
 The rank-0 copy of the whole model that the weights are broadcast from is host memory, not counted.
+
+Noise: gloo runs collectives on its worker threads, and some allocate temporaries there (counted:
+cpu-sim counts every thread) whose lifetime against the training thread's allocations depends on
+timing. So with FSDP and TP the peaks vary by a few percent from run to run and step to step;
+pipeline-only runs repeat exactly. ``steady_peak_bytes`` is the least noisy figure.
 """
 
 from __future__ import annotations
@@ -191,6 +198,8 @@ def train_configs(
                         "end_bytes": r[5],
                         "param_bytes": r[6],
                         "step_peak_bytes": r[7:],
+                        # the steps after the first allocate alike: their differences are gloo-thread timing noise
+                        "steady_peak_bytes": min(r[8:]) if len(r) > 8 else max(r[7:], default=r[3]),
                     }
                     for r in ranks
                 ],
