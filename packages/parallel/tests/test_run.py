@@ -42,7 +42,9 @@ TWO_RANKS = {
     "pp_gpipe": ParallelConfig(pp=2, pp_schedule="gpipe", microbatches=2),
     "fsdp_full_ac": ParallelConfig(dp_shard=2, activation_checkpoint="full"),
     "ddp": ParallelConfig(dp_replicate=2),
+    "fsdp_bf16": ParallelConfig(dp_shard=2, param_dtype="bfloat16"),
 }
+BF16 = {"fsdp_bf16"}  # mixed precision: computes in bfloat16, so it follows float32 training to bfloat16's precision
 FOUR_RANKS = {
     "fsdp": ParallelConfig(dp_shard=4),
     "fsdp_tp": ParallelConfig(dp_shard=2, tp=2),
@@ -115,7 +117,7 @@ def assert_peaks_recorded(run: dict, world: int) -> None:
         assert r["end_bytes"] >= 3 * r["param_bytes"]  # parameters + exp_avg + exp_avg_sq
 
 
-@pytest.mark.parametrize("name", list(TWO_RANKS))
+@pytest.mark.parametrize("name", [name for name in TWO_RANKS if name not in BF16])
 def test_two_ranks_train_as_one_process(two_rank_runs, reference_losses, name):
     run = two_rank_runs[name]
     assert_matches_single_process(run, reference_losses)
@@ -132,6 +134,16 @@ def test_two_ranks_shard_the_weights_as_configured(two_rank_runs):
     tp = [r["param_bytes"] for r in two_rank_runs["tp"]["ranks"]]
     assert all(total / 2 < w < total * 0.6 for w in tp)  # sharded matrices, replicated norms
     assert [r["param_bytes"] for r in two_rank_runs["ddp"]["ranks"]] == [total, total]  # whole copies
+
+
+def test_bfloat16_parameters_train_close_to_float32_in_less_memory(two_rank_runs, reference_losses):
+    run = two_rank_runs["fsdp_bf16"]
+    assert_peaks_recorded(run, 2)
+    assert all(math.isclose(a, b, rel_tol=1e-2) for a, b in zip(run["losses"], reference_losses, strict=True))
+    assert run["losses"] != two_rank_runs["fsdp"]["losses"]  # it did compute in bfloat16
+    for bf16, fp32 in zip(run["ranks"], two_rank_runs["fsdp"]["ranks"], strict=True):
+        assert bf16["param_bytes"] == fp32["param_bytes"]  # float32 master weights, sharded alike
+        assert bf16["peak_bytes"] < fp32["peak_bytes"]  # bfloat16 activations and gathered weights
 
 
 def test_full_activation_checkpointing_lowers_the_training_peak(two_rank_runs):
