@@ -21,6 +21,7 @@ from click.testing import CliRunner
 from memfit.cli.main import cli
 from memfit.errors import MemfitError
 from memfit.models import Llama, LlamaConfig, build_training
+from memfit.plan import MemoryPlan, PlanPrediction, PlanSource, Recompute
 from memfit_parallel.apply import LlamaStage, llama_recipe, split_blocks, unapplied
 from memfit_parallel.config import ParallelConfig
 from memfit_parallel.launch import RunRequest, _kill_group, check_request, launch, trainer_command
@@ -44,6 +45,16 @@ TWO_RANKS = {
     "ddp": ParallelConfig(dp_replicate=2),
     "fsdp_bf16": ParallelConfig(dp_shard=2, param_dtype="bfloat16"),
 }
+HAS_EXECUTOR = importlib.util.find_spec("memfit_executor") is not None
+if HAS_EXECUTOR:  # selective checkpointing is applied by memfit-executor
+    TWO_RANKS |= {
+        "fsdp_sac": ParallelConfig(dp_shard=2, activation_checkpoint="sac", sac_memory_fraction=0.5),
+        "tp_sac": ParallelConfig(tp=2, activation_checkpoint="sac", sac_memory_fraction=0.5),
+        "pp_interleaved_sac": ParallelConfig(
+            pp=2, pp_schedule="interleaved_1f1b", stages_per_rank=2, microbatches=2, activation_checkpoint="sac",
+            sac_memory_fraction=0.5,
+        ),
+    }  # fmt: skip
 BF16 = {"fsdp_bf16"}  # mixed precision: computes in bfloat16, so it follows float32 training to bfloat16's precision
 FOUR_RANKS = {
     "fsdp": ParallelConfig(dp_shard=4),
@@ -65,10 +76,26 @@ FOUR_RANKS = {
 }
 
 
-def request(nproc: int, configs: dict[str, ParallelConfig]) -> RunRequest:
+def sac_plan(path: Path) -> Path:
+    """A selective-checkpointing plan: attention keeps the outputs of its 1st and 4th matmul (wq, wo), feed-forward
+    keeps nothing, in every block; as a memfit plan file (what ``memfit plan --planner sac`` writes)."""
+    actions = []
+    for i in range(N_LAYERS):
+        keep_wq_and_wo = (True, False, False, True)
+        actions.append(Recompute(module=f"layers.{i}.attention", ops=("aten::mm",) * 4, save=keep_wq_and_wo))
+        actions.append(Recompute(module=f"layers.{i}.feed_forward"))
+    plan = MemoryPlan(
+        planner="sac", budget_bytes=2**30, source=PlanSource(kind="synthetic", description="hand-made for the test"),
+        actions=tuple(actions), predicted=PlanPrediction(peak_bytes=0),
+    )  # fmt: skip
+    plan.save(path)
+    return path
+
+
+def request(nproc: int, configs: dict[str, ParallelConfig], sac: Path | None = None) -> RunRequest:
     return RunRequest(
         nproc=nproc, configs=list(configs.values()), n_layers=N_LAYERS, global_batch=BATCH, seq_len=SEQ,
-        steps=STEPS, seed=SEED, lr=LR,
+        steps=STEPS, seed=SEED, lr=LR, sac_plan=sac,
     )  # fmt: skip
 
 
@@ -85,7 +112,9 @@ def runs_by_name(report: dict, configs: dict[str, ParallelConfig]) -> dict[str, 
 
 @pytest.fixture(scope="module")
 def two_rank_runs(tmp_path_factory) -> dict[str, dict]:
-    report = launch(request(2, TWO_RANKS), tmp_path_factory.mktemp("run2") / "report.json", timeout_s=LAUNCH_TIMEOUT_S)
+    folder = tmp_path_factory.mktemp("run2")
+    sac = sac_plan(folder / "sac.json") if HAS_EXECUTOR else None
+    report = launch(request(2, TWO_RANKS, sac), folder / "report.json", timeout_s=LAUNCH_TIMEOUT_S)
     return runs_by_name(report, TWO_RANKS)
 
 
@@ -144,6 +173,15 @@ def test_bfloat16_parameters_train_close_to_float32_in_less_memory(two_rank_runs
     for bf16, fp32 in zip(run["ranks"], two_rank_runs["fsdp"]["ranks"], strict=True):
         assert bf16["param_bytes"] == fp32["param_bytes"]  # float32 master weights, sharded alike
         assert bf16["peak_bytes"] < fp32["peak_bytes"]  # bfloat16 activations and gathered weights
+
+
+@pytest.mark.skipif(not HAS_EXECUTOR, reason="selective checkpointing is applied by memfit-executor")
+def test_selective_checkpointing_lowers_the_training_peak_less_than_full(two_rank_runs):
+    for plain, sac, full in zip(
+        two_rank_runs["fsdp"]["ranks"], two_rank_runs["fsdp_sac"]["ranks"], two_rank_runs["fsdp_full_ac"]["ranks"],
+        strict=True,
+    ):  # fmt: skip
+        assert full["peak_bytes"] < sac["peak_bytes"] < 0.95 * plain["peak_bytes"]
 
 
 def test_full_activation_checkpointing_lowers_the_training_peak(two_rank_runs):
@@ -245,6 +283,12 @@ def test_bad_requests_fail_before_anything_launches(tmp_path):
     (tmp_path / "bad.json").write_text(json.dumps([{"dp_shard": 2}, {"tp": 0}]))
     with pytest.raises(MemfitError, match="invalid parallel configuration"):
         load_configs(tmp_path / "bad.json")
+    sac = ParallelConfig(dp_shard=2, activation_checkpoint="sac", sac_memory_fraction=0.5)
+    with pytest.raises(MemfitError, match="needs the SAC plan"):
+        check_request(RunRequest(nproc=2, configs=[sac]))
+    plan = sac_plan(tmp_path / "sac.json")
+    with pytest.raises(MemfitError, match="names modules the model does not have: layers.2.attention"):
+        check_request(RunRequest(nproc=2, configs=[sac], sac_plan=plan))  # tiny has 2 blocks, the plan 4
     # the default is FSDP over every rank
     default = RunRequest(nproc=2)
     check_request(default)

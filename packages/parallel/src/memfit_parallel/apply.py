@@ -42,13 +42,15 @@ Example (under ``torchrun``, after ``dist.init_process_group``):
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+import importlib.util
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from memfit.errors import MemfitError
+from memfit.plan import Recompute
 from torch import nn
 
 from memfit_parallel.config import ModelShape, ParallelConfig
@@ -245,6 +247,8 @@ class ParallelModel:
     stage_ids: list[int]
     schedule: object | None = None
     stages: list = field(default_factory=list)
+    recompute: list = field(default_factory=list)
+    """With SAC: memfit-executor's handles of the recomputation applied to each part."""
 
     @property
     def rank(self) -> int:
@@ -337,18 +341,30 @@ def parallelize(
     *,
     device: torch.device | str = "cpu",
     mesh=None,
+    recompute: Sequence[Recompute] | None = None,
 ) -> ParallelModel:
     """Apply ``config`` to the model of ``recipe`` on this rank: meta init → PP → TP → AC → FSDP.
 
     Collective over the default process group (every rank calls it with the same arguments).
     Parameters stay on ``meta`` until :meth:`ParallelModel.load_weights`.
 
+    Args:
+        recipe: the model (see :class:`ModelRecipe`).
+        config: the parallel configuration; its degrees must multiply to the world size.
+        device: where the local shards go (``cpu`` for gloo; ``cuda:<local rank>`` ...).
+        mesh: a ready ``DeviceMesh`` with the dimension names of ``config.mesh_shape()`` (default: built).
+        recompute: with ``activation_checkpoint="sac"``, the selective-checkpointing plan to apply:
+            :class:`memfit.plan.Recompute` actions (e.g. a ``memfit plan --planner sac`` plan's),
+            module names relative to the whole model; each rank applies those of its stages
+            (with memfit-executor's ``apply_recompute``).
+
     Raises:
         MemfitError: a part of the configuration this function does not apply (context
-            parallelism, swapping, selective checkpointing, plain DDP) or that does not fit the model.
+            parallelism, swapping) or that does not fit the model; a SAC plan naming modules the
+            model does not have.
     """
     device = torch.device(device)
-    problems = unapplied(config, recipe)
+    problems = unapplied(config, recipe, recompute)
     if problems:
         raise MemfitError(f"cannot apply {config.describe()!r}: " + "; ".join(problems))
     if mesh is None:
@@ -357,6 +373,8 @@ def parallelize(
     # 1. meta init
     with torch.device("meta"):
         whole = recipe.build()
+    actions = list(recompute or ()) if config.activation_checkpoint == "sac" else []
+    _check_recompute_names(whole, actions)
     blocks = getattr(whole, recipe.blocks)
     block_names = list(blocks.keys()) if isinstance(blocks, nn.ModuleDict) else [str(i) for i in range(len(blocks))]
 
@@ -376,6 +394,7 @@ def parallelize(
         part = recipe.stage(model, stage == 0, stage == config.stages - 1) if recipe.stage else model
         parts.append(part)
 
+    handles = []
     for part in parts:
         # 3. TP (+ sequence parallelism)
         if config.tp > 1:
@@ -383,11 +402,15 @@ def parallelize(
         # 4. AC
         if config.activation_checkpoint == "full":
             _apply_full_ac(part, recipe.blocks)
+        elif config.activation_checkpoint == "sac":
+            handles.append(_apply_sac(part, actions))
         # 5. FSDP / HSDP / DDP
         if config.dp > 1:
             _apply_data_parallel(part, recipe.blocks, config, mesh)
 
-    pm = ParallelModel(config=config, recipe=recipe, mesh=mesh, device=device, parts=parts, stage_ids=stage_ids)
+    pm = ParallelModel(
+        config=config, recipe=recipe, mesh=mesh, device=device, parts=parts, stage_ids=stage_ids, recompute=handles
+    )
     if config.pp > 1:
         _build_pipeline(pm, mesh["pp"])
     return pm
@@ -397,7 +420,7 @@ def _block(blocks: nn.Module, name: str) -> nn.Module:
     return blocks[name] if isinstance(blocks, nn.ModuleDict) else blocks[int(name)]
 
 
-def unapplied(config: ParallelConfig, recipe: ModelRecipe) -> list[str]:
+def unapplied(config: ParallelConfig, recipe: ModelRecipe, recompute: Sequence[Recompute] | None = None) -> list[str]:
     """What of ``config`` :func:`parallelize` cannot apply to the recipe's model (empty when it can apply all)."""
     problems = []
     if config.cp > 1:
@@ -405,10 +428,13 @@ def unapplied(config: ParallelConfig, recipe: ModelRecipe) -> list[str]:
     if config.swap:
         problems.append("swap=True is not applied by memfit-parallel yet (use memfit.swap per rank)")
     if config.activation_checkpoint == "sac":
-        problems.append(
-            'activation_checkpoint="sac" is not applied yet (it needs a per-rank SAC plan from memfit-policies); '
-            'use "full" or "none"'
-        )
+        if importlib.util.find_spec("memfit_executor") is None:
+            problems.append('activation_checkpoint="sac" is applied by memfit-executor: pip install memfit-executor')
+        if not recompute:
+            problems.append(
+                'activation_checkpoint="sac" needs the SAC plan to apply (Recompute actions, e.g. from '
+                "`memfit plan --planner sac`; `memfit parallel run --sac-plan`)"
+            )
     if config.param_dtype != "float32" and config.dp == 1:
         problems.append(
             f"param_dtype={config.param_dtype} is applied by FSDP's mixed precision: it needs data parallelism"
@@ -449,6 +475,21 @@ def _apply_full_ac(part: nn.Module, blocks_attr: str) -> None:
     blocks = getattr(part, blocks_attr)
     for name in list(blocks.keys()):
         blocks[name] = checkpoint_wrapper(blocks[name], checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+
+
+def _check_recompute_names(whole: nn.Module, actions: list[Recompute]) -> None:
+    names = {name for name, _ in whole.named_modules()}
+    unknown = sorted({a.module for a in actions} - names)
+    if unknown:
+        raise MemfitError(f"the SAC plan names modules the model does not have: {', '.join(unknown[:5])}")
+
+
+def _apply_sac(part: nn.Module, actions: list[Recompute]):
+    """Apply memfit's selective checkpointing (memfit-executor) to the plan's modules that this stage holds."""
+    from memfit_executor.recompute import apply_recompute
+
+    names = {name for name, _ in part.named_modules()}
+    return apply_recompute(part, [a for a in actions if a.module in names])
 
 
 def _apply_data_parallel(part: nn.Module, blocks_attr: str, config: ParallelConfig, mesh) -> None:

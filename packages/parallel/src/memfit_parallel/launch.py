@@ -45,6 +45,8 @@ class RunRequest:
     seed: int = 0
     lr: float = 3e-3
     capacity: str = "4GiB"
+    sac_plan: Path | None = None
+    """A memfit plan whose recompute actions ``activation_checkpoint="sac"`` applies."""
 
 
 def check_request(request: RunRequest) -> None:
@@ -54,6 +56,7 @@ def check_request(request: RunRequest) -> None:
 
     from memfit_parallel.apply import llama_recipe, unapplied
     from memfit_parallel.config import ParallelConfig, Workload
+    from memfit_parallel.trainer import load_recompute
 
     if request.nproc < 1:
         raise MemfitError(f"--nproc must be at least 1, got {request.nproc}")
@@ -69,10 +72,21 @@ def check_request(request: RunRequest) -> None:
     if not request.configs:
         request.configs = [ParallelConfig(dp_shard=request.nproc)]
     recipe = llama_recipe(request.model, **overrides)
+    recompute = None
+    if request.sac_plan is not None:
+        import torch
+
+        recompute = load_recompute(request.sac_plan)
+        with torch.device("meta"):
+            names = {name for name, _ in recipe.build().named_modules()}
+        unknown = sorted({a.module for a in recompute} - names)
+        if unknown:
+            raise MemfitError(f"{request.sac_plan} names modules the model does not have: {', '.join(unknown[:5])}")
     workload = Workload(model=request.model, global_batch=request.global_batch, seq_len=request.seq_len)
     problems = []
     for config in request.configs:
-        found = config.problems(workload, recipe.shape, world_size=request.nproc) + unapplied(config, recipe)
+        found = config.problems(workload, recipe.shape, world_size=request.nproc)
+        found += unapplied(config, recipe, recompute)
         if found:
             problems.append(f"{config.describe()!r}: " + "; ".join(found))
     if problems:
@@ -90,6 +104,8 @@ def trainer_command(request: RunRequest, config_path: Path, report_path: Path) -
     ]  # fmt: skip
     if request.n_layers:
         command += ["--n-layers", str(request.n_layers)]
+    if request.sac_plan is not None:
+        command += ["--sac-plan", str(Path(request.sac_plan).resolve())]
     return command
 
 
@@ -157,8 +173,13 @@ def _kill_group(process: subprocess.Popen) -> None:
 @click.option("--lr", type=float, default=3e-3, show_default=True, help="AdamW learning rate.")
 @click.option("--capacity", default="4GiB", show_default=True, help="cpu-sim device capacity per rank (CPU).")
 @click.option("--report", type=click.Path(path_type=Path), help="Write the JSON report here.")
+@click.option(
+    "--sac-plan",
+    type=click.Path(path_type=Path),
+    help='A memfit SAC plan (memfit plan --planner sac): what activation_checkpoint="sac" applies.',
+)
 @click.option("--timeout", "timeout_s", type=float, default=DEFAULT_TIMEOUT_S, show_default=True, help="Seconds.")
-def run(config_path, nproc, model, n_layers, batch, seq, steps, seed, lr, capacity, report, timeout_s):
+def run(config_path, nproc, model, n_layers, batch, seq, steps, seed, lr, capacity, report, sac_plan, timeout_s):
     """Train the reference Llama with a parallel configuration on NPROC local processes (torchrun)."""
     from memfit_parallel.trainer import load_configs
 
@@ -166,7 +187,7 @@ def run(config_path, nproc, model, n_layers, batch, seq, steps, seed, lr, capaci
         configs = load_configs(config_path) if config_path else []
         request = RunRequest(
             nproc=nproc, configs=configs, model=model, n_layers=n_layers, global_batch=batch, seq_len=seq,
-            steps=steps, seed=seed, lr=lr, capacity=capacity,
+            steps=steps, seed=seed, lr=lr, capacity=capacity, sac_plan=sac_plan,
         )  # fmt: skip
         check_request(request)
         click.echo(f"launching {nproc} processes: " + ", ".join(c.describe() for c in request.configs))

@@ -52,6 +52,17 @@ from pathlib import Path
 DEFAULT_CAPACITY = "4GiB"
 
 
+def load_recompute(path: str | Path) -> list:
+    """The :class:`memfit.plan.Recompute` actions of a memfit plan file (what SAC applies)."""
+    from memfit.errors import MemfitError
+    from memfit.plan import MemoryPlan, Recompute
+
+    actions = [a for a in MemoryPlan.load(path).actions if isinstance(a, Recompute)]
+    if not actions:
+        raise MemfitError(f"{path} holds no recompute action: make a SAC plan with `memfit plan --planner sac`")
+    return actions
+
+
 def load_configs(path: str | Path):
     """The configurations of a file: one configuration, a plan file (``"config"`` key), or a JSON list of either."""
     from memfit.errors import MemfitError
@@ -108,6 +119,7 @@ def train_configs(
     seed: int = 0,
     lr: float = 3e-3,
     capacity: str = DEFAULT_CAPACITY,
+    recompute=None,
     log=print,
 ) -> dict:
     """Train each configuration in turn on this rank (collective); returns the report (complete on rank 0)."""
@@ -148,7 +160,7 @@ def train_configs(
             gc.collect()
             start_bytes = memory.memory_allocated()
             memory.reset_peak_memory_stats()
-            pm = parallelize(recipe, config, device=device)
+            pm = parallelize(recipe, config, device=device, recompute=recompute)
             pm.load_weights(full)
             del full
             load_peak = memory.max_memory_allocated()
@@ -209,7 +221,7 @@ def train_configs(
 
 
 @contextlib.contextmanager
-def _uncounted(memory):
+def _uncounted(memory):  # noqa: D103 - cpu-sim's uncounted(), or nothing on a device
     uncounted = getattr(memory, "uncounted", None)
     with uncounted() if uncounted else contextlib.nullcontext():
         yield
@@ -239,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--capacity", default=DEFAULT_CAPACITY, help="cpu-sim capacity per rank (CPU only)")
     parser.add_argument("--report", help="write the JSON report here (rank 0)")
+    parser.add_argument("--sac-plan", help='memfit plan whose recompute actions activation_checkpoint="sac" applies')
     args = parser.parse_args(argv)
 
     import torch
@@ -266,7 +279,9 @@ def main(argv: list[str] | None = None) -> int:
             seed=args.seed,
             lr=args.lr,
             capacity=args.capacity,
+            recompute=load_recompute(args.sac_plan) if args.sac_plan else None,
         )
+        report["sac_plan"] = args.sac_plan
         report["seconds"] = time.perf_counter() - started
         if dist.get_rank() == 0:
             text = json.dumps(report, indent=2)
