@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import click
 
+from memfit_parallel.launch import run
+
 
 @click.group()
 def parallel():
     """Choose N-D parallelism by simulation (plan) and train the reference model with it (run)."""
 
-
-from memfit_parallel.launch import run  # noqa: E402
 
 parallel.add_command(run)
