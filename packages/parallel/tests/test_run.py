@@ -20,9 +20,9 @@ import torch
 from click.testing import CliRunner
 from memfit.cli.main import cli
 from memfit.errors import MemfitError
-from memfit.models import Llama, LlamaConfig, build_training
+from memfit.models import Llama, LlamaConfig, SyntheticTokens, build_training
 from memfit.plan import MemoryPlan, PlanPrediction, PlanSource, Recompute
-from memfit_parallel.apply import LlamaStage, llama_recipe, split_blocks, unapplied
+from memfit_parallel.apply import LlamaStage, llama_recipe, parallelize, split_blocks, unapplied
 from memfit_parallel.config import ParallelConfig
 from memfit_parallel.launch import RunRequest, _kill_group, check_request, launch, trainer_command
 from memfit_parallel.trainer import load_configs
@@ -246,6 +246,42 @@ def test_a_whole_llama_stage_computes_what_the_model_computes():
     assert torch.equal(stage(tokens), want)
     # the names are the whole model's, so its full state dict loads into stages
     assert set(stage.state_dict()) == set(Llama(MODEL).state_dict())
+
+
+@pytest.fixture
+def world_of_one():
+    """A gloo process group of this process alone (no launch)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_one_rank_with_full_checkpointing_trains_as_the_plain_loop(world_of_one, reference_losses):
+    recipe = llama_recipe("tiny", n_layers=N_LAYERS)
+    model = parallelize(recipe, ParallelConfig(activation_checkpoint="full"), device="cpu")
+    model.load_weights(recipe.full_state_dict(SEED))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, foreach=False)
+    data = SyntheticTokens(MODEL.vocab_size, SEQ, BATCH, SEED)
+    losses = []
+    for step in range(STEPS):
+        loss = model.train_step(*data.batch(step))
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(model.global_loss(loss))
+    assert losses == pytest.approx(reference_losses, rel=REL_TOL)
+
+
+def test_weights_missing_from_the_full_state_dict_are_named_not_left_uninitialised(world_of_one):
+    recipe = llama_recipe("tiny")
+    model = parallelize(recipe, ParallelConfig(), device="cpu")
+    full = recipe.full_state_dict(SEED)
+    del full["layers.1.ffn_norm.weight"]
+    with pytest.raises(MemfitError, match="lacks 1 of this rank's weights: layers.1.ffn_norm.weight"):
+        model.load_weights(full)
 
 
 def test_stages_split_the_blocks_evenly_first_stages_taking_the_rest():

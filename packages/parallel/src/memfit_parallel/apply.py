@@ -78,6 +78,9 @@ class ModelRecipe:
             the stage's input to its output (the first stage gets the inputs, the last returns what
             ``loss_fn`` takes). It must keep parameter names as in the whole model (so the full
             state dict loads). ``None``: the model itself, which then cannot be pipelined.
+            Weights come from the state dict: a non-persistent buffer is left uninitialised by
+            :meth:`ParallelModel.load_weights` (compute such buffers in ``forward``, as the
+            reference Llama does its rotary tables).
         shape: heads and layers, for the checks of :meth:`ParallelConfig.check` (optional).
     """
 
@@ -249,6 +252,8 @@ class ParallelModel:
     stages: list = field(default_factory=list)
     recompute: list = field(default_factory=list)
     """With SAC: memfit-executor's handles of the recomputation applied to each part."""
+    state_keys: set[str] = field(default_factory=set)
+    """The state-dict names this rank's parts hold (the whole model's names), for the load check."""
 
     @property
     def rank(self) -> int:
@@ -297,16 +302,21 @@ class ParallelModel:
         """
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
+        # strict=False (a stage holds part of the model) would leave a missing name uninitialised: check first
+        names = [sorted(full_state_dict) if dist.get_rank() == 0 and full_state_dict is not None else None]
+        dist.broadcast_object_list(names, src=0)
+        if names[0] is None:
+            raise MemfitError("load_weights needs the full state dict on rank 0")
+        missing = sorted(self.state_keys - set(names[0]))
+        if missing:
+            listed = ", ".join(missing[:5])
+            raise MemfitError(f"the full state dict lacks {len(missing)} of this rank's weights: {listed}")
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
         for part in self.parts:
             part.to_empty(device=self.device)
             # a copy per part: loading replaces the dict's values by this part's (sharded) tensors
             full = dict(full_state_dict) if dist.get_rank() == 0 and full_state_dict is not None else {}
             set_model_state_dict(part, full, options=options)
-        for part in self.parts:
-            missing = [n for n, p in part.named_parameters() if p.is_meta]
-            if missing:
-                raise MemfitError(f"parameters left unloaded: {missing[:5]}")
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
         """Forward and backward of this rank's local batch; the mean loss where this rank computes it, else ``None``.
@@ -393,6 +403,7 @@ def parallelize(
         setattr(model, recipe.blocks, kept)
         part = recipe.stage(model, stage == 0, stage == config.stages - 1) if recipe.stage else model
         parts.append(part)
+    state_keys = {name for part in parts for name in part.state_dict()}
 
     handles = []
     for part in parts:
@@ -409,8 +420,9 @@ def parallelize(
             _apply_data_parallel(part, recipe.blocks, config, mesh)
 
     pm = ParallelModel(
-        config=config, recipe=recipe, mesh=mesh, device=device, parts=parts, stage_ids=stage_ids, recompute=handles
-    )
+        config=config, recipe=recipe, mesh=mesh, device=device, parts=parts, stage_ids=stage_ids, recompute=handles,
+        state_keys=state_keys,
+    )  # fmt: skip
     if config.pp > 1:
         _build_pipeline(pm, mesh["pp"])
     return pm
