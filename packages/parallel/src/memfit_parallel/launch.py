@@ -41,7 +41,7 @@ class RunRequest:
     n_layers: int | None = None
     global_batch: int = 8
     seq_len: int = 32
-    steps: int = 3
+    steps: int = 5
     seed: int = 0
     lr: float = 3e-3
     capacity: str = "4GiB"
@@ -168,7 +168,7 @@ def _kill_group(process: subprocess.Popen) -> None:
 @click.option("--n-layers", type=int, default=None, help="Override the preset's number of blocks.")
 @click.option("--batch", type=int, default=8, show_default=True, help="Global batch (sequences per step).")
 @click.option("--seq", type=int, default=32, show_default=True, help="Sequence length.")
-@click.option("--steps", type=int, default=3, show_default=True, help="Training steps.")
+@click.option("--steps", type=int, default=5, show_default=True, help="Training steps.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--lr", type=float, default=3e-3, show_default=True, help="AdamW learning rate.")
 @click.option("--capacity", default="4GiB", show_default=True, help="cpu-sim device capacity per rank (CPU).")

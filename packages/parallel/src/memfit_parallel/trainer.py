@@ -115,7 +115,7 @@ def train_configs(
     overrides: dict | None = None,
     global_batch: int = 8,
     seq_len: int = 32,
-    steps: int = 3,
+    steps: int = 5,
     seed: int = 0,
     lr: float = 3e-3,
     capacity: str = DEFAULT_CAPACITY,
@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--n-layers", type=int, default=None, help="override the preset's number of blocks")
     parser.add_argument("--batch", type=int, default=8, help="global batch (sequences per step over all ranks)")
     parser.add_argument("--seq", type=int, default=32, help="sequence length")
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--capacity", default=DEFAULT_CAPACITY, help="cpu-sim capacity per rank (CPU only)")
