@@ -148,9 +148,10 @@ class Attention(nn.Module):
         """
         c = self.config
         batch, seq, _ = x.shape
-        q = self.wq(x).view(batch, seq, c.n_heads, c.head_dim).transpose(1, 2)
-        k = self.wk(x).view(batch, seq, c.n_kv_heads, c.head_dim).transpose(1, 2)
-        v = self.wv(x).view(batch, seq, c.n_kv_heads, c.head_dim).transpose(1, 2)
+        # Heads as -1: under tensor parallelism (memfit-parallel) each rank holds a slice of them.
+        q = self.wq(x).view(batch, seq, -1, c.head_dim).transpose(1, 2)
+        k = self.wk(x).view(batch, seq, -1, c.head_dim).transpose(1, 2)
+        v = self.wv(x).view(batch, seq, -1, c.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         is_causal = True
         if cache is not None:
@@ -167,7 +168,7 @@ class Attention(nn.Module):
             k = k.repeat_interleave(groups, dim=1)
             v = v.repeat_interleave(groups, dim=1)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
-        return self.wo(out.transpose(1, 2).reshape(batch, seq, c.dim))
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
 class FeedForward(nn.Module):

@@ -1,0 +1,544 @@
+"""Apply a :class:`~memfit_parallel.config.ParallelConfig` to a model with torch.distributed, in TorchTitan's order.
+
+The order is meta init → PP → TP → AC → FSDP, then materialisation:
+
+1. **meta init**: the model is built on the ``meta`` device (shapes only, no memory), so a model
+   too large for one device can still be split.
+2. **PP** first, because it is MPMD: each pipeline rank keeps a copy of the model cut down to its
+   stages' blocks (with ``interleaved_1f1b``, several non-adjacent stages: looped placement, stage
+   ``s`` on pipeline rank ``s mod pp``); every later step applies to each stage on its own.
+3. **TP** (with sequence parallelism) next: it replaces parameters by DTensors sharded over the
+   ``tp`` mesh dimension, which FSDP then shards a second time (2-D).
+4. **AC** wraps each block in non-reentrant ``torch.utils.checkpoint``; it must wrap the block
+   before FSDP does, so that FSDP's all-gather hooks sit outside the checkpointed region and
+   recomputation re-gathers the parameters.
+5. **FSDP2** (``fully_shard``) last: each block, then the stage root; over ``dp_shard``, or HSDP
+   over ``(dp_replicate, dp_shard)``. With PP, blocks are not resharded after forward (ZeRO-2
+   style), as TorchTitan does, to avoid one all-gather per microbatch.
+6. **materialise**: ``to_empty`` allocates each rank's local shards on the device, then the weights
+   of the full model, built once on rank 0 with the seed, are broadcast and each rank keeps its
+   shard (``set_model_state_dict(..., full_state_dict=True, broadcast_from_rank0=True)``). The
+   initial weights therefore equal a single-process model built with the same seed, whatever the
+   configuration, and so does training.
+
+Users' own models come in as a :class:`ModelRecipe`: how to build the model, where its blocks are,
+the TP plan, and (for PP) how to make a stage from a model cut down to some blocks.
+:func:`llama_recipe` is the recipe of memfit's reference Llama.
+
+Example (under ``torchrun``, after ``dist.init_process_group``):
+    ```python
+    from memfit_parallel.apply import llama_recipe, parallelize
+    from memfit_parallel.config import ParallelConfig
+
+    recipe = llama_recipe("tiny")
+    model = parallelize(recipe, ParallelConfig(dp_shard=2, tp=2), device="cpu")
+    model.load_weights(recipe.full_state_dict(seed=0) if model.rank == 0 else None)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    loss = model.train_step(inputs[model.dp_slice(len(inputs))], targets[model.dp_slice(len(targets))])
+    optimizer.step(); optimizer.zero_grad()
+    ```
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from memfit.errors import MemfitError
+from memfit.plan import Recompute
+from torch import nn
+
+from memfit_parallel.config import ModelShape, ParallelConfig
+
+StagePlacement = list[int]
+
+
+@dataclass
+class ModelRecipe:
+    """What :func:`parallelize` needs to know about a model.
+
+    Args:
+        build: builds the whole model (deterministic given ``torch.manual_seed``). Called once under
+            ``torch.device("meta")`` on every rank, and once for real on rank 0 for the weights.
+        blocks: attribute of the model holding its repeated blocks (an ``nn.ModuleList`` or
+            ``nn.ModuleDict``): the units of the pipeline split, activation checkpointing and FSDP
+            wrapping.
+        loss_fn: ``loss_fn(output, targets)``, the mean loss of a batch (or microbatch).
+        tp_plan: ``parallelize_module`` plan for the modules outside the blocks (FQNs relative to
+            the model; entries whose module a pipeline stage lacks are skipped).
+        block_tp_plan: ``parallelize_module`` plan applied to every block (FQNs relative to a block).
+        stage: makes a pipeline stage (and, for ``pp == 1``, the single whole-model stage) from the
+            model with ``blocks`` already cut down to the stage's blocks (an ``nn.ModuleDict`` keyed
+            by the original indices): ``stage(model, first, last) -> nn.Module`` whose forward maps
+            the stage's input to its output (the first stage gets the inputs, the last returns what
+            ``loss_fn`` takes). It must keep parameter names as in the whole model (so the full
+            state dict loads). ``None``: the model itself, which then cannot be pipelined.
+            Weights come from the state dict: a non-persistent buffer is left uninitialised by
+            :meth:`ParallelModel.load_weights` (compute such buffers in ``forward``, as the
+            reference Llama does its rotary tables).
+        shape: heads and layers, for the checks of :meth:`ParallelConfig.check` (optional).
+    """
+
+    build: Callable[[], nn.Module]
+    blocks: str = "layers"
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = field(default=None)  # type: ignore[assignment]
+    tp_plan: dict | None = None
+    block_tp_plan: dict | None = None
+    stage: Callable[[nn.Module, bool, bool], nn.Module] | None = None
+    shape: ModelShape | None = None
+
+    def full_state_dict(self, seed: int = 0) -> dict[str, torch.Tensor]:
+        """The whole model's weights as ``torch.manual_seed(seed); build()`` makes them, on the CPU."""
+        torch.manual_seed(seed)
+        with torch.device("cpu"):
+            return self.build().state_dict()
+
+
+# -- the reference Llama ----------------------------------------------------------------------
+
+
+def llama_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Next-token cross entropy, as :meth:`memfit.models.Llama.loss` computes it."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+class LlamaStage(nn.Module):
+    """A contiguous part of :class:`memfit.models.Llama`: embeddings (first), blocks, norm and head (last).
+
+    With all parts it computes exactly what ``Llama.forward`` computes. Parameter names are the
+    whole model's (``layers`` is a ``ModuleDict`` keyed by the original block index).
+    """
+
+    def __init__(self, model: nn.Module, first: bool, last: bool) -> None:
+        super().__init__()
+        self.config = model.config
+        self.tok_embeddings = model.tok_embeddings if first else None
+        self.layers = model.layers
+        self.norm = model.norm if last else None
+        self.output = model.output if last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from memfit.models.llama import rotary_tables
+
+        h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
+        # the sequence length of the tokens; under sequence parallelism the local activations hold a slice of it
+        seq = x.shape[1] * (1 if self.tok_embeddings is not None else _sequence_shards(self))
+        cos, sin = rotary_tables(self.config, seq, device=h.device)
+        for layer in self.layers.values():
+            h = layer(h, cos, sin)
+        if self.norm is None:
+            return h
+        return self.output(self.norm(h))
+
+
+def _sequence_shards(stage: LlamaStage) -> int:
+    return getattr(stage, "_memfit_sequence_shards", 1)
+
+
+def llama_tp_plans() -> tuple[dict, dict]:
+    """TorchTitan's TP + sequence-parallel plan for the reference Llama: (model-level, per block).
+
+    The residual stream between blocks is sharded on the sequence (``Shard(1)``), gathered before
+    attention and the feed-forward (whose projections are column then row parallel) and
+    reduce-scattered back after them; the norms run on sequence shards. Logits are gathered
+    (``Replicate``) for the loss (no loss parallelism).
+    """
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    model_plan = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    }
+    block_plan = {
+        "attention_norm": SequenceParallel(),
+        "attention": PrepareModuleInput(
+            input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+        ),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "ffn_norm": SequenceParallel(),
+        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w3": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+    }
+    return model_plan, block_plan
+
+
+def llama_recipe(model: str = "tiny", **overrides) -> ModelRecipe:
+    """The recipe of memfit's reference Llama: a preset name and optional ``LlamaConfig`` field overrides."""
+    from memfit.models import Llama, LlamaConfig
+
+    config = LlamaConfig.preset(model, **overrides)
+    if config.tie_embeddings:
+        raise MemfitError("memfit-parallel does not split a Llama with tied embeddings (tie_embeddings=True)")
+    model_plan, block_plan = llama_tp_plans()
+    return ModelRecipe(
+        build=lambda: Llama(config),
+        blocks="layers",
+        loss_fn=llama_loss,
+        tp_plan=model_plan,
+        block_tp_plan=block_plan,
+        stage=LlamaStage,
+        shape=ModelShape(n_layers=config.n_layers, n_heads=config.n_heads, n_kv_heads=config.n_kv_heads),
+    )
+
+
+# -- mesh -------------------------------------------------------------------------------------
+
+
+def build_mesh(config: ParallelConfig, device_type: str):
+    """``init_device_mesh`` over ``config.mesh_shape()`` (a 1-D ``dp_shard`` mesh of 1 rank when every degree is 1)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    names, shape = config.mesh_shape()
+    if not names:
+        names, shape = ("dp_shard",), (1,)
+    if dist.get_world_size() != config.world_size:
+        raise MemfitError(
+            f"parallel configuration {config.describe()!r} needs {config.world_size} processes, "
+            f"this job has {dist.get_world_size()}"
+        )
+    return init_device_mesh(device_type, shape, mesh_dim_names=names)
+
+
+def _coordinate(mesh, name: str) -> int:
+    names = mesh.mesh_dim_names or ()
+    return mesh.get_coordinate()[names.index(name)] if name in names else 0
+
+
+def split_blocks(n_blocks: int, n_stages: int) -> list[range]:
+    """Block indices of each stage: as even as possible, the first stages taking the extra blocks."""
+    if n_stages > n_blocks:
+        raise MemfitError(f"{n_stages} pipeline stages for {n_blocks} blocks: at most one stage per block")
+    base, extra = divmod(n_blocks, n_stages)
+    ranges, start = [], 0
+    for s in range(n_stages):
+        stop = start + base + (1 if s < extra else 0)
+        ranges.append(range(start, stop))
+        start = stop
+    return ranges
+
+
+# -- the parallel model -----------------------------------------------------------------------
+
+
+@dataclass
+class ParallelModel:
+    """This rank's share of a parallelised model: its stage modules, pipeline schedule and mesh coordinates."""
+
+    config: ParallelConfig
+    recipe: ModelRecipe
+    mesh: object
+    device: torch.device
+    parts: list[nn.Module]
+    """This rank's modules: one, or ``stages_per_rank`` pipeline stages (stage indices in :attr:`stage_ids`)."""
+    stage_ids: list[int]
+    schedule: object | None = None
+    stages: list = field(default_factory=list)
+    recompute: list = field(default_factory=list)
+    """With SAC: memfit-executor's handles of the recomputation applied to each part."""
+    state_keys: set[str] = field(default_factory=set)
+    """The state-dict names this rank's parts hold (the whole model's names), for the load check."""
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank()
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's index among the ``dp_replicate × dp_shard`` data-parallel ranks."""
+        return _coordinate(self.mesh, "dp_replicate") * self.config.dp_shard + _coordinate(self.mesh, "dp_shard")
+
+    @property
+    def holds_first_stage(self) -> bool:
+        return 0 in self.stage_ids
+
+    @property
+    def holds_last_stage(self) -> bool:
+        return self.config.stages - 1 in self.stage_ids
+
+    def dp_slice(self, global_batch: int) -> slice:
+        """The rows of a global batch this rank trains on (equal contiguous slices per data-parallel rank)."""
+        if global_batch % self.config.dp:
+            raise MemfitError(f"global batch {global_batch} does not split over {self.config.dp} data-parallel ranks")
+        local = global_batch // self.config.dp
+        return slice(self.dp_rank * local, (self.dp_rank + 1) * local)
+
+    def parameters(self):
+        """Every parameter of this rank's parts (DTensors where sharded): what the optimizer gets."""
+        for part in self.parts:
+            yield from part.parameters()
+
+    def local_parameter_bytes(self) -> int:
+        """Bytes of the storages behind this rank's parameters (local shards of DTensors; each storage once)."""
+        from torch.distributed.tensor import DTensor
+
+        storages = {}
+        for p in self.parameters():
+            local = p.to_local() if isinstance(p, DTensor) else p
+            storage = local.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+        return sum(storages.values())
+
+    def load_weights(self, full_state_dict: dict[str, torch.Tensor] | None) -> None:
+        """Materialise this rank's parameters on the device and fill them from rank 0's full state dict.
+
+        Collective: every rank calls it; ``full_state_dict`` is read on rank 0 only (others pass ``None``).
+        """
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        # strict=False (a stage holds part of the model) would leave a missing name uninitialised: check first
+        names = [sorted(full_state_dict) if dist.get_rank() == 0 and full_state_dict is not None else None]
+        dist.broadcast_object_list(names, src=0)
+        if names[0] is None:
+            raise MemfitError("load_weights needs the full state dict on rank 0")
+        missing = sorted(self.state_keys - set(names[0]))
+        if missing:
+            listed = ", ".join(missing[:5])
+            raise MemfitError(f"the full state dict lacks {len(missing)} of this rank's weights: {listed}")
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
+        for part in self.parts:
+            part.to_empty(device=self.device)
+            # a copy per part: loading replaces the dict's values by this part's (sharded) tensors
+            full = dict(full_state_dict) if dist.get_rank() == 0 and full_state_dict is not None else {}
+            set_model_state_dict(part, full, options=options)
+
+    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+        """Forward and backward of this rank's local batch; the mean loss where this rank computes it, else ``None``.
+
+        Gradients are left in the parameters for the optimizer (FSDP has reduced them over the
+        data-parallel ranks). With PP, the local batch is split into ``microbatches``.
+        """
+        if self.schedule is None:
+            loss = self.recipe.loss_fn(self.parts[0](inputs), targets)
+            loss.backward()
+            return loss.detach()
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if self.holds_first_stage else ()
+        kwargs = {"target": targets, "losses": losses} if self.holds_last_stage else {}
+        self.schedule.step(*args, **kwargs)
+        if not self.holds_last_stage:
+            return None
+        return torch.stack([x.detach().float() for x in losses]).mean()
+
+    def global_loss(self, loss: torch.Tensor | None) -> float:
+        """The step's mean loss over the global batch, on every rank (collective; for logging)."""
+        pair = torch.zeros(2, dtype=torch.float64, device=self.device)
+        if loss is not None:
+            pair[0], pair[1] = float(loss), 1.0
+        dist.all_reduce(pair)
+        return float(pair[0] / pair[1])
+
+
+def parallelize(
+    recipe: ModelRecipe,
+    config: ParallelConfig,
+    *,
+    device: torch.device | str = "cpu",
+    mesh=None,
+    recompute: Sequence[Recompute] | None = None,
+) -> ParallelModel:
+    """Apply ``config`` to the model of ``recipe`` on this rank: meta init → PP → TP → AC → FSDP.
+
+    Collective over the default process group (every rank calls it with the same arguments).
+    Parameters stay on ``meta`` until :meth:`ParallelModel.load_weights`.
+
+    Args:
+        recipe: the model (see :class:`ModelRecipe`).
+        config: the parallel configuration; its degrees must multiply to the world size.
+        device: where the local shards go (``cpu`` for gloo; ``cuda:<local rank>`` ...).
+        mesh: a ready ``DeviceMesh`` with the dimension names of ``config.mesh_shape()`` (default: built).
+        recompute: with ``activation_checkpoint="sac"``, the selective-checkpointing plan to apply:
+            :class:`memfit.plan.Recompute` actions (e.g. a ``memfit plan --planner sac`` plan's),
+            module names relative to the whole model; each rank applies those of its stages
+            (with memfit-executor's ``apply_recompute``).
+
+    Raises:
+        MemfitError: a part of the configuration this function does not apply (context
+            parallelism, swapping) or that does not fit the model; a SAC plan naming modules the
+            model does not have.
+    """
+    device = torch.device(device)
+    problems = unapplied(config, recipe, recompute)
+    if problems:
+        raise MemfitError(f"cannot apply {config.describe()!r}: " + "; ".join(problems))
+    if mesh is None:
+        mesh = build_mesh(config, device.type)
+
+    # 1. meta init
+    with torch.device("meta"):
+        whole = recipe.build()
+    actions = list(recompute or ()) if config.activation_checkpoint == "sac" else []
+    _check_recompute_names(whole, actions)
+    blocks = getattr(whole, recipe.blocks)
+    block_names = list(blocks.keys()) if isinstance(blocks, nn.ModuleDict) else [str(i) for i in range(len(blocks))]
+
+    # 2. PP: looped placement, stage s on pipeline rank s % pp
+    pp_rank = _coordinate(mesh, "pp")
+    if config.pp > 1:
+        stage_ids = [pp_rank + k * config.pp for k in range(config.stages_per_rank)]
+        ranges = split_blocks(len(block_names), config.stages)
+    else:
+        stage_ids, ranges = [0], [range(len(block_names))]
+    parts = []
+    for stage in stage_ids:
+        model = copy.deepcopy(whole) if len(stage_ids) > 1 else whole
+        all_blocks = getattr(model, recipe.blocks)
+        kept = nn.ModuleDict({block_names[i]: _block(all_blocks, block_names[i]) for i in ranges[stage]})
+        setattr(model, recipe.blocks, kept)
+        part = recipe.stage(model, stage == 0, stage == config.stages - 1) if recipe.stage else model
+        parts.append(part)
+    state_keys = {name for part in parts for name in part.state_dict()}
+
+    handles = []
+    for part in parts:
+        # 3. TP (+ sequence parallelism)
+        if config.tp > 1:
+            _apply_tp(part, recipe, mesh["tp"])
+        # 4. AC
+        if config.activation_checkpoint == "full":
+            _apply_full_ac(part, recipe.blocks)
+        elif config.activation_checkpoint == "sac":
+            handles.append(_apply_sac(part, actions))
+        # 5. FSDP / HSDP / DDP
+        if config.dp > 1:
+            _apply_data_parallel(part, recipe.blocks, config, mesh)
+
+    pm = ParallelModel(
+        config=config, recipe=recipe, mesh=mesh, device=device, parts=parts, stage_ids=stage_ids, recompute=handles,
+        state_keys=state_keys,
+    )  # fmt: skip
+    if config.pp > 1:
+        _build_pipeline(pm, mesh["pp"])
+    return pm
+
+
+def _block(blocks: nn.Module, name: str) -> nn.Module:
+    return blocks[name] if isinstance(blocks, nn.ModuleDict) else blocks[int(name)]
+
+
+def unapplied(config: ParallelConfig, recipe: ModelRecipe, recompute: Sequence[Recompute] | None = None) -> list[str]:
+    """What of ``config`` :func:`parallelize` cannot apply to the recipe's model (empty when it can apply all)."""
+    problems = []
+    if config.cp > 1:
+        problems.append("context parallelism (cp > 1) is simulated by `memfit parallel plan` but not applied yet")
+    if config.swap:
+        problems.append("swap=True is not applied by memfit-parallel yet (use memfit.swap per rank)")
+    if config.activation_checkpoint == "sac":
+        if importlib.util.find_spec("memfit_executor") is None:
+            problems.append('activation_checkpoint="sac" is applied by memfit-executor: pip install memfit-executor')
+        if not recompute:
+            problems.append(
+                'activation_checkpoint="sac" needs the SAC plan to apply (Recompute actions, e.g. from '
+                "`memfit plan --planner sac`; `memfit parallel run --sac-plan`)"
+            )
+    if config.param_dtype != "float32" and config.dp == 1:
+        problems.append(
+            f"param_dtype={config.param_dtype} is applied by FSDP's mixed precision: it needs data parallelism"
+        )
+    if config.tp > 1 and recipe.block_tp_plan is None and recipe.tp_plan is None:
+        problems.append("tp > 1 needs a TP plan in the model recipe (tp_plan / block_tp_plan)")
+    if config.pp > 1 and recipe.stage is None:
+        problems.append("pp > 1 needs a `stage` function in the model recipe")
+    return problems
+
+
+def _apply_tp(part: nn.Module, recipe: ModelRecipe, tp_mesh) -> None:
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    def present(module: nn.Module, plan: dict) -> dict:
+        kept = {}
+        for name, style in plan.items():
+            try:
+                if module.get_submodule(name) is not None:
+                    kept[name] = style
+            except AttributeError:
+                continue
+        return kept
+
+    if recipe.tp_plan:
+        parallelize_module(part, tp_mesh, present(part, recipe.tp_plan))
+    for block in getattr(part, recipe.blocks).values():
+        if recipe.block_tp_plan:
+            parallelize_module(block, tp_mesh, present(block, recipe.block_tp_plan))
+    # activations between pipeline stages are sequence shards: a stage without the embeddings
+    # recovers the full sequence length from them
+    part._memfit_sequence_shards = tp_mesh.size()
+
+
+def _apply_full_ac(part: nn.Module, blocks_attr: str) -> None:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+
+    blocks = getattr(part, blocks_attr)
+    for name in list(blocks.keys()):
+        blocks[name] = checkpoint_wrapper(blocks[name], checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+
+
+def _check_recompute_names(whole: nn.Module, actions: list[Recompute]) -> None:
+    names = {name for name, _ in whole.named_modules()}
+    unknown = sorted({a.module for a in actions} - names)
+    if unknown:
+        raise MemfitError(f"the SAC plan names modules the model does not have: {', '.join(unknown[:5])}")
+
+
+def _apply_sac(part: nn.Module, actions: list[Recompute]):
+    """Apply memfit's selective checkpointing (memfit-executor) to the plan's modules that this stage holds."""
+    from memfit_executor.recompute import apply_recompute
+
+    names = {name for name, _ in part.named_modules()}
+    return apply_recompute(part, [a for a in actions if a.module in names])
+
+
+def _apply_data_parallel(part: nn.Module, blocks_attr: str, config: ParallelConfig, mesh) -> None:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    dtype = getattr(torch, config.param_dtype)
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    blocks = list(getattr(part, blocks_attr).values())
+    if config.dp_shard == 1:
+        # plain DDP: FSDP2's replicate (whole parameters on every rank, gradients all-reduced per block)
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+
+        for block in blocks:
+            replicate(block, mesh=mesh["dp_replicate"], mp_policy=policy)
+        replicate(part, mesh=mesh["dp_replicate"], mp_policy=policy)
+        return
+    dp_mesh = mesh["dp_replicate", "dp_shard"] if config.dp_replicate > 1 else mesh["dp_shard"]
+    for index, block in enumerate(blocks):
+        # the last block is gathered again right at the start of backward: keep it; with PP keep all
+        # (one all-gather per step instead of one per microbatch)
+        reshard = config.pp == 1 and index < len(blocks) - 1
+        fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard)
+    fully_shard(part, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=config.pp == 1)
+
+
+def _build_pipeline(pm: ParallelModel, pp_mesh) -> None:
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+    config = pm.config
+    group = pp_mesh.get_group()
+    pm.stages = [
+        PipelineStage(part, stage_index=stage, num_stages=config.stages, device=pm.device, group=group)
+        for part, stage in zip(pm.parts, pm.stage_ids, strict=True)
+    ]
+    loss_fn = pm.recipe.loss_fn
+    if config.pp_schedule == "interleaved_1f1b":
+        pm.schedule = ScheduleInterleaved1F1B(pm.stages, n_microbatches=config.microbatches, loss_fn=loss_fn)
+    else:
+        kind = ScheduleGPipe if config.pp_schedule == "gpipe" else Schedule1F1B
+        pm.schedule = kind(pm.stages[0], n_microbatches=config.microbatches, loss_fn=loss_fn)

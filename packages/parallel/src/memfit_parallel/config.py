@@ -1,0 +1,220 @@
+"""A parallel configuration: how one training step is split over devices, and what it must satisfy.
+
+One :class:`ParallelConfig` names every choice the search makes and the launcher applies: the
+degrees of each parallelism (their product is the number of devices), the pipeline schedule and
+microbatches, activation checkpointing, swapping and the parameter dtype. The workload it is for
+(model, global batch, sequence length) is a :class:`Workload`. :meth:`ParallelConfig.check` says,
+in words, why a configuration cannot run a workload (a TP degree that does not divide the heads,
+a batch that does not split into microbatches, ...), so the search never proposes one and a user's
+hand-written configuration fails before any process starts.
+
+The mesh follows TorchTitan's order (``ParallelDims.build_mesh``): ``pp, dp_replicate, dp_shard,
+cp, tp`` from outer to inner, TP innermost so that its collectives stay inside a node.
+
+Example:
+    ```python
+    from memfit_parallel.config import ParallelConfig, Workload
+
+    config = ParallelConfig(dp_shard=32, tp=8, activation_checkpoint="full")
+    config.world_size                  # 256
+    config.describe()                  # 'FSDP 32 × TP 8, full AC'
+    workload = Workload(model="llama3-70b", global_batch=512, seq_len=8192)
+    config.local_batch(workload)       # 16
+    ```
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+from memfit.config import MemfitModel
+from memfit.errors import MemfitError
+from pydantic import Field, ValidationError, model_validator
+
+PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
+Checkpointing = Literal["none", "full", "sac"]
+ParamDtype = Literal["float32", "bfloat16"]
+
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+"""Mesh dimension names, outer to inner (TP innermost, CP next: TorchTitan's order)."""
+
+
+class Workload(MemfitModel):
+    """What is trained: a model (registry name or ``module:function``), the global batch and sequence length."""
+
+    model: str
+    """A model of the simulator's registry (``llama3-8b``, ``tiny``, ...) or ``package.module:function``."""
+    global_batch: int = Field(ge=1)
+    """Sequences per optimizer step over all data-parallel ranks."""
+    seq_len: int = Field(ge=1)
+    """Tokens per sequence."""
+
+
+class ModelShape(MemfitModel):
+    """The few numbers of a transformer that decide which degrees can split it."""
+
+    n_layers: int = Field(ge=1)
+    n_heads: int = Field(ge=1)
+    n_kv_heads: int = Field(ge=1)
+
+
+class ParallelConfig(MemfitModel):
+    """How one step is split over ``world_size`` devices. Every degree defaults to 1 (no split)."""
+
+    dp_replicate: int = Field(default=1, ge=1)
+    """Data-parallel replicas holding whole (or FSDP-sharded) copies; with ``dp_shard > 1`` this is HSDP."""
+    dp_shard: int = Field(default=1, ge=1)
+    """FSDP degree: parameters, gradients and optimizer states sharded over this many ranks."""
+    tp: int = Field(default=1, ge=1)
+    """Tensor-parallel degree (with sequence parallelism), innermost in the mesh."""
+    pp: int = Field(default=1, ge=1)
+    """Pipeline-parallel degree: ranks holding consecutive layers."""
+    cp: int = Field(default=1, ge=1)
+    """Context-parallel degree: the sequence split over this many ranks (ring attention)."""
+    pp_schedule: PipelineSchedule = "1f1b"
+    """Pipeline schedule; ``interleaved_1f1b`` needs ``stages_per_rank >= 2``."""
+    microbatches: int = Field(default=1, ge=1)
+    """Microbatches per step in the pipeline (each rank's local batch is split into this many)."""
+    stages_per_rank: int = Field(default=1, ge=1)
+    """Pipeline stages (virtual stages) each pipeline rank holds; more than one only when interleaved."""
+    activation_checkpoint: Checkpointing = "none"
+    """Per transformer block: keep activations, recompute all, or selective (Auto-SAC within a memory budget)."""
+    sac_memory_fraction: float | None = Field(default=None, gt=0.0, lt=1.0)
+    """With ``activation_checkpoint="sac"``: the fraction of activation memory the SAC plan may keep."""
+    swap: bool = False
+    """Swap activations to host memory under a per-rank budget (memfit-executor)."""
+    param_dtype: ParamDtype = "float32"
+    """Dtype of parameters in compute (FSDP mixed precision); gradients are reduced in float32."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ParallelConfig:
+        problems = []
+        if self.pp == 1 and (self.microbatches > 1 or self.stages_per_rank > 1):
+            problems.append("microbatches and stages_per_rank apply to a pipeline only (pp > 1)")
+        if self.pp_schedule == "interleaved_1f1b" and self.pp > 1 and self.stages_per_rank < 2:
+            problems.append("interleaved_1f1b needs stages_per_rank >= 2 (use 1f1b for one stage per rank)")
+        if self.pp_schedule != "interleaved_1f1b" and self.stages_per_rank > 1:
+            problems.append(f"{self.pp_schedule} runs one stage per rank; stages_per_rank > 1 needs interleaved_1f1b")
+        if self.pp > 1 and self.pp_schedule != "gpipe" and self.microbatches < self.pp:
+            # torch.distributed.pipelining: 1F1B schedules need at least one microbatch per stage in flight
+            problems.append(f"{self.pp_schedule} needs at least pp={self.pp} microbatches, got {self.microbatches}")
+        if self.pp_schedule == "interleaved_1f1b" and self.pp > 1 and self.microbatches % self.pp:
+            problems.append(f"interleaved_1f1b needs microbatches divisible by pp={self.pp}, got {self.microbatches}")
+        if (self.activation_checkpoint == "sac") != (self.sac_memory_fraction is not None):
+            problems.append('sac_memory_fraction goes with activation_checkpoint="sac" (and only with it)')
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    # -- derived ---------------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        """Devices the configuration needs: the product of the degrees."""
+        return self.dp_replicate * self.dp_shard * self.tp * self.pp * self.cp
+
+    @property
+    def dp(self) -> int:
+        """Ranks that see different data (replicas × shards)."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def stages(self) -> int:
+        """Pipeline stages in all (``pp × stages_per_rank``)."""
+        return self.pp * self.stages_per_rank
+
+    def mesh_shape(self) -> tuple[tuple[str, ...], tuple[int, ...]]:
+        """The device mesh, outer to inner, without dimensions of degree 1 (``init_device_mesh`` arguments)."""
+        dims = [(name, getattr(self, name)) for name in MESH_DIMS if getattr(self, name) > 1]
+        return tuple(n for n, _ in dims), tuple(d for _, d in dims)
+
+    def local_batch(self, workload: Workload) -> int:
+        """Sequences each data-parallel rank trains per step (raises if the global batch does not split)."""
+        self._raise(self.problems(workload))
+        return workload.global_batch // self.dp
+
+    def describe(self) -> str:
+        """A short human name, e.g. ``'FSDP 4 × TP 8 × PP 16 (interleaved_1f1b, 32 mb), full AC'``."""
+        parts = []
+        if self.dp_replicate > 1:
+            parts.append(f"{'HSDP' if self.dp_shard > 1 else 'DDP'} {self.dp_replicate}")
+        if self.dp_shard > 1:
+            parts.append(f"FSDP {self.dp_shard}")
+        parts += [f"{name.upper()} {getattr(self, name)}" for name in ("cp", "tp", "pp") if getattr(self, name) > 1]
+        text = " × ".join(parts) or "1 device"
+        if self.pp > 1:
+            virtual = f" × {self.stages_per_rank}" if self.stages_per_rank > 1 else ""
+            text += f" ({self.pp_schedule}{virtual}, {self.microbatches} mb)"
+        extras = []
+        if self.activation_checkpoint == "full":
+            extras.append("full AC")
+        elif self.activation_checkpoint == "sac":
+            extras.append(f"SAC {self.sac_memory_fraction:.0%}")
+        if self.swap:
+            extras.append("swap")
+        if self.param_dtype != "float32":
+            extras.append(self.param_dtype)
+        return ", ".join([text, *extras])
+
+    # -- checks against a workload ------------------------------------------------------------
+    def problems(self, workload: Workload, shape: ModelShape | None = None, world_size: int | None = None) -> list[str]:
+        """Why this configuration cannot run ``workload`` (empty when it can)."""
+        found = []
+        if world_size is not None and self.world_size != world_size:
+            found.append(f"the degrees multiply to {self.world_size} devices, not {world_size}")
+        if workload.global_batch % self.dp:
+            found.append(f"global batch {workload.global_batch} does not split over {self.dp} data-parallel ranks")
+        elif self.pp > 1 and (workload.global_batch // self.dp) % self.microbatches:
+            found.append(
+                f"local batch {workload.global_batch // self.dp} does not split into {self.microbatches} microbatches"
+            )
+        if workload.seq_len % (2 * self.cp) and self.cp > 1:
+            # load-balanced ring attention cuts the sequence into 2 × cp chunks
+            found.append(f"sequence length {workload.seq_len} is not divisible by 2 × cp = {2 * self.cp}")
+        if self.tp > 1 and workload.seq_len % self.tp:
+            found.append(f"sequence length {workload.seq_len} is not divisible by tp={self.tp} (sequence parallelism)")
+        if shape is not None:
+            if shape.n_heads % self.tp or shape.n_kv_heads % self.tp:
+                found.append(
+                    f"tp={self.tp} does not divide the model's {shape.n_heads} heads and {shape.n_kv_heads} KV heads"
+                )
+            if self.stages > shape.n_layers:
+                found.append(f"{self.stages} pipeline stages for {shape.n_layers} layers: at most one stage per layer")
+        return found
+
+    def check(self, workload: Workload, shape: ModelShape | None = None, world_size: int | None = None) -> None:
+        """Raise :class:`MemfitError` listing every reason this configuration cannot run ``workload``."""
+        self._raise(self.problems(workload, shape, world_size))
+
+    def _raise(self, problems: list[str]) -> None:
+        if problems:
+            raise MemfitError(f"parallel configuration {self.describe()!r} cannot run: " + "; ".join(problems))
+
+    # -- files ---------------------------------------------------------------------------
+    @classmethod
+    def load(cls, path: str | Path) -> ParallelConfig:
+        """Read a configuration from JSON: a bare config, or a plan file with a ``"config"`` key.
+
+        Raises:
+            MemfitError: missing file, bad JSON or an invalid configuration; the message names the file.
+        """
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text())
+        except OSError as exc:
+            raise MemfitError(f"cannot read parallel configuration {path}: {exc.strerror}") from exc
+        except json.JSONDecodeError as exc:
+            raise MemfitError(f"{path} is not JSON ({exc}); write it with ParallelConfig.save or --json") from exc
+        if isinstance(data, dict) and isinstance(data.get("config"), dict):
+            data = data["config"]
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            raise MemfitError(f"{path} is not a valid parallel configuration:\n{exc}") from exc
+
+    def save(self, path: str | Path) -> Path:
+        """Write the configuration as JSON (what :meth:`load` and ``--config`` read)."""
+        path = Path(path)
+        path.write_text(self.model_dump_json(indent=2) + "\n")
+        return path

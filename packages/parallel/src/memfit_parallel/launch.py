@@ -1,0 +1,206 @@
+"""``memfit parallel run``: train the reference Llama with a parallel configuration on N local processes.
+
+It checks everything it can before a process starts (the configuration file, that its degrees
+multiply to ``--nproc``, that the global batch splits over the data-parallel ranks and into
+microbatches, that TP divides the heads and the pipeline has a block per stage, that the
+configuration uses only what :func:`memfit_parallel.apply.parallelize` applies), then launches
+``python -m torch.distributed.run --standalone --nproc-per-node N -m memfit_parallel.trainer ...``
+and prints the losses and each rank's peak memory from the trainer's JSON report.
+
+Example:
+    ```
+    memfit parallel run --nproc 4 --config plan.json --steps 5 --report out.json
+    ```
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import click
+from memfit.errors import MemfitError
+
+DEFAULT_TIMEOUT_S = 1800
+
+
+@dataclass
+class RunRequest:
+    """What ``memfit parallel run`` trains: the checked inputs of one launch."""
+
+    nproc: int
+    configs: list = field(default_factory=list)
+    model: str = "tiny"
+    n_layers: int | None = None
+    global_batch: int = 8
+    seq_len: int = 32
+    steps: int = 5
+    seed: int = 0
+    lr: float = 3e-3
+    capacity: str = "4GiB"
+    sac_plan: Path | None = None
+    """A memfit plan whose recompute actions ``activation_checkpoint="sac"`` applies."""
+
+
+def check_request(request: RunRequest) -> None:
+    """Raise :class:`MemfitError` with every reason the request cannot run (nothing is launched)."""
+    from memfit.config import parse_size
+    from memfit.models import LlamaConfig
+
+    from memfit_parallel.apply import llama_recipe, unapplied
+    from memfit_parallel.config import ParallelConfig, Workload
+    from memfit_parallel.trainer import load_recompute
+
+    if request.nproc < 1:
+        raise MemfitError(f"--nproc must be at least 1, got {request.nproc}")
+    if request.steps < 1:
+        raise MemfitError(f"--steps must be at least 1, got {request.steps}")
+    parse_size(request.capacity, what="cpu-sim capacity")
+    overrides = {"n_layers": request.n_layers} if request.n_layers else {}
+    model_config = LlamaConfig.preset(request.model, **overrides)
+    if request.seq_len > model_config.max_seq_len:
+        raise MemfitError(
+            f"--seq {request.seq_len} exceeds the {request.model} model's max_seq_len {model_config.max_seq_len}"
+        )
+    if not request.configs:
+        request.configs = [ParallelConfig(dp_shard=request.nproc)]
+    recipe = llama_recipe(request.model, **overrides)
+    recompute = None
+    if request.sac_plan is not None:
+        import torch
+
+        recompute = load_recompute(request.sac_plan)
+        with torch.device("meta"):
+            names = {name for name, _ in recipe.build().named_modules()}
+        unknown = sorted({a.module for a in recompute} - names)
+        if unknown:
+            raise MemfitError(f"{request.sac_plan} names modules the model does not have: {', '.join(unknown[:5])}")
+    workload = Workload(model=request.model, global_batch=request.global_batch, seq_len=request.seq_len)
+    problems = []
+    for config in request.configs:
+        found = config.problems(workload, recipe.shape, world_size=request.nproc)
+        found += unapplied(config, recipe, recompute)
+        if found:
+            problems.append(f"{config.describe()!r}: " + "; ".join(found))
+    if problems:
+        raise MemfitError("cannot run " + " | ".join(problems))
+
+
+def trainer_command(request: RunRequest, config_path: Path, report_path: Path) -> list[str]:
+    """The torchrun command line that trains ``request`` (configurations read from ``config_path``)."""
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(request.nproc),
+        "-m", "memfit_parallel.trainer", "--config", str(config_path), "--report", str(report_path),
+        "--model", request.model, "--batch", str(request.global_batch), "--seq", str(request.seq_len),
+        "--steps", str(request.steps), "--seed", str(request.seed), "--lr", repr(request.lr),
+        "--capacity", str(request.capacity),
+    ]  # fmt: skip
+    if request.n_layers:
+        command += ["--n-layers", str(request.n_layers)]
+    if request.sac_plan is not None:
+        command += ["--sac-plan", str(Path(request.sac_plan).resolve())]
+    return command
+
+
+def launch(request: RunRequest, report_path: str | Path | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> dict:
+    """Check ``request``, train it under torchrun and return the trainer's report.
+
+    The launch runs in its own process group: on a timeout, an interrupt or any error here every
+    process it started is killed, so none is left running.
+
+    Raises:
+        MemfitError: bad input (before anything starts), a failed or timed-out run (with its output's tail).
+    """
+    check_request(request)
+    with tempfile.TemporaryDirectory(prefix="memfit-parallel-") as tmp:
+        config_path = Path(tmp) / "configs.json"
+        config_path.write_text(json.dumps([c.model_dump(mode="json") for c in request.configs]))
+        report = Path(report_path) if report_path else Path(tmp) / "report.json"
+        report.unlink(missing_ok=True)
+        command = trainer_command(request, config_path, report)
+        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        process = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
+        )
+        try:
+            output, _ = process.communicate(timeout=timeout_s)
+        except BaseException:
+            _kill_group(process)
+            raise
+        finally:
+            if process.poll() is None:
+                _kill_group(process)
+        if process.returncode != 0 or not report.exists():
+            tail = "\n".join(output.splitlines()[-40:])
+            raise MemfitError(f"the parallel run failed (exit code {process.returncode}):\n{tail}")
+        result = json.loads(report.read_text())
+        result["log"] = output
+        return result
+
+
+def _kill_group(process: subprocess.Popen) -> None:
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, sig)
+        try:
+            process.wait(timeout=10)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+@click.command("run")
+@click.option("--nproc", type=int, required=True, help="Processes (ranks) on this machine.")
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(path_type=Path),
+    help="ParallelConfig JSON (or a plan file, or a list of configurations); default: FSDP over all ranks.",
+)
+@click.option("--model", default="tiny", show_default=True, help="Reference Llama preset.")
+@click.option("--n-layers", type=int, default=None, help="Override the preset's number of blocks.")
+@click.option("--batch", type=int, default=8, show_default=True, help="Global batch (sequences per step).")
+@click.option("--seq", type=int, default=32, show_default=True, help="Sequence length.")
+@click.option("--steps", type=int, default=5, show_default=True, help="Training steps.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--lr", type=float, default=3e-3, show_default=True, help="AdamW learning rate.")
+@click.option("--capacity", default="4GiB", show_default=True, help="cpu-sim device capacity per rank (CPU).")
+@click.option("--report", type=click.Path(path_type=Path), help="Write the JSON report here.")
+@click.option(
+    "--sac-plan",
+    type=click.Path(path_type=Path),
+    help='A memfit SAC plan (memfit plan --planner sac): what activation_checkpoint="sac" applies.',
+)
+@click.option("--timeout", "timeout_s", type=float, default=DEFAULT_TIMEOUT_S, show_default=True, help="Seconds.")
+def run(config_path, nproc, model, n_layers, batch, seq, steps, seed, lr, capacity, report, sac_plan, timeout_s):
+    """Train the reference Llama with a parallel configuration on NPROC local processes (torchrun)."""
+    from memfit_parallel.trainer import load_configs
+
+    try:
+        configs = load_configs(config_path) if config_path else []
+        request = RunRequest(
+            nproc=nproc, configs=configs, model=model, n_layers=n_layers, global_batch=batch, seq_len=seq,
+            steps=steps, seed=seed, lr=lr, capacity=capacity, sac_plan=sac_plan,
+        )  # fmt: skip
+        check_request(request)
+        click.echo(f"launching {nproc} processes: " + ", ".join(c.describe() for c in request.configs))
+        result = launch(request, report, timeout_s=timeout_s)
+    except MemfitError as exc:
+        raise click.ClickException(str(exc)) from exc
+    for entry in result["runs"]:
+        click.echo(f"\n{entry['describe']}  ({entry['seconds']:.1f} s)")
+        click.echo("  losses: " + ", ".join(f"{x:.6f}" for x in entry["losses"]))
+        for r in entry["ranks"]:
+            click.echo(
+                f"  rank {r['rank']}: training peak {r['peak_bytes'] / 2**20:.2f} MiB, "
+                f"weights {r['weights_bytes'] / 2**20:.2f} MiB, load peak {r['load_peak_bytes'] / 2**20:.2f} MiB"
+            )
+    if report:
+        click.echo(f"\nreport: {report}")

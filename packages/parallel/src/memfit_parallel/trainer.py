@@ -1,0 +1,298 @@
+"""The built-in trainer: the reference Llama trained with one or more parallel configurations, under ``torchrun``.
+
+Run it with ``python -m torch.distributed.run --standalone --nproc-per-node N -m memfit_parallel.trainer
+--config plan.json --report out.json`` (what ``memfit parallel run`` launches). Each configuration of
+the ``--config`` file (one configuration, a plan file with a ``"config"`` key, or a JSON list of
+them) is applied in turn (:func:`memfit_parallel.apply.parallelize`) and trained for ``--steps``
+steps of AdamW on synthetic tokens whose batch is a function of the step
+(:class:`memfit.models.SyntheticTokens`, the global batch; each data-parallel rank takes its slice).
+The initial weights are those of ``torch.manual_seed(seed); Llama(config)``, so the losses are
+those of :func:`memfit.models.build_training` with the same seed, global batch and learning rate.
+
+On the CPU the process group is gloo and each rank's memory is measured by a cpu-sim backend of
+``--capacity`` bytes (an out-of-memory past it). On CUDA / Ascend devices it is NCCL / HCCL and the
+device's own counters (untested here). Per rank and configuration the report holds (bytes):
+
+* ``load_peak_bytes``: the peak from applying the configuration (meta init, which allocates
+  nothing) through materialising the local shards and receiving the weights from rank 0 (the
+  broadcast's full-size temporaries included);
+* ``weights_bytes``: live bytes once the weights are in (this rank's parameter shards, and any
+  buffer a collective still holds);
+* ``param_bytes``: the bytes of this rank's parameter storages, counted from the tensors (FSDP's
+  padding included), not measured;
+* ``peak_bytes``: **the training peak**: the peak from just after the weights are in (the peak is
+  reset there) through ``--steps`` whole steps (the local batch copied in, forward, backward,
+  gradient reduction, the AdamW step which creates its states on the first step, zeroing the
+  gradients, and the loss all-reduce for logging); the parameters are resident throughout;
+* ``step_peak_bytes``: the same peak for each step alone (reset before each step);
+* ``steady_peak_bytes``: the least of the step peaks after the first (the first creates AdamW's
+  states; the later steps allocate alike, so their differences are timing noise: see below);
+* ``end_bytes``: live bytes after the last step (parameters and optimizer states).
+
+The rank-0 copy of the whole model that the weights are broadcast from is host memory, not counted.
+
+Noise: gloo runs collectives on its worker threads, and some allocate temporaries there (counted:
+cpu-sim counts every thread) whose lifetime against the training thread's allocations depends on
+timing. So with FSDP and TP the peaks vary by a few percent from run to run and step to step;
+pipeline-only runs repeat exactly. ``steady_peak_bytes`` is the least noisy figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+DEFAULT_CAPACITY = "4GiB"
+
+
+def load_recompute(path: str | Path) -> list:
+    """The :class:`memfit.plan.Recompute` actions of a memfit plan file (what SAC applies)."""
+    from memfit.errors import MemfitError
+    from memfit.plan import MemoryPlan, Recompute
+
+    actions = [a for a in MemoryPlan.load(path).actions if isinstance(a, Recompute)]
+    if not actions:
+        raise MemfitError(f"{path} holds no recompute action: make a SAC plan with `memfit plan --planner sac`")
+    return actions
+
+
+def load_configs(path: str | Path):
+    """The configurations of a file: one configuration, a plan file (``"config"`` key), or a JSON list of either."""
+    from memfit.errors import MemfitError
+
+    from memfit_parallel.config import ParallelConfig
+
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except OSError as exc:
+        raise MemfitError(f"cannot read parallel configuration {path}: {exc.strerror}") from exc
+    except json.JSONDecodeError as exc:
+        raise MemfitError(f"{path} is not JSON ({exc})") from exc
+    items = data if isinstance(data, list) else [data]
+    configs = []
+    for item in items:
+        if isinstance(item, dict) and isinstance(item.get("config"), dict):
+            item = item["config"]
+        try:
+            configs.append(ParallelConfig.model_validate(item))
+        except ValueError as exc:
+            raise MemfitError(f"{path} holds an invalid parallel configuration:\n{exc}") from exc
+    if not configs:
+        raise MemfitError(f"{path} holds no parallel configuration")
+    return configs
+
+
+def _device_and_memory(capacity: str):
+    """(device, memory counter, counting context): cpu-sim on the CPU, the accelerator's counters on a device."""
+    import torch
+
+    if torch.accelerator.is_available():  # pragma: no cover - no accelerator in CI
+        from memfit.plugins import get_hooks
+
+        kind = torch.accelerator.current_accelerator().type
+        device = torch.device(kind, int(os.environ.get("LOCAL_RANK", 0)))
+        torch.accelerator.set_device_index(device.index)
+        backend = get_hooks().create_backend(None)
+        return device, backend, contextlib.nullcontext
+    from memfit.backends.cpu_sim import CpuSimBackend
+
+    sim = CpuSimBackend(capacity=capacity)
+    return torch.device("cpu"), sim, sim.activate
+
+
+def train_configs(
+    configs,
+    *,
+    model: str = "tiny",
+    overrides: dict | None = None,
+    global_batch: int = 8,
+    seq_len: int = 32,
+    steps: int = 5,
+    seed: int = 0,
+    lr: float = 3e-3,
+    capacity: str = DEFAULT_CAPACITY,
+    recompute=None,
+    log=print,
+) -> dict:
+    """Train each configuration in turn on this rank (collective); returns the report (complete on rank 0)."""
+    import torch
+    import torch.distributed as dist
+    from memfit.models import LlamaConfig, SyntheticTokens
+
+    from memfit_parallel.apply import llama_recipe, parallelize
+    from memfit_parallel.config import Workload
+
+    overrides = dict(overrides or {})
+    device, memory, counting = _device_and_memory(capacity)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    recipe = llama_recipe(model, **overrides)
+    workload = Workload(model=model, global_batch=global_batch, seq_len=seq_len)
+    for config in configs:
+        config.check(workload, recipe.shape, world_size=world)
+    model_config = LlamaConfig.preset(model, **overrides)
+    data = SyntheticTokens(model_config.vocab_size, seq_len, global_batch, seed)
+    report = {
+        "model": model,
+        "model_overrides": overrides,
+        "global_batch": global_batch,
+        "seq_len": seq_len,
+        "steps": steps,
+        "seed": seed,
+        "lr": lr,
+        "world_size": world,
+        "device": "cpu-sim" if device.type == "cpu" else device.type,
+        "capacity_bytes": memory.capacity_bytes,
+        "peak_covers": "per rank: from just after the weights are loaded through all steps (memfit_parallel.trainer)",
+        "runs": [],
+    }
+    for config in configs:
+        start = time.perf_counter()
+        full = recipe.full_state_dict(seed) if rank == 0 else None  # host memory: built before counting starts
+        with counting():
+            gc.collect()
+            start_bytes = memory.memory_allocated()
+            memory.reset_peak_memory_stats()
+            pm = parallelize(recipe, config, device=device, recompute=recompute)
+            pm.load_weights(full)
+            del full
+            load_peak = memory.max_memory_allocated()
+            # gloo's worker threads drop their references to the broadcast buffers on their own time
+            dist.barrier()
+            gc.collect()
+            weights = memory.memory_allocated()
+            local_params = pm.local_parameter_bytes()
+            memory.reset_peak_memory_stats()
+            optimizer = torch.optim.AdamW(pm.parameters(), lr=lr, foreach=False)
+            rows = pm.dp_slice(global_batch)
+            losses, step_peaks, loss = [], [], None
+            for step in range(steps):
+                memory.reset_peak_memory_stats()
+                with _uncounted(memory):
+                    inputs, targets = data.batch(step)
+                inputs, targets = inputs[rows].to(device, copy=True), targets[rows].to(device, copy=True)
+                loss = pm.train_step(inputs, targets)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                del inputs, targets
+                losses.append(pm.global_loss(loss))
+                step_peaks.append(memory.max_memory_allocated())
+                if rank == 0:
+                    log(f"[{config.describe()}] step {step}: loss {losses[-1]:.6f}")
+            # the steps follow each other with nothing allocated between: their peaks' maximum is the run's
+            peak = max(step_peaks, default=weights)
+            end_bytes = memory.memory_allocated()
+            del pm, optimizer, loss
+            gc.collect()
+        seconds = time.perf_counter() - start
+        mine = [rank, start_bytes, load_peak, weights, peak, end_bytes, local_params, *step_peaks]
+        ranks = _gather_ints(mine, world, device)
+        report["runs"].append(
+            {
+                "config": config.model_dump(mode="json"),
+                "describe": config.describe(),
+                "losses": losses,
+                "seconds": seconds,
+                "ranks": [
+                    {
+                        "rank": r[0],
+                        "start_bytes": r[1],
+                        "load_peak_bytes": r[2],
+                        "weights_bytes": r[3],
+                        "peak_bytes": r[4],
+                        "end_bytes": r[5],
+                        "param_bytes": r[6],
+                        "step_peak_bytes": r[7:],
+                        # the steps after the first allocate alike: their differences are gloo-thread timing noise
+                        "steady_peak_bytes": min(r[8:]) if len(r) > 8 else max(r[7:], default=r[3]),
+                    }
+                    for r in ranks
+                ],
+            }
+        )
+    return report
+
+
+@contextlib.contextmanager
+def _uncounted(memory):  # noqa: D103 - cpu-sim's uncounted(), or nothing on a device
+    uncounted = getattr(memory, "uncounted", None)
+    with uncounted() if uncounted else contextlib.nullcontext():
+        yield
+
+
+def _gather_ints(values: list[int], world: int, device) -> list[list[int]]:
+    """All-gather one list of ints per rank (tensors, not objects: no numpy needed)."""
+    import torch
+    import torch.distributed as dist
+
+    mine = torch.tensor(values, dtype=torch.int64, device=device)
+    out = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(out, mine)
+    return [[int(v) for v in t.tolist()] for t in out]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command line of ``python -m memfit_parallel.trainer`` (under torchrun); writes the report on rank 0."""
+    parser = argparse.ArgumentParser(prog="python -m memfit_parallel.trainer", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", help="configuration JSON: one, a plan file or a list (default: FSDP on all ranks)")
+    parser.add_argument("--model", default="tiny", help="reference Llama preset (memfit.models.PRESETS)")
+    parser.add_argument("--n-layers", type=int, default=None, help="override the preset's number of blocks")
+    parser.add_argument("--batch", type=int, default=8, help="global batch (sequences per step over all ranks)")
+    parser.add_argument("--seq", type=int, default=32, help="sequence length")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--capacity", default=DEFAULT_CAPACITY, help="cpu-sim capacity per rank (CPU only)")
+    parser.add_argument("--report", help="write the JSON report here (rank 0)")
+    parser.add_argument("--sac-plan", help='memfit plan whose recompute actions activation_checkpoint="sac" applies')
+    args = parser.parse_args(argv)
+
+    import torch
+    import torch.distributed as dist
+
+    from memfit_parallel.config import ParallelConfig
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    backend = "gloo"
+    if torch.accelerator.is_available():  # pragma: no cover - no accelerator in CI
+        backend = {"cuda": "nccl", "npu": "hccl"}.get(torch.accelerator.current_accelerator().type, "gloo")
+    dist.init_process_group(backend, timeout=timedelta(seconds=600))
+    started = time.perf_counter()
+    try:
+        world = dist.get_world_size()
+        configs = load_configs(args.config) if args.config else [ParallelConfig(dp_shard=world)]
+        overrides = {"n_layers": args.n_layers} if args.n_layers else {}
+        report = train_configs(
+            configs,
+            model=args.model,
+            overrides=overrides,
+            global_batch=args.batch,
+            seq_len=args.seq,
+            steps=args.steps,
+            seed=args.seed,
+            lr=args.lr,
+            capacity=args.capacity,
+            recompute=load_recompute(args.sac_plan) if args.sac_plan else None,
+        )
+        report["sac_plan"] = args.sac_plan
+        report["seconds"] = time.perf_counter() - started
+        if dist.get_rank() == 0:
+            text = json.dumps(report, indent=2)
+            if args.report:
+                Path(args.report).write_text(text + "\n")
+                print(f"report written to {args.report}")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,357 @@
+"""Training under N-D parallelism computes what single-process training computes (gloo, CPU, cpu-sim).
+
+Each process start costs seconds on a small machine, so one 2-process launch and one 4-process
+launch each train every configuration of their list in turn (the trainer's multi-configuration
+mode); the tests below read their reports. The oracle is :func:`memfit.models.build_training` run
+in this process with the same model, seed, global batch and learning rate.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from memfit.cli.main import cli
+from memfit.errors import MemfitError
+from memfit.models import Llama, LlamaConfig, SyntheticTokens, build_training
+from memfit.plan import MemoryPlan, PlanPrediction, PlanSource, Recompute
+from memfit_parallel.apply import LlamaStage, llama_recipe, parallelize, split_blocks, unapplied
+from memfit_parallel.config import ParallelConfig
+from memfit_parallel.launch import RunRequest, _kill_group, check_request, launch, trainer_command
+from memfit_parallel.trainer import load_configs
+from torch import nn
+
+# tiny with 4 blocks, so that 2 ranks × 2 interleaved stages and 4 pipeline stages have a block each
+N_LAYERS = 4
+MODEL = LlamaConfig.preset("tiny", n_layers=N_LAYERS)
+BATCH, SEQ, STEPS, SEED, LR = 8, 32, 3, 0, 3e-3
+REL_TOL = 1e-5
+LAUNCH_TIMEOUT_S = 900  # generous: the machine is shared; nothing asserts on time
+
+TWO_RANKS = {
+    "fsdp": ParallelConfig(dp_shard=2),
+    "tp": ParallelConfig(tp=2),
+    "pp_1f1b": ParallelConfig(pp=2, microbatches=2),
+    "pp_interleaved": ParallelConfig(pp=2, pp_schedule="interleaved_1f1b", stages_per_rank=2, microbatches=2),
+    "pp_gpipe": ParallelConfig(pp=2, pp_schedule="gpipe", microbatches=2),
+    "fsdp_full_ac": ParallelConfig(dp_shard=2, activation_checkpoint="full"),
+    "ddp": ParallelConfig(dp_replicate=2),
+    "fsdp_bf16": ParallelConfig(dp_shard=2, param_dtype="bfloat16"),
+}
+HAS_EXECUTOR = importlib.util.find_spec("memfit_executor") is not None
+if HAS_EXECUTOR:  # selective checkpointing is applied by memfit-executor
+    TWO_RANKS |= {
+        "fsdp_sac": ParallelConfig(dp_shard=2, activation_checkpoint="sac", sac_memory_fraction=0.5),
+        "tp_sac": ParallelConfig(tp=2, activation_checkpoint="sac", sac_memory_fraction=0.5),
+        "pp_interleaved_sac": ParallelConfig(
+            pp=2, pp_schedule="interleaved_1f1b", stages_per_rank=2, microbatches=2, activation_checkpoint="sac",
+            sac_memory_fraction=0.5,
+        ),
+    }  # fmt: skip
+BF16 = {"fsdp_bf16"}  # mixed precision: computes in bfloat16, so it follows float32 training to bfloat16's precision
+FOUR_RANKS = {
+    "fsdp": ParallelConfig(dp_shard=4),
+    "fsdp_tp": ParallelConfig(dp_shard=2, tp=2),
+    "hsdp": ParallelConfig(dp_replicate=2, dp_shard=2),
+    "fsdp_pp_1f1b": ParallelConfig(dp_shard=2, pp=2, microbatches=2),
+    "tp_pp_interleaved": ParallelConfig(tp=2, pp=2, pp_schedule="interleaved_1f1b", stages_per_rank=2, microbatches=2),
+    "pp4_1f1b": ParallelConfig(pp=4, microbatches=4),
+    "fsdp_pp_interleaved_full_ac": ParallelConfig(
+        dp_shard=2,
+        pp=2,
+        pp_schedule="interleaved_1f1b",
+        stages_per_rank=2,
+        microbatches=2,
+        activation_checkpoint="full",
+    ),  # fmt: skip
+    "fsdp_tp_full_ac": ParallelConfig(dp_shard=2, tp=2, activation_checkpoint="full"),
+    "ddp_tp": ParallelConfig(dp_replicate=2, tp=2),
+}
+
+
+def sac_plan(path: Path) -> Path:
+    """A selective-checkpointing plan: attention keeps the outputs of its 1st and 4th matmul (wq, wo), feed-forward
+    keeps nothing, in every block; as a memfit plan file (what ``memfit plan --planner sac`` writes)."""
+    actions = []
+    for i in range(N_LAYERS):
+        keep_wq_and_wo = (True, False, False, True)
+        actions.append(Recompute(module=f"layers.{i}.attention", ops=("aten::mm",) * 4, save=keep_wq_and_wo))
+        actions.append(Recompute(module=f"layers.{i}.feed_forward"))
+    plan = MemoryPlan(
+        planner="sac", budget_bytes=2**30, source=PlanSource(kind="synthetic", description="hand-made for the test"),
+        actions=tuple(actions), predicted=PlanPrediction(peak_bytes=0),
+    )  # fmt: skip
+    plan.save(path)
+    return path
+
+
+def request(nproc: int, configs: dict[str, ParallelConfig], sac: Path | None = None) -> RunRequest:
+    return RunRequest(
+        nproc=nproc, configs=list(configs.values()), n_layers=N_LAYERS, global_batch=BATCH, seq_len=SEQ,
+        steps=STEPS, seed=SEED, lr=LR, sac_plan=sac,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def reference_losses() -> list[float]:
+    run = build_training(MODEL, batch_size=BATCH, seq_len=SEQ, seed=SEED, lr=LR)
+    return [run.step() for _ in range(STEPS)]
+
+
+def runs_by_name(report: dict, configs: dict[str, ParallelConfig]) -> dict[str, dict]:
+    assert [r["config"] for r in report["runs"]] == [c.model_dump(mode="json") for c in configs.values()]
+    return dict(zip(configs, report["runs"], strict=True))
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(tmp_path_factory) -> dict[str, dict]:
+    folder = tmp_path_factory.mktemp("run2")
+    sac = sac_plan(folder / "sac.json") if HAS_EXECUTOR else None
+    report = launch(request(2, TWO_RANKS, sac), folder / "report.json", timeout_s=LAUNCH_TIMEOUT_S)
+    return runs_by_name(report, TWO_RANKS)
+
+
+@pytest.fixture(scope="module")
+def four_rank_runs(tmp_path_factory) -> dict[str, dict]:
+    report = launch(request(4, FOUR_RANKS), tmp_path_factory.mktemp("run4") / "report.json", timeout_s=LAUNCH_TIMEOUT_S)
+    return runs_by_name(report, FOUR_RANKS)
+
+
+def param_bytes() -> int:
+    return MODEL.num_parameters() * 4
+
+
+def assert_matches_single_process(run: dict, reference: list[float]) -> None:
+    assert len(run["losses"]) == STEPS
+    for step, (got, want) in enumerate(zip(run["losses"], reference, strict=True)):
+        assert math.isclose(got, want, rel_tol=REL_TOL), f"{run['describe']} step {step}: {got} vs {want}"
+
+
+def assert_peaks_recorded(run: dict, world: int) -> None:
+    ranks = run["ranks"]
+    assert sorted(r["rank"] for r in ranks) == list(range(world))
+    for r in ranks:
+        assert len(r["step_peak_bytes"]) == STEPS and r["peak_bytes"] == max(r["step_peak_bytes"])
+        assert r["steady_peak_bytes"] == min(r["step_peak_bytes"][1:])
+        # the training peak holds the weights, their gradients and AdamW's two states at least
+        assert r["weights_bytes"] >= r["param_bytes"] > 0 and r["load_peak_bytes"] >= r["weights_bytes"]
+        assert r["peak_bytes"] >= 3 * r["param_bytes"]
+        assert r["end_bytes"] >= 3 * r["param_bytes"]  # parameters + exp_avg + exp_avg_sq
+
+
+@pytest.mark.parametrize("name", [name for name in TWO_RANKS if name not in BF16])
+def test_two_ranks_train_as_one_process(two_rank_runs, reference_losses, name):
+    run = two_rank_runs[name]
+    assert_matches_single_process(run, reference_losses)
+    assert_peaks_recorded(run, 2)
+
+
+def test_two_ranks_shard_the_weights_as_configured(two_rank_runs):
+    total = param_bytes()
+    fsdp = [r["param_bytes"] for r in two_rank_runs["fsdp"]["ranks"]]
+    assert all(abs(w - total / 2) <= 0.01 * total for w in fsdp)  # each rank holds half (dim-0 padding aside)
+    for name in ("pp_1f1b", "pp_interleaved", "pp_gpipe"):
+        held = sum(r["param_bytes"] for r in two_rank_runs[name]["ranks"])
+        assert held == total, name  # each parameter lives on exactly one stage
+    tp = [r["param_bytes"] for r in two_rank_runs["tp"]["ranks"]]
+    assert all(total / 2 < w < total * 0.6 for w in tp)  # sharded matrices, replicated norms
+    assert [r["param_bytes"] for r in two_rank_runs["ddp"]["ranks"]] == [total, total]  # whole copies
+
+
+def test_bfloat16_parameters_train_close_to_float32_in_less_memory(two_rank_runs, reference_losses):
+    run = two_rank_runs["fsdp_bf16"]
+    assert_peaks_recorded(run, 2)
+    assert all(math.isclose(a, b, rel_tol=1e-2) for a, b in zip(run["losses"], reference_losses, strict=True))
+    assert run["losses"] != two_rank_runs["fsdp"]["losses"]  # it did compute in bfloat16
+    for bf16, fp32 in zip(run["ranks"], two_rank_runs["fsdp"]["ranks"], strict=True):
+        assert bf16["param_bytes"] == fp32["param_bytes"]  # float32 master weights, sharded alike
+        assert bf16["peak_bytes"] < fp32["peak_bytes"]  # bfloat16 activations and gathered weights
+
+
+@pytest.mark.skipif(not HAS_EXECUTOR, reason="selective checkpointing is applied by memfit-executor")
+def test_selective_checkpointing_lowers_the_training_peak_less_than_full(two_rank_runs):
+    for plain, sac, full in zip(
+        two_rank_runs["fsdp"]["ranks"], two_rank_runs["fsdp_sac"]["ranks"], two_rank_runs["fsdp_full_ac"]["ranks"],
+        strict=True,
+    ):  # fmt: skip
+        assert full["peak_bytes"] < sac["peak_bytes"] < 0.95 * plain["peak_bytes"]
+
+
+def test_full_activation_checkpointing_lowers_the_training_peak(two_rank_runs):
+    for plain, checkpointed in zip(two_rank_runs["fsdp"]["ranks"], two_rank_runs["fsdp_full_ac"]["ranks"], strict=True):
+        assert checkpointed["peak_bytes"] < 0.85 * plain["peak_bytes"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(FOUR_RANKS))
+def test_four_ranks_train_as_one_process(four_rank_runs, reference_losses, name):
+    run = four_rank_runs[name]
+    assert_matches_single_process(run, reference_losses)
+    assert_peaks_recorded(run, 4)
+
+
+@pytest.mark.slow
+def test_four_ranks_shard_the_weights_as_configured(four_rank_runs):
+    total = param_bytes()
+    assert all(abs(r["param_bytes"] - total / 4) <= 0.01 * total for r in four_rank_runs["fsdp"]["ranks"])
+    # HSDP: sharded over 2, replicated over 2
+    assert all(abs(r["param_bytes"] - total / 2) <= 0.01 * total for r in four_rank_runs["hsdp"]["ranks"])
+    assert sum(r["param_bytes"] for r in four_rank_runs["pp4_1f1b"]["ranks"]) == total
+
+
+def test_a_users_own_model_trains_as_one_process_through_the_public_api(tmp_path):
+    """own_model.py: a residual MLP of the user's, with its own ModelRecipe (blocks, TP plan, stage), on 2 ranks."""
+    script = Path(__file__).with_name("own_model.py")
+    spec = importlib.util.spec_from_file_location("own_model", script)
+    own_model = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(own_model)
+    out = tmp_path / "losses.json"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    process = subprocess.Popen(
+        [*torchrun, str(script), str(out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        output, _ = process.communicate(timeout=LAUNCH_TIMEOUT_S)
+    finally:
+        if process.poll() is None:
+            _kill_group(process)
+    assert process.returncode == 0, output[-4000:]
+    got = json.loads(out.read_text())
+    want = own_model.reference()
+    assert set(got) == set(own_model.CONFIGS)
+    for name, losses in got.items():
+        assert len(losses) == own_model.STEPS
+        for step, (a, b) in enumerate(zip(losses, want, strict=True)):
+            assert math.isclose(a, b, rel_tol=REL_TOL), f"{name} step {step}: {a} vs {b}"
+
+
+# -- pieces, in this process ------------------------------------------------------------------
+
+
+def test_a_whole_llama_stage_computes_what_the_model_computes():
+    torch.manual_seed(0)
+    model = Llama(MODEL)
+    tokens = torch.randint(0, MODEL.vocab_size, (2, 16))
+    want = model(tokens)
+    model.layers = nn.ModuleDict({str(i): block for i, block in enumerate(model.layers)})
+    stage = LlamaStage(model, first=True, last=True)
+    assert torch.equal(stage(tokens), want)
+    # the names are the whole model's, so its full state dict loads into stages
+    assert set(stage.state_dict()) == set(Llama(MODEL).state_dict())
+
+
+@pytest.fixture
+def world_of_one():
+    """A gloo process group of this process alone (no launch)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_one_rank_with_full_checkpointing_trains_as_the_plain_loop(world_of_one, reference_losses):
+    recipe = llama_recipe("tiny", n_layers=N_LAYERS)
+    model = parallelize(recipe, ParallelConfig(activation_checkpoint="full"), device="cpu")
+    model.load_weights(recipe.full_state_dict(SEED))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, foreach=False)
+    data = SyntheticTokens(MODEL.vocab_size, SEQ, BATCH, SEED)
+    losses = []
+    for step in range(STEPS):
+        loss = model.train_step(*data.batch(step))
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(model.global_loss(loss))
+    assert losses == pytest.approx(reference_losses, rel=REL_TOL)
+
+
+def test_weights_missing_from_the_full_state_dict_are_named_not_left_uninitialised(world_of_one):
+    recipe = llama_recipe("tiny")
+    model = parallelize(recipe, ParallelConfig(), device="cpu")
+    full = recipe.full_state_dict(SEED)
+    del full["layers.1.ffn_norm.weight"]
+    with pytest.raises(MemfitError, match="lacks 1 of this rank's weights: layers.1.ffn_norm.weight"):
+        model.load_weights(full)
+
+
+def test_stages_split_the_blocks_evenly_first_stages_taking_the_rest():
+    assert split_blocks(4, 2) == [range(0, 2), range(2, 4)]
+    assert split_blocks(5, 3) == [range(0, 2), range(2, 4), range(4, 5)]
+    with pytest.raises(MemfitError, match="at most one stage per block"):
+        split_blocks(2, 4)
+
+
+def test_what_is_not_applied_yet_is_named():
+    recipe = llama_recipe("tiny")
+    assert unapplied(ParallelConfig(dp_shard=2, tp=2), recipe) == []
+    problems = unapplied(ParallelConfig(cp=2, swap=True), recipe)
+    assert any("context parallelism" in p for p in problems) and any("swap" in p for p in problems)
+    assert any("bfloat16" in p for p in unapplied(ParallelConfig(tp=2, param_dtype="bfloat16"), recipe))
+    sac = ParallelConfig(dp_shard=2, activation_checkpoint="sac", sac_memory_fraction=0.5)
+    assert any("sac" in p for p in unapplied(sac, recipe))
+
+
+def test_bad_requests_fail_before_anything_launches(tmp_path):
+    with pytest.raises(MemfitError, match="multiply to 2 devices, not 4"):
+        check_request(RunRequest(nproc=4, configs=[ParallelConfig(tp=2)]))
+    with pytest.raises(MemfitError, match="global batch 7 does not split over 2"):
+        check_request(RunRequest(nproc=2, global_batch=7))
+    with pytest.raises(MemfitError, match="tp=4 does not divide the model's 4 heads and 2 KV heads"):
+        check_request(RunRequest(nproc=4, configs=[ParallelConfig(tp=4)]))
+    with pytest.raises(MemfitError, match="4 pipeline stages for 2 layers"):
+        check_request(RunRequest(nproc=4, configs=[ParallelConfig(pp=4, microbatches=4)]))
+    with pytest.raises(MemfitError, match="exceeds the tiny model's max_seq_len"):
+        check_request(RunRequest(nproc=2, seq_len=4096))
+    with pytest.raises(MemfitError, match="unknown model preset"):
+        check_request(RunRequest(nproc=2, model="huge"))
+    with pytest.raises(MemfitError, match="cannot read parallel configuration"):
+        load_configs(tmp_path / "missing.json")
+    (tmp_path / "bad.json").write_text(json.dumps([{"dp_shard": 2}, {"tp": 0}]))
+    with pytest.raises(MemfitError, match="invalid parallel configuration"):
+        load_configs(tmp_path / "bad.json")
+    sac = ParallelConfig(dp_shard=2, activation_checkpoint="sac", sac_memory_fraction=0.5)
+    with pytest.raises(MemfitError, match="needs the SAC plan"):
+        check_request(RunRequest(nproc=2, configs=[sac]))
+    plan = sac_plan(tmp_path / "sac.json")
+    with pytest.raises(MemfitError, match="names modules the model does not have: layers.2.attention"):
+        check_request(RunRequest(nproc=2, configs=[sac], sac_plan=plan))  # tiny has 2 blocks, the plan 4
+    # the default is FSDP over every rank
+    default = RunRequest(nproc=2)
+    check_request(default)
+    assert default.configs == [ParallelConfig(dp_shard=2)]
+
+
+def test_the_launch_command_is_torchrun_standalone_with_the_trainer(tmp_path):
+    command = trainer_command(RunRequest(nproc=3, n_layers=6), tmp_path / "c.json", tmp_path / "r.json")
+    assert command[1:6] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3"]
+    assert command[6:8] == ["-m", "memfit_parallel.trainer"] and command[-2:] == ["--n-layers", "6"]
+
+
+def test_the_cli_reports_bad_input_without_launching(tmp_path, monkeypatch):
+    def no_launch(*args, **kwargs):
+        raise AssertionError("launched despite bad input")
+
+    monkeypatch.setattr("memfit_parallel.launch.launch", no_launch)
+    runner = CliRunner()
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"config": {"dp_shard": 2, "tp": 2}}))  # a plan file: the config under "config"
+    cases = [
+        (["--nproc", "2", "--config", str(plan)], "multiply to 4 devices, not 2"),
+        (["--nproc", "2", "--config", str(tmp_path / "none.json")], "cannot read parallel configuration"),
+        (["--nproc", "2", "--batch", "3"], "global batch 3 does not split over 2"),
+        (["--nproc", "0"], "--nproc must be at least 1"),
+        (["--nproc", "2", "--steps", "0"], "--steps must be at least 1"),
+    ]
+    for args, message in cases:
+        result = runner.invoke(cli, ["parallel", "run", *args], terminal_width=200)
+        assert result.exit_code != 0 and message in result.output, (args, result.output)
