@@ -52,6 +52,7 @@ import torch.nn.functional as F
 from memfit.errors import MemfitError
 from memfit.plan import Recompute
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from memfit_parallel.config import ModelShape, ParallelConfig
 
@@ -350,7 +351,7 @@ def parallelize(
     config: ParallelConfig,
     *,
     device: torch.device | str = "cpu",
-    mesh=None,
+    mesh: DeviceMesh | None = None,
     recompute: Sequence[Recompute] | None = None,
 ) -> ParallelModel:
     """Apply ``config`` to the model of ``recipe`` on this rank: meta init → PP → TP → AC → FSDP.
