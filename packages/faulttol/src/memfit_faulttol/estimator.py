@@ -125,20 +125,71 @@ def estimate_plan(profile: LayerProfile, plan: ExecutionPlan) -> StepEstimate:
     return StepEstimate(compute, sync_seconds(profile, plan), optimizer_seconds(profile, plan))
 
 
-def estimate_state(profile: LayerProfile, state: ClusterState) -> StepEstimate:
-    """Step time of a state: :func:`estimate_plan`, or Eq. 13 when failed slots are rerouted.
+REROUTE_MODELS = ("eq13", "pipeline")
 
-    Eq. 13 assumes the symmetric plan it is written for; for an asymmetric plan under rerouting each
-    failed stage's extra work is added serially to the slowest pipeline with that stage's own
-    times (the same serial assumption, per stage).
+
+def rerouted_stage_factors(plan: ExecutionPlan, failed_slots: frozenset[tuple[int, int]] | set) -> list[list[float]]:
+    """How much slower each stage runs when failed slots are rerouted to their live replicas.
+
+    A failed slot's micro-batches are spread evenly over the live stages holding the same layers;
+    a replica doing ``m`` micro-batches of its own and ``x`` rerouted ones runs ``(m + x) / m`` times
+    its own time per micro-batch. The failed slot itself runs at its slowest replica's pace.
 
     Raises:
-        MemfitError: a stage lost all its replicas (rerouting is infeasible).
+        MemfitError: a failed slot has no live replica.
     """
+    failed = set(failed_slots)
+    factor = [[1.0] * p.stages for p in plan.pipelines]
+    ranges = [p.ranges() for p in plan.pipelines]
+
+    def replicas(k: int, s: int) -> list[tuple[int, int]]:
+        return [
+            (j, t) for j, rs in enumerate(ranges) for t, r in enumerate(rs) if r == ranges[k][s] and (j, t) not in failed
+        ]
+
+    for k, s in failed:
+        peers = replicas(k, s)
+        if not peers:
+            raise MemfitError(f"stage {s} of pipeline {k} lost every replica: rerouting is infeasible; re-parallelise")
+        share = plan.pipelines[k].micro_batches / len(peers)
+        for j, t in peers:
+            factor[j][t] += share / plan.pipelines[j].micro_batches
+    for k, s in failed:
+        factor[k][s] = max(factor[j][t] for j, t in replicas(k, s))
+    return factor
+
+
+def estimate_state(profile: LayerProfile, state: ClusterState, reroute_model: str = "eq13") -> StepEstimate:
+    """Step time of a state: :func:`estimate_plan`, or with its failed slots rerouted.
+
+    ``reroute_model``:
+
+    * ``"eq13"`` (the paper): the rerouted work is added serially to the 1F1B critical path,
+      ``Σ_i N_m·F_i/(N_dp − F_i)·(T_f + T_b)`` (Eq. 13; for an asymmetric plan, each failed slot's
+      work divided among its live replicas, with that stage's own times);
+    * ``"pipeline"``: the replicas' stages run slower in proportion to their extra micro-batches
+      (:func:`rerouted_stage_factors`) and each pipeline is timed with Eq. 11, so extra work on
+      different stages overlaps as the stages run concurrently.
+
+    Raises:
+        MemfitError: a stage lost all its replicas (rerouting is infeasible), or an unknown model.
+    """
+    if reroute_model not in REROUTE_MODELS:
+        raise MemfitError(f"unknown reroute model {reroute_model!r}; use one of {', '.join(REROUTE_MODELS)}")
     base = estimate_plan(profile, state.plan)
     if not state.failed_slots:
         return base
     plan = state.plan
+    if reroute_model == "pipeline":
+        factors = rerouted_stage_factors(plan, state.failed_slots)
+        compute = 0.0
+        for p, fs in zip(plan.pipelines, factors, strict=True):
+            fwd, bwd = stage_times(profile, p)
+            compute = max(
+                compute,
+                pipeline_seconds([f * c for f, c in zip(fwd, fs, strict=True)], [b * c for b, c in zip(bwd, fs, strict=True)], p.micro_batches),
+            )
+        return StepEstimate(compute, base.sync_s, base.optimizer_s)
     per_stage = state.failed_per_stage()
     if plan.symmetric:
         first = plan.pipelines[0]
@@ -148,13 +199,17 @@ def estimate_state(profile: LayerProfile, state: ClusterState) -> StepEstimate:
             return StepEstimate(compute, base.sync_s, base.optimizer_s)
     extra = 0.0
     for k, s in state.failed_slots:
-        peers = [q for j, q in enumerate(plan.pipelines) if j != k and (j, s) not in state.failed_slots]
-        peers = [q for q in peers if q.stages > s]
+        lost = plan.pipelines[k]
+        rng = lost.ranges()[s]
+        peers = [
+            (j, t)
+            for j, q in enumerate(plan.pipelines)
+            for t, r in enumerate(q.ranges())
+            if r == rng and (j, t) not in state.failed_slots
+        ]
         if not peers:
             raise MemfitError(f"stage {s} lost every replica: rerouting is infeasible; re-parallelise instead")
-        lost = plan.pipelines[k]
-        a, b = lost.ranges()[s]
-        work = lost.micro_batches * (profile.total("forward_s", a, b) + profile.total("backward_s", a, b))
+        work = lost.micro_batches * (profile.total("forward_s", *rng) + profile.total("backward_s", *rng))
         extra += work / len(peers)
     return StepEstimate(base.compute_s + extra, base.sync_s, base.optimizer_s)
 

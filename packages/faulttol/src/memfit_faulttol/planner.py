@@ -32,6 +32,7 @@ from memfit.errors import MemfitError
 from memfit_simulator.streams import pipeline_seconds
 
 from memfit_faulttol.estimator import (
+    REROUTE_MODELS,
     estimate_plan,
     estimate_state,
     expected_interval_s,
@@ -183,7 +184,11 @@ class Planner:
             heuristic: "the new DP degree often differs from the original by less than 2"); when
             none of them has a memory-feasible plan, every DP degree is searched.
         max_spread: the longest and shortest pipeline of a plan differ by at most this many stages.
-        restart_s: fixed restart cost of a re-parallelisation (communicators, runtime), seconds.
+        restart_s: fixed restart cost of a re-parallelisation (communicators, runtime), seconds;
+            the default, 1.93 s, is what the paper's Fig. 10 leaves of an 11.2 s recovery once its
+            weight transfer (3.0 s saved = 32.35 % of it, so 9.27 s) is taken out.
+        reroute_model: how rerouted states are estimated (``"eq13"``, the paper; or ``"pipeline"``;
+            see :func:`memfit_faulttol.estimator.estimate_state`).
     """
 
     def __init__(
@@ -195,6 +200,7 @@ class Planner:
         dp_radius: int = 1,
         max_spread: int = 2,
         restart_s: float = 1.93,
+        reroute_model: str = "eq13",
     ) -> None:
         if micro_batches < 1:
             raise MemfitError(f"the global batch needs at least one micro-batch, got {micro_batches}")
@@ -208,6 +214,9 @@ class Planner:
         self.dp_radius = dp_radius
         self.max_spread = max_spread
         self.restart_s = restart_s
+        if reroute_model not in REROUTE_MODELS:
+            raise MemfitError(f"unknown reroute model {reroute_model!r}; use one of {', '.join(REROUTE_MODELS)}")
+        self.reroute_model = reroute_model
         self._splits: dict[tuple[int, int], tuple[tuple[int, ...], float] | None] = {}
         self._plans: dict[tuple[int, tuple[int, ...] | None], ExecutionPlan | None] = {}
         self._min_stages = self._shortest_fitting_pipeline()
@@ -350,7 +359,7 @@ class Planner:
                     slots.add(slot)
             rerouted = ClusterState(alive, state.plan, frozenset(slots), Strategy.REROUTE, seen, state.device_hours)
             if reroute_feasible(rerouted):
-                step = estimate_state(self.profile, rerouted).seconds
+                step = estimate_state(self.profile, rerouted, self.reroute_model).seconds
                 score = objective(samples, step, 0.0, interval)
                 candidates["reroute"] = (step, 0.0, score)
                 options.append((score, Decision(Strategy.REROUTE, rerouted, step, 0.0, score)))
