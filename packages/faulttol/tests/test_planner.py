@@ -7,7 +7,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from memfit.errors import MemfitError
-from memfit_faulttol.estimator import estimate_plan, estimate_state, objective, pipeline_compute_seconds, stage_memory_bytes
+from memfit_faulttol.estimator import (
+    estimate_plan,
+    estimate_state,
+    objective,
+    pipeline_compute_seconds,
+    stage_memory_bytes,
+)
 from memfit_faulttol.model import ClusterState, ExecutionPlan, Pipeline, Strategy
 from memfit_faulttol.planner import Planner, distribute_batch, integer_partition, leftover_placements, split_layers
 from memfit_faulttol.profile import LayerProfile
@@ -115,7 +121,9 @@ def _brute_best(planner, nodes):
                 ]  # fmt: skip
                 if not options:
                     break
-                pipelines.append(min((Pipeline(s, m) for s in options), key=lambda q: pipeline_compute_seconds(planner.profile, q)))
+                pipelines.append(
+                    min((Pipeline(s, m) for s in options), key=lambda q: pipeline_compute_seconds(planner.profile, q))
+                )
             else:
                 t = estimate_plan(planner.profile, ExecutionPlan(tuple(pipelines))).seconds
                 best = t if best is None else min(best, t)

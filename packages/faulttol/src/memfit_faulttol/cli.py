@@ -18,24 +18,34 @@ def faulttol() -> None:
 
 
 @faulttol.command()
-@click.option("--devices", type=int, default=32, show_default=True, help="Devices at the start (one pipeline stage each).")
+@click.option(
+    "--devices", type=int, default=32, show_default=True, help="Devices at the start (one pipeline stage each)."
+)
 @click.option("--hours", type=float, default=9.0, show_default=True, help="Virtual hours to simulate.")
 @click.option(
     "--failure-rate", type=float, default=0.1, show_default=True, help="Failure probability per device-hour (0..1)."
 )
-@click.option("--seeds", type=int, default=5, show_default=True, help="Failure traces (seeds 0..n-1); results are means.")
+@click.option(
+    "--seeds", type=int, default=5, show_default=True, help="Failure traces (seeds 0..n-1); results are means."
+)
 @click.option("--model", default="llama2-7b", show_default=True, help=f"A preset: {', '.join(_PRESETS)}.")
 @click.option("--device", default="ascend-910b", show_default=True, help="The device (memfit-simulator's registry).")
 @click.option("--seq", type=int, default=4096, show_default=True, help="Tokens per sample (micro-batch of one sample).")
 @click.option("--micro-batches", type=int, default=64, show_default=True, help="Global batch, in micro-batches.")
-@click.option("--stages", type=int, default=4, show_default=True, help="Pipeline depth of the fault-free plan (0: best).")
+@click.option(
+    "--stages", type=int, default=4, show_default=True, help="Pipeline depth of the fault-free plan (0: best)."
+)
 @click.option("--repair-hours", type=float, default=None, help="Mean time to repair a device (default: never).")
-@click.option("--restart", "restart_s", type=float, default=1.93, show_default=True, help="Restart seconds of a re-plan.")
+@click.option(
+    "--restart", "restart_s", type=float, default=1.93, show_default=True, help="Restart seconds of a re-plan."
+)
 @click.option(
     "--reroute-model", type=click.Choice(["eq13", "pipeline"]), default="eq13", show_default=True,
     help="How the planner estimates rerouted states: Eq. 13 (the paper) or the pipeline recurrence.",
 )  # fmt: skip
-@click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Throughput over time (PNG).")
+@click.option(
+    "--plot", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Throughput over time (PNG)."
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
 def simulate(
     devices, hours, failure_rate, seeds, model, device, seq, micro_batches, stages, repair_hours, restart_s,
@@ -51,7 +61,9 @@ def simulate(
     if hours <= 0:
         problems.append(f"--hours must be positive (got {hours})")
     if not 0 < failure_rate < 1:
-        problems.append(f"--failure-rate is a probability per device-hour, strictly between 0 and 1 (got {failure_rate})")
+        problems.append(
+            f"--failure-rate is a probability per device-hour, strictly between 0 and 1 (got {failure_rate})"
+        )
     if seeds < 1:
         problems.append(f"--seeds must be at least 1 (got {seeds})")
     if seq < 1 or micro_batches < 1:

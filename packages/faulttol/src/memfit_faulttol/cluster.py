@@ -39,7 +39,7 @@ from memfit_faulttol.estimator import estimate_state, rerouted_stage_factors, st
 from memfit_faulttol.model import ClusterState, ExecutionPlan, Pipeline, Strategy
 from memfit_faulttol.planner import Planner
 from memfit_faulttol.profile import LayerProfile
-from memfit_faulttol.restorer import color_rounds, naive_assignment, sync_buckets, transfer_seconds, _all_reduce_seconds
+from memfit_faulttol.restorer import _all_reduce_seconds, color_rounds, sync_buckets
 
 POLICIES = ("adaptive", "oobleck", "recycle", "bamboo")
 
@@ -53,6 +53,8 @@ def rate_from_probability(probability_per_hour: float) -> float:
 
 @dataclass(frozen=True, slots=True)
 class Event:
+    """A device fails (``"fault"``) or comes back (``"repair"``) at ``time_s``."""
+
     time_s: float
     kind: str  # "fault" or "repair"
     device: int
@@ -135,7 +137,9 @@ def colored_sync_seconds(profile: LayerProfile, plan: ExecutionPlan, alive: froz
     rounds = color_rounds(live)
     slowest: dict[int, float] = {}
     for bucket, r in zip(live, rounds, strict=True):
-        seconds = _all_reduce_seconds(profile.total("param_bytes", bucket.first, bucket.stop), len(bucket.devices), profile)
+        seconds = _all_reduce_seconds(
+            profile.total("param_bytes", bucket.first, bucket.stop), len(bucket.devices), profile
+        )
         slowest[r] = max(slowest.get(r, 0.0), seconds)
     return sum(slowest.values())
 
@@ -190,10 +194,14 @@ class Policy:
 
 
 class Oobleck(Policy):
+    """Dynamic parallelism on every fault, survivors mapped in device order."""
+
     name = "oobleck"
 
 
 class Adaptive(Policy):
+    """This package: Eq. 8 chooses rerouting or re-parallelisation (Kuhn–Munkres mapping)."""
+
     name = "adaptive"
 
     def on_fault(self, state: ClusterState, device: int) -> Outcome:
@@ -208,7 +216,9 @@ class Adaptive(Policy):
         keep = replace(state, alive=alive)
         interval = expected_interval_s(len(alive), self.rate)
         samples = self.planner.samples_per_step()
-        keep_score = objective(samples, estimate_state(self.planner.profile, keep, self.planner.reroute_model).seconds, 0.0, interval)
+        keep_score = objective(
+            samples, estimate_state(self.planner.profile, keep, self.planner.reroute_model).seconds, 0.0, interval
+        )
         found = self.planner.reparallelize(state, alive, optimal_mapping=True)
         if found is None:
             return Outcome(keep, 0.0, lost_step=False)
@@ -219,6 +229,8 @@ class Adaptive(Policy):
 
 
 class Recycle(Policy):
+    """Data rerouting on every fault; re-plans (device order) only when a stage lost every replica."""
+
     name = "recycle"
 
     def on_fault(self, state: ClusterState, device: int) -> Outcome:
@@ -240,10 +252,14 @@ class Recycle(Policy):
         a, b = plan.pipelines[k].ranges()[s]
         seconds = self.planner.restart_s + self.planner.profile.state_bytes(a, b) / self.planner.profile.inter_bandwidth
         slots = frozenset(state.failed_slots - {(k, s)})
-        return Outcome(replace(state, alive=state.alive | {device}, plan=plan.with_devices(devices), failed_slots=slots), seconds)
+        return Outcome(
+            replace(state, alive=state.alive | {device}, plan=plan.with_devices(devices), failed_slots=slots), seconds
+        )
 
 
 class Bamboo(Policy):
+    """Redundant computation: the predecessor takes a failed stage over; re-plans when it cannot."""
+
     name = "bamboo"
     redundant = True
 
@@ -256,14 +272,24 @@ class Bamboo(Policy):
         pipeline = state.plan.pipelines[k]
         if pipeline.stages > 1:
             predecessor = (s - 1) % pipeline.stages
-            if pipeline.devices[predecessor] in alive and (k, predecessor) not in state.taken_over and (k, s) not in state.taken_over:
+            if (
+                pipeline.devices[predecessor] in alive
+                and (k, predecessor) not in state.taken_over
+                and (k, s) not in state.taken_over
+            ):
                 merged = merge_stage(pipeline, s, predecessor)
                 pipelines = list(state.plan.pipelines)
                 pipelines[k] = merged
                 taken = {(j, t) for j, t in state.taken_over if j != k}
                 taken.add((k, merged.devices.index(pipeline.devices[predecessor])))
                 return Outcome(
-                    ClusterState(alive, ExecutionPlan(tuple(pipelines)), frozenset(), Strategy.TAKEOVER, taken_over=frozenset(taken)),
+                    ClusterState(
+                        alive,
+                        ExecutionPlan(tuple(pipelines)),
+                        frozenset(),
+                        Strategy.TAKEOVER,
+                        taken_over=frozenset(taken),
+                    ),
                     0.0,
                     lost_step=False,
                 )
@@ -397,9 +423,13 @@ def _training(state: ClusterState) -> int:
 
 
 def _step(policy: Policy, state: ClusterState, run: PolicyRun) -> float:
-    simulated = simulated_step_seconds(policy.planner.profile if not policy.redundant else policy.base_profile, state, policy.redundant)  # type: ignore[attr-defined]
+    simulated = simulated_step_seconds(
+        policy.planner.profile if not policy.redundant else policy.base_profile, state, policy.redundant
+    )  # type: ignore[attr-defined]
     if not policy.redundant:
-        run.estimates.append((estimate_state(policy.planner.profile, state, policy.planner.reroute_model).seconds, simulated))
+        run.estimates.append(
+            (estimate_state(policy.planner.profile, state, policy.planner.reroute_model).seconds, simulated)
+        )
     return simulated
 
 
@@ -502,7 +532,9 @@ def simulate_cluster(
         for name in policies:
             if name == "bamboo":
                 if bamboo_planner is None:
-                    bamboo_planner = Planner(bamboo_profile(profile), micro_batches, restart_s=restart_s, reroute_model=reroute_model)
+                    bamboo_planner = Planner(
+                        bamboo_profile(profile), micro_batches, restart_s=restart_s, reroute_model=reroute_model
+                    )
                 policy: Policy = Bamboo(bamboo_planner, rate_lambda)
                 policy.base_profile = profile  # type: ignore[attr-defined]
             else:
@@ -510,7 +542,9 @@ def simulate_cluster(
             run = run_policy(policy, events, devices, hours, stages)
             runs[name].append(run)
             if progress:
-                progress(f"seed {seed} {name:9s} {run.tokens_per_s:10.1f} tokens/s, {len(run.decisions)} events handled")
+                progress(
+                    f"seed {seed} {name:9s} {run.tokens_per_s:10.1f} tokens/s, {len(run.decisions)} events handled"
+                )
     return SimulationSummary(devices, hours, failure_rate, seed_list, runs, initial.plan.describe())
 
 
@@ -537,9 +571,7 @@ def plot_runs(summary: SimulationSummary, path: str, seed_index: int = 0) -> Non
         counts = [n for _, n in run.active] + [run.active[-1][1]]
         bottom.step(times, counts, styles.get(name, "-"), where="post", label=name)
     top.set_ylabel("tokens/s")
-    top.set_title(
-        f"{summary.devices} devices, {summary.failure_rate:.0%}/h failures, seed {summary.seeds[seed_index]}"
-    )
+    top.set_title(f"{summary.devices} devices, {summary.failure_rate:.0%}/h failures, seed {summary.seeds[seed_index]}")
     top.legend(fontsize=8)
     bottom.set_ylabel("devices training")
     bottom.set_xlabel("hours")

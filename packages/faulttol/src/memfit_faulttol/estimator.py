@@ -87,6 +87,7 @@ def stage_memory_bytes(profile: LayerProfile, pipeline: Pipeline, stage: int) ->
 
 
 def pipeline_fits(profile: LayerProfile, pipeline: Pipeline) -> bool:
+    """Whether every stage of ``pipeline`` fits the device (Eq. 14)."""
     return all(stage_memory_bytes(profile, pipeline, s) <= profile.capacity_bytes for s in range(pipeline.stages))
 
 
@@ -110,6 +111,8 @@ def optimizer_seconds(profile: LayerProfile, plan: ExecutionPlan) -> float:
 
 @dataclass(frozen=True, slots=True)
 class StepEstimate:
+    """An estimated step: pipeline compute, gradient synchronisation and optimizer update, in seconds."""
+
     compute_s: float
     sync_s: float
     optimizer_s: float
@@ -144,7 +147,10 @@ def rerouted_stage_factors(plan: ExecutionPlan, failed_slots: frozenset[tuple[in
 
     def replicas(k: int, s: int) -> list[tuple[int, int]]:
         return [
-            (j, t) for j, rs in enumerate(ranges) for t, r in enumerate(rs) if r == ranges[k][s] and (j, t) not in failed
+            (j, t)
+            for j, rs in enumerate(ranges)
+            for t, r in enumerate(rs)
+            if r == ranges[k][s] and (j, t) not in failed
         ]
 
     for k, s in failed:
@@ -187,7 +193,11 @@ def estimate_state(profile: LayerProfile, state: ClusterState, reroute_model: st
             fwd, bwd = stage_times(profile, p)
             compute = max(
                 compute,
-                pipeline_seconds([f * c for f, c in zip(fwd, fs, strict=True)], [b * c for b, c in zip(bwd, fs, strict=True)], p.micro_batches),
+                pipeline_seconds(
+                    [f * c for f, c in zip(fwd, fs, strict=True)],
+                    [b * c for b, c in zip(bwd, fs, strict=True)],
+                    p.micro_batches,
+                ),
             )
         return StepEstimate(compute, base.sync_s, base.optimizer_s)
     per_stage = state.failed_per_stage()

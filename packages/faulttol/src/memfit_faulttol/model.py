@@ -13,12 +13,12 @@ All are frozen dataclasses: a fault produces a new state, never mutates one.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 
 from memfit.errors import MemfitError
 
 
-class Strategy(str, Enum):
+class Strategy(StrEnum):
     """How a state came about (the fault-tolerance policy of Definition 1)."""
 
     INITIAL = "initial"

@@ -44,7 +44,9 @@ from memfit_faulttol.model import ClusterState, ExecutionPlan, Pipeline, Strateg
 from memfit_faulttol.profile import LayerProfile
 
 
-def integer_partition(n: int, parts: int, allowed: Iterable[int], max_spread: int | None = None) -> list[tuple[int, ...]]:
+def integer_partition(
+    n: int, parts: int, allowed: Iterable[int], max_spread: int | None = None
+) -> list[tuple[int, ...]]:
     """Non-increasing tuples of ``parts`` values from ``allowed`` that sum to ``n``.
 
     ``max_spread`` bounds the difference between the longest and the shortest pipeline (``None``:
@@ -103,8 +105,10 @@ def distribute_batch(micro_batches: int, lengths: tuple[int, ...] | list[int]) -
 
 
 def leftover_placements(stages: int, extra: int, max_candidates: int = 128) -> list[tuple[int, ...]]:
-    """Which stages take one of the ``extra`` leftover layers: all ``C(stages, extra)`` choices when there
-    are at most ``max_candidates``, else the ``stages`` cyclic windows of consecutive stages and the
+    """Which stages take one of the ``extra`` leftover layers.
+
+    All ``C(stages, extra)`` choices when there are at most ``max_candidates``, else the ``stages``
+    cyclic windows of consecutive stages and the
     ``stages`` rotations of the evenly spaced choice (the paper expects "ten to hundreds" of choices;
     C(13, 6) = 1716 is not, and the Eq. 11 time is pure Python).
     """
@@ -266,7 +270,9 @@ class Planner:
         """
         if nodes < 1:
             raise MemfitError(f"no nodes left to plan for ({nodes})")
-        dps_near = None if around_dp is None else tuple(range(around_dp - self.dp_radius, around_dp + self.dp_radius + 1))
+        dps_near = (
+            None if around_dp is None else tuple(range(around_dp - self.dp_radius, around_dp + self.dp_radius + 1))
+        )
         key = (nodes, dps_near)
         if key in self._plans:
             return self._plans[key]
@@ -381,5 +387,6 @@ class Planner:
             )
         # ties favour rerouting (listed first): no transition for the same objective
         best = max(options, key=lambda o: o[0])[1]
-        return Decision(best.strategy, best.state, best.step_s, best.transition_s, best.score, candidates, best.transfers)
-
+        return Decision(
+            best.strategy, best.state, best.step_s, best.transition_s, best.score, candidates, best.transfers
+        )

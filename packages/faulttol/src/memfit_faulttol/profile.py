@@ -68,7 +68,9 @@ class LayerProfile:
             raise MemfitError("a layer profile needs at least one layer")
         for name in ("backward_s", "optimizer_s", "param_bytes", "optimizer_bytes", "activation_bytes"):
             if len(getattr(self, name)) != n:
-                raise MemfitError(f"{name} has {len(getattr(self, name))} entries but forward_s has {n}: give one per layer")
+                raise MemfitError(
+                    f"{name} has {len(getattr(self, name))} entries but forward_s has {n}: give one per layer"
+                )
             if any(v < 0 for v in getattr(self, name)):
                 raise MemfitError(f"{name} has a negative entry; times and sizes must be >= 0")
         if any(v <= 0 for v in self.forward_s) or any(v <= 0 for v in self.backward_s):
