@@ -16,12 +16,20 @@ Nothing here imports torch except :func:`memfit_faulttol.profile.profile_from_si
 from memfit_faulttol.__about__ import __version__
 from memfit_faulttol.estimator import estimate_plan, estimate_state, objective, reroute_step_seconds
 from memfit_faulttol.model import ClusterState, ExecutionPlan, Pipeline, Strategy
-from memfit_faulttol.planner import Decision, Planner, distribute_batch, integer_partition, split_layers
+from memfit_faulttol.planner import (
+    Decision,
+    FaultContext,
+    Planner,
+    distribute_batch,
+    integer_partition,
+    split_layers,
+)
 from memfit_faulttol.profile import LayerProfile, profile_from_simulator
 
 __all__ = [
     "ClusterState",
     "Decision",
+    "FaultContext",
     "ExecutionPlan",
     "LayerProfile",
     "Pipeline",

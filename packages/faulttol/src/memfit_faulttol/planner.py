@@ -390,3 +390,18 @@ class Planner:
         return Decision(
             best.strategy, best.state, best.step_s, best.transition_s, best.score, candidates, best.transfers
         )
+
+
+@dataclass(frozen=True, slots=True)
+class FaultContext:
+    """What a launcher puts in :attr:`memfit.types.FaultEvent.state` for memfit-faulttol's ``on_fault`` handler.
+
+    Attributes:
+        planner: the job's planner (its profile, global batch and plan cache).
+        state: the cluster state before the fault.
+        rate_per_device_hour: the prior failure rate λ (per device-hour) for the time to the next fault.
+    """
+
+    planner: Planner
+    state: ClusterState
+    rate_per_device_hour: float = 0.1054
