@@ -124,7 +124,8 @@ def main() -> None:
         "(target 8 %)"
     )
     for restart, row in sensitivity.items():
-        print(f"restart {restart:>6s} s: vs oobleck {row['ratio_vs_oobleck']:.3f}, vs recycle {row['ratio_vs_recycle']:.3f}")
+        oob, rec = row["ratio_vs_oobleck"], row["ratio_vs_recycle"]
+        print(f"restart {restart:>6s} s: vs oobleck {oob:.3f}, vs recycle {rec:.3f}")
     print(
         f"planner at 256 devices: {search['after_fault_search_s']:.3f} s after a fault, "
         f"{search['initial_search_s']:.3f} s fault-free (target 1.2 s)"

@@ -327,15 +327,8 @@ def bamboo_profile(profile: LayerProfile) -> LayerProfile:
 
 
 def initial_state(planner: Planner, devices: list[int], stages: int | None) -> ClusterState:
-    """The fault-free plan: symmetric with ``stages`` pipeline stages when it fits, else the planner's best."""
-    devices = sorted(devices)
-    if stages is not None:
-        if len(devices) % stages:
-            raise MemfitError(f"{len(devices)} devices do not divide into pipelines of {stages} stages")
-        plan = planner.plan_for((stages,) * (len(devices) // stages)) if stages <= planner.profile.layers else None
-        if plan is not None:
-            return ClusterState(frozenset(devices), plan.with_devices(devices))
-    return planner.initial_state(devices)
+    """The fault-free state: :meth:`Planner.initial_state`."""
+    return planner.initial_state(devices, stages)
 
 
 # --- the simulation loop -------------------------------------------------------------------------------------

@@ -295,10 +295,25 @@ class Planner:
         """Algorithm 1's outer loop: the best plan after 1..``max_failures`` failures, cached."""
         return {i: self.best_plan(nodes - i, around_dp) for i in range(1, max_failures + 1) if nodes - i >= 1}
 
-    def initial_state(self, devices: Iterable[int]) -> ClusterState:
-        """The best plan over ``devices`` (every DP degree searched), devices assigned in order."""
+    def initial_state(self, devices: Iterable[int], stages: int | None = None) -> ClusterState:
+        """The fault-free state over ``devices`` (assigned in order).
+
+        ``stages``: a symmetric plan with pipelines of that many stages (the paper's real runs use
+        PP = 4), falling back to the best plan when it does not fit; ``None``: the best plan over
+        every DP degree (the paper takes the first plan as given, e.g. from Alpa).
+
+        Raises:
+            MemfitError: ``stages`` does not divide the devices, or no plan fits them.
+        """
         devices = sorted(devices)
-        plan = self.best_plan(len(devices))
+        plan = None
+        if stages is not None:
+            if stages < 1 or len(devices) % stages:
+                raise MemfitError(f"{len(devices)} devices do not divide into pipelines of {stages} stages")
+            if stages <= self.profile.layers and len(devices) // stages <= self.micro_batches:
+                plan = self.plan_for((stages,) * (len(devices) // stages))
+        if plan is None:
+            plan = self.best_plan(len(devices))
         if plan is None:
             raise MemfitError(f"no memory-feasible plan uses {len(devices)} devices")
         return ClusterState(alive=frozenset(devices), plan=plan.with_devices(devices))
