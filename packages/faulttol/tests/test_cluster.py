@@ -109,3 +109,20 @@ def test_simulation_is_deterministic_given_the_seed_and_plots(profile, tmp_path)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(MemfitError, match="unknown policies"):
         simulate_cluster(profile, devices=16, hours=1, policies=("checkpoint",))
+
+
+def test_repairs_refill_rerouted_slots_and_adaptive_replans_when_it_pays(profile):
+    planner = Planner(profile, micro_batches=16, restart_s=50.0)
+    events = [Event(1000.0, "fault", 5), Event(2000.0, "repair", 5)]
+    rec = run_policy(Recycle(planner, 0.1), events, devices=16, hours=1.0, stages=4)
+    assert [d[1] for d in rec.decisions] == ["reroute", "reroute"]
+    # the device comes back into its slot: restart + one stage (2 layers of 1 B) over the inter-server link
+    assert rec.decisions[1][3] == pytest.approx(50.0 + 2 / profile.inter_bandwidth)
+    assert rec.active[-1] == (2000.0, 16)
+    assert rec.decisions[1][2] == pytest.approx(42.0)  # back to the fault-free step
+    free = Planner(profile, micro_batches=16, restart_s=0.0)
+    ada = run_policy(Adaptive(free, 0.1), events, devices=16, hours=1.0, stages=4)
+    assert ada.active[-1] == (2000.0, 16)  # re-planning onto 16 devices costs nothing here: it pays
+    costly = Planner(profile, micro_batches=16, restart_s=1e6)
+    kept = run_policy(Adaptive(costly, 0.1), events, devices=16, hours=1.0, stages=4)
+    assert kept.decisions[0][1] == "reroute" and kept.decisions[1][3] == 0.0  # keeps running; the device waits
