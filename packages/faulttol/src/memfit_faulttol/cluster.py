@@ -209,7 +209,7 @@ class Adaptive(Policy):
         return Outcome(decision.state, decision.transition_s)
 
     def on_repair(self, state: ClusterState, device: int) -> Outcome | None:
-        """Keep running (the device waits) or re-plan with it, by Eq. 8."""
+        """Keep running (the device waits), give it back its rerouted slot, or re-plan with it: by Eq. 8."""
         from memfit_faulttol.estimator import expected_interval_s, objective
 
         alive = state.alive | {device}
@@ -219,13 +219,21 @@ class Adaptive(Policy):
         keep_score = objective(
             samples, estimate_state(self.planner.profile, keep, self.planner.reroute_model).seconds, 0.0, interval
         )
+        best = (keep_score, Outcome(keep, 0.0, lost_step=False))
+        options = []
+        refilled = refill_slot(self.planner, state, device)
+        if refilled is not None:
+            options.append(refilled)
         found = self.planner.reparallelize(state, alive, optimal_mapping=True)
-        if found is None:
-            return Outcome(keep, 0.0, lost_step=False)
-        plan, _, seconds = found
-        new = ClusterState(alive, plan, frozenset(), Strategy.REPARALLELIZE)
-        score = objective(samples, estimate_state(self.planner.profile, new).seconds, seconds, interval)
-        return Outcome(new, seconds) if score > keep_score else Outcome(keep, 0.0, lost_step=False)
+        if found is not None:
+            plan, _, seconds = found
+            options.append(Outcome(ClusterState(alive, plan, frozenset(), Strategy.REPARALLELIZE), seconds))
+        for option in options:
+            step = estimate_state(self.planner.profile, option.state, self.planner.reroute_model).seconds
+            score = objective(samples, step, option.transition_s, interval)
+            if score > best[0]:
+                best = (score, option)
+        return best[1]
 
 
 class Recycle(Policy):
@@ -242,19 +250,29 @@ class Recycle(Policy):
 
     def on_repair(self, state: ClusterState, device: int) -> Outcome | None:
         """The device rejoins in a failed slot (copying that stage from a peer), or waits."""
-        if not state.failed_slots:
-            return Outcome(replace(state, alive=state.alive | {device}), 0.0, lost_step=False)
-        k, s = sorted(state.failed_slots)[0]
-        plan = state.plan
-        devices = list(plan.devices())
-        index = sum(p.stages for p in plan.pipelines[:k]) + s
-        devices[index] = device
-        a, b = plan.pipelines[k].ranges()[s]
-        seconds = self.planner.restart_s + self.planner.profile.state_bytes(a, b) / self.planner.profile.inter_bandwidth
-        slots = frozenset(state.failed_slots - {(k, s)})
-        return Outcome(
-            replace(state, alive=state.alive | {device}, plan=plan.with_devices(devices), failed_slots=slots), seconds
-        )
+        refilled = refill_slot(self.planner, state, device)
+        return refilled or Outcome(replace(state, alive=state.alive | {device}), 0.0, lost_step=False)
+
+
+def refill_slot(planner: Planner, state: ClusterState, device: int) -> Outcome | None:
+    """A repaired device takes back its rerouted slot (or the first one), receiving that stage's weights.
+
+    ``None`` when no slot is rerouted. Costs a restart (the communicators change) and the copy of
+    the stage's parameters and optimizer states over the inter-server link.
+    """
+    if not state.failed_slots:
+        return None
+    own = state.slot_of(device)  # listed only while its slot is rerouted
+    k, s = own if own is not None else sorted(state.failed_slots)[0]
+    plan = state.plan
+    devices = list(plan.devices())
+    devices[sum(p.stages for p in plan.pipelines[:k]) + s] = device
+    a, b = plan.pipelines[k].ranges()[s]
+    seconds = planner.restart_s + planner.profile.state_bytes(a, b) / planner.profile.inter_bandwidth
+    new = replace(
+        state, alive=state.alive | {device}, plan=plan.with_devices(devices), failed_slots=state.failed_slots - {(k, s)}
+    )
+    return Outcome(new, seconds)
 
 
 class Bamboo(Policy):
@@ -412,7 +430,13 @@ def run_policy(
 
 
 def _training(state: ClusterState) -> int:
-    return sum(1 for d in state.plan.devices() if d in state.alive)
+    """Devices running a stage: alive, in the plan, in a slot that is not rerouted."""
+    return sum(
+        1
+        for k, p in enumerate(state.plan.pipelines)
+        for s, d in enumerate(p.devices)
+        if d in state.alive and (k, s) not in state.failed_slots
+    )
 
 
 def _step(policy: Policy, state: ClusterState, run: PolicyRun) -> float:
