@@ -89,8 +89,7 @@ def test_bamboo_takes_over_without_a_transition(profile):
     doubled = bamboo_profile(profile)
     assert doubled.param_bytes[0] == 2 * profile.param_bytes[0]
     planner = Planner(doubled, micro_batches=16)
-    policy = Bamboo(planner, 0.1)
-    policy.base_profile = profile
+    policy = Bamboo(planner, 0.1, profile)
     run = run_policy(policy, [Event(1000.0, "fault", 5), Event(2000.0, "fault", 4)], devices=16, hours=1.0, stages=4)
     # the first fault is taken over by device 4; the second kills that device: Bamboo must re-plan
     assert [d[1] for d in run.decisions] == [Strategy.TAKEOVER.value, Strategy.REPARALLELIZE.value]

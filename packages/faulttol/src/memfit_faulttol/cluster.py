@@ -174,6 +174,8 @@ class Policy:
     def __init__(self, planner: Planner, rate_per_device_hour: float) -> None:
         self.planner = planner
         self.rate = rate_per_device_hour
+        self.step_profile = planner.profile
+        """The profile the simulated step is timed with (Bamboo plans with doubled memory, runs with this)."""
 
     def initial(self, devices: list[int], stages: int | None) -> ClusterState:
         return initial_state(self.planner, devices, stages)
@@ -280,6 +282,11 @@ class Bamboo(Policy):
 
     name = "bamboo"
     redundant = True
+
+    def __init__(self, planner: Planner, rate_per_device_hour: float, profile: LayerProfile) -> None:
+        """``planner`` plans with :func:`bamboo_profile` (the successor's states too); ``profile`` times steps."""
+        super().__init__(planner, rate_per_device_hour)
+        self.step_profile = profile
 
     def on_fault(self, state: ClusterState, device: int) -> Outcome:
         alive = state.alive - {device}
@@ -440,9 +447,7 @@ def _training(state: ClusterState) -> int:
 
 
 def _step(policy: Policy, state: ClusterState, run: PolicyRun) -> float:
-    simulated = simulated_step_seconds(
-        policy.planner.profile if not policy.redundant else policy.base_profile, state, policy.redundant
-    )  # type: ignore[attr-defined]
+    simulated = simulated_step_seconds(policy.step_profile, state, policy.redundant)
     if not policy.redundant:
         run.estimates.append(
             (estimate_state(policy.planner.profile, state, policy.planner.reroute_model).seconds, simulated)
@@ -552,8 +557,7 @@ def simulate_cluster(
                     bamboo_planner = Planner(
                         bamboo_profile(profile), micro_batches, restart_s=restart_s, reroute_model=reroute_model
                     )
-                policy: Policy = Bamboo(bamboo_planner, rate_lambda)
-                policy.base_profile = profile  # type: ignore[attr-defined]
+                policy: Policy = Bamboo(bamboo_planner, rate_lambda, profile)
             else:
                 policy = {"adaptive": Adaptive, "oobleck": Oobleck, "recycle": Recycle}[name](planner, rate_lambda)
             run = run_policy(policy, events, devices, hours, stages)
