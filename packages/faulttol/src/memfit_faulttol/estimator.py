@@ -100,13 +100,15 @@ def sync_seconds(profile: LayerProfile, plan: ExecutionPlan) -> float:
     n = plan.dp
     if n == 1:
         return 0.0
-    largest = max(profile.total("param_bytes", a, b) for p in plan.pipelines for a, b in p.ranges())
+    splits = {p.layers for p in plan.pipelines}
+    largest = max(profile.total("param_bytes", a, b) for layers in splits for a, b in Pipeline(layers, 1).ranges())
     return 2 * (n - 1) / n * largest / profile.inter_bandwidth + 2 * (n - 1) * profile.latency_s
 
 
 def optimizer_seconds(profile: LayerProfile, plan: ExecutionPlan) -> float:
     """The optimizer update on the device with the most layers' worth of update time."""
-    return max(profile.total("optimizer_s", a, b) for p in plan.pipelines for a, b in p.ranges())
+    splits = {p.layers for p in plan.pipelines}
+    return max(profile.total("optimizer_s", a, b) for layers in splits for a, b in Pipeline(layers, 1).ranges())
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,7 +126,8 @@ class StepEstimate:
 
 def estimate_plan(profile: LayerProfile, plan: ExecutionPlan) -> StepEstimate:
     """Eq. 10: the slowest pipeline, plus synchronisation and the optimizer step."""
-    compute = max(pipeline_compute_seconds(profile, p) for p in plan.pipelines)
+    shapes = {(p.layers, p.micro_batches) for p in plan.pipelines}  # equal pipelines take equal time
+    compute = max(pipeline_compute_seconds(profile, Pipeline(layers, m)) for layers, m in shapes)
     return StepEstimate(compute, sync_seconds(profile, plan), optimizer_seconds(profile, plan))
 
 

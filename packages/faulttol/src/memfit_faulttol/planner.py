@@ -68,10 +68,12 @@ def integer_partition(
                 continue
             if p * k < left:
                 break
-            if left - p < low * (k - 1):
-                continue
-            if max_spread is not None and prefix and prefix[0] - p > max_spread:
+            # the smallest any later part may be: the allowed minimum, and within the spread of the first part
+            floor = max(low, (prefix[0] if prefix else p) - max_spread) if max_spread is not None else low
+            if p < floor:
                 break
+            if left - p < floor * (k - 1):
+                continue
             extend(prefix + (p,), left - p, k - 1, p)
 
     extend((), n, parts, values[0])
