@@ -248,6 +248,10 @@ def test_hook_on_fault(hooks, register_plugin):
     register_plugin(Restarter(), "restarter")
     assert hooks.handle_fault(FaultEvent(kind="node_lost", ranks=(3,))).action == "restart"
     assert hooks.handle_fault(FaultEvent(kind="link_down")) is None
+    # the fields added for deciding plugins default to None, so existing detectors and handlers are unchanged
+    assert FaultEvent(kind="node_lost").state is None
+    assert FaultResponse(action="restart", handler="restarter").decision is None
+    assert FaultEvent(kind="node_lost", state={"any": "object"}).state == {"any": "object"}
 
 
 def _trace(peak):

@@ -100,12 +100,16 @@ class FaultEvent:
         ranks: the ranks affected.
         step: the training step at which it was detected, when known.
         detail: free text from the detector.
+        state: what a deciding plugin needs to know about the job, in that plugin's own type
+            (e.g. memfit-faulttol's ``FaultContext``: its cluster state and planner); ``None``
+            when the detector has none. Handlers that do not recognise it leave the fault alone.
     """
 
     kind: str
     ranks: tuple[int, ...] = ()
     step: int | None = None
     detail: str = ""
+    state: Any = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,11 +120,14 @@ class FaultResponse:
         action: the recovery, e.g. ``"reroute"``, ``"reparallelize"``, ``"restart"``.
         handler: name of the plugin that decided.
         note: why, in one line.
+        decision: the handler's full decision in its own type (e.g. memfit-faulttol's
+            ``Decision``: the new state, its plan and the weight transfers), or ``None``.
     """
 
     action: str
     handler: str
     note: str = ""
+    decision: Any = None
 
 
 @dataclass(frozen=True, slots=True)
