@@ -18,6 +18,11 @@ EXPECTED_OUTPUT = {
     "offload_a_training_step.py": ["lower", "losses and parameters bit-identical to eager: True"],
     "offload_a_kv_cache.py": ["with KVOffload", "decoded: True"],
     "train_under_a_budget.py": ["(within budget: True)", "bit-identical to training without memfit: True"],
+    "simulate_fault_tolerance.py": [
+        "fault-free plan: dp=4 pp=[4, 4, 4, 4]",
+        "decision: reparallelize",
+        "adaptive vs always-reconfigure",
+    ],
     "simulate_your_model.py": ["prediction off by", "does NOT fit in 80 GiB", "1436 of 1436 operators attributed"],
 }
 
