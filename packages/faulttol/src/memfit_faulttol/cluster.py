@@ -595,6 +595,9 @@ def plot_runs(summary: SimulationSummary, path: str, seed_index: int = 0) -> Non
     top.set_title(f"{summary.devices} devices, {summary.failure_rate:.0%}/h failures, seed {summary.seeds[seed_index]}")
     top.legend(fontsize=8)
     bottom.set_ylabel("devices training")
+    from matplotlib.ticker import MaxNLocator
+
+    bottom.yaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))  # a count of devices
     bottom.set_xlabel("hours")
     bottom.legend(fontsize=8)
     fig.tight_layout()
