@@ -573,7 +573,7 @@ def plot_runs(summary: SimulationSummary, path: str, seed_index: int = 0) -> Non
     """Throughput and training devices over time for one seed (the paper's Figs. 7 and 8)."""
     from memfit.plotting import pyplot
 
-    plt = pyplot("pip install matplotlib")
+    plt = pyplot("pip install 'memfit-faulttol[plot]'")
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
     styles = {"adaptive": "-", "oobleck": "--", "recycle": "-.", "bamboo": ":"}
     for name, runs in summary.runs.items():
