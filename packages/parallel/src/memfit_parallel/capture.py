@@ -107,12 +107,15 @@ class _ParallelRecorder(_Recorder):
         self.recomputing = 0
         self.resized_away: set[int] = set()
         self.mesh: dict[str, int] = {}
+        self.suspended = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if any(is_traceable_wrapper_subclass(x) for x in _leaves((args, kwargs))):
             return NotImplemented  # DTensor runs its local operators, which come back here
         if func.namespace == "prim":
+            return func(*args, **kwargs)
+        if self.suspended:  # DTensor's sharding propagation: global-shape fake operators, not the rank's work
             return func(*args, **kwargs)
         name = func._schema.name.split("::")[-1]
         kind = COLLECTIVE_KINDS.get(name) if func.namespace in ("c10d", "_c10d_functional") else None
@@ -139,6 +142,8 @@ class _ParallelRecorder(_Recorder):
 
             group_size = dist.get_world_size(_resolve_process_group(group_name))
         nbytes = [t.numel() * t.element_size() for t in tensors]
+        if group_size == 1 and kind in ("all_gather", "reduce_scatter") and len(nbytes) >= 2 and min(nbytes):
+            group_size = max(nbytes) // min(nbytes)  # c10d ops: output and input sizes say the group's
         if kind == "all_gather" and func.namespace == "_c10d_functional":
             size = nbytes[0] * group_size  # functional: the input; the model takes the gathered output
         elif kind == "all_reduce":
@@ -203,6 +208,28 @@ def _patch_resize(recorder: _ParallelRecorder) -> Callable[[], None]:
     return restore
 
 
+def _skip_sharding_propagation(recorder: _ParallelRecorder) -> Callable[[], None]:
+    """DTensor derives an operator's output metadata by running it on global-shape fake tensors the first time it
+    meets a sharding; those operators are not the rank's work and must not be recorded."""
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    original = ShardingPropagator._propagate_tensor_meta_non_cached
+
+    def propagate(self, op_schema):
+        recorder.suspended += 1
+        try:
+            return original(self, op_schema)
+        finally:
+            recorder.suspended -= 1
+
+    ShardingPropagator._propagate_tensor_meta_non_cached = propagate
+
+    def restore() -> None:
+        ShardingPropagator._propagate_tensor_meta_non_cached = original
+
+    return restore
+
+
 def _mark_recompute(model: torch.nn.Module, recorder: _ParallelRecorder) -> list[Any]:
     """Flag operators a checkpointed block runs during backward (its recomputation)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
@@ -222,7 +249,8 @@ def _mark_recompute(model: torch.nn.Module, recorder: _ParallelRecorder) -> list
                     recorder.recomputing -= 1
                     mod._memfit_recomputing = False
 
-            handles += [inner.register_forward_pre_hook(pre), inner.register_forward_hook(post)]
+            # always_call: non-reentrant checkpointing stops a recomputation early by raising through the forward
+            handles += [inner.register_forward_pre_hook(pre), inner.register_forward_hook(post, always_call=True)]
     return handles
 
 
@@ -281,7 +309,7 @@ def capture_parallel_step(
                 grads: list[int] = []
                 hooks = _optimizer_hooks(recorder, grads)
                 handles = _mark_recompute(model, recorder)
-                restore = _patch_resize(recorder)
+                restores = [_patch_resize(recorder), _skip_sharding_propagation(recorder)]
                 try:
                     with _ModuleAttribution(model) as recorder.modules, recorder:
                         step(model, optimizer, batch)
@@ -289,7 +317,8 @@ def capture_parallel_step(
                 except NotImplementedError as exc:
                     raise MemfitError(f"the parallel step cannot run under fake tensors: {exc}") from exc
                 finally:
-                    restore()
+                    for restore in restores:
+                        restore()
                     for h in hooks + handles:
                         h.remove()
                 _categorise(recorder, grads)
