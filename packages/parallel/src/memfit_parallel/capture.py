@@ -15,7 +15,8 @@ attributes operators to modules; here it is taught three more things:
   bytes. Parameters, gradients and optimizer states are tracked by their local shards.
 * **storage resizes**: FSDP2 allocates and frees unsharded parameters by resizing their storage
   (``untyped_storage().resize_``); a resize to zero frees the storage at that operator, a resize up
-  allocates it anew, as the caching allocator sees it.
+  allocates it anew, as the caching allocator sees it. Such storages are counted as ``parameter``
+  (the unsharded parameters), never as activations, though they may live from forward into backward.
 * **collectives**: each ``c10d`` / ``_c10d_functional`` operator is recorded with its kind, the bytes
   the comm model takes (all-gather: output; reduce-scatter: input; all-reduce: the buffer), its group
   size and the mesh dimension of its group.
@@ -169,11 +170,13 @@ class _ParallelRecorder(_Recorder):
         key = id(storage)
         row = self._row.get(key)
         if row is not None and nbytes < self.storages[row].nbytes:
+            self.storages[row].category = "parameter"  # an unsharded parameter FSDP2 frees (module docs)
             self.storages[row].freed = max(len(self.names) - 1, self.storages[row].created)
             self.resized_away.add(row)
             del self._row[key]
         elif nbytes > 0 and (row is None or nbytes > self.storages[row].nbytes):
             if row is not None:  # grown: the old block is freed, a larger one allocated
+                self.storages[row].category = "parameter"
                 self.storages[row].freed = max(len(self.names) - 1, self.storages[row].created)
                 self.resized_away.add(row)
                 del self._row[key]
@@ -183,6 +186,9 @@ class _ParallelRecorder(_Recorder):
             self.storages.append(
                 _Storage(int(nbytes), "uint8", (int(nbytes),), len(self.names) - 1, self._phase(), self._op_module)
             )
+            # FSDP2 allocates unsharded parameters this way: they are parameters (TorchSim's UNSHARDED_PARAM),
+            # not activations, even when they live from forward into backward (ZeRO-2, the last block)
+            self.storages[new].category = "parameter"
             self._row[key] = new
             weakref.finalize(storage, self._freed, key, new)
 
@@ -209,8 +215,11 @@ def _patch_resize(recorder: _ParallelRecorder) -> Callable[[], None]:
 
 
 def _skip_sharding_propagation(recorder: _ParallelRecorder) -> Callable[[], None]:
-    """DTensor derives an operator's output metadata by running it on global-shape fake tensors the first time it
-    meets a sharding; those operators are not the rank's work and must not be recorded."""
+    """Do not record DTensor's sharding propagation.
+
+    DTensor derives an operator's output metadata by running it on global-shape fake tensors the first time it
+    meets a sharding; those operators are not the rank's work.
+    """
     from torch.distributed.tensor._sharding_prop import ShardingPropagator
 
     original = ShardingPropagator._propagate_tensor_meta_non_cached
@@ -270,7 +279,8 @@ def capture_parallel_step(
         build: returns ``(model, batch)``; runs under fake tensors.
         parallelize: ``parallelize(model, mesh)`` applies the parallelism (runs outside fake tensors).
         step: one iteration (forward, backward, optimizer step, ``zero_grad``); runs under fake tensors.
-        mesh_names, mesh_sizes: the device mesh (empty for one rank).
+        mesh_names: the device mesh's dimension names, outer to inner (empty for one rank).
+        mesh_sizes: the size of each dimension.
         make_optimizer: builds the optimizer over the parallelized parameters.
         granularity: the device allocator's block size (memory is rounded up to it).
     """

@@ -123,9 +123,11 @@ def apply_tp(model: nn.Module, tp_mesh: Any, *, loss_parallel: bool = True) -> N
 
 
 def checkpoint_policy(mode: str, fraction: float | None) -> Callable[..., Any]:
-    """The selective-checkpoint policy of ``mode``: ``full`` recomputes everything, ``sac`` saves attention,
-    TP reduce-scatters and an evenly spaced ``fraction`` of matmul outputs (0.5: TorchTitan's op-level SAC,
-    every other matmul)."""
+    """The selective-checkpoint policy of ``mode``.
+
+    ``full`` recomputes everything; ``sac`` saves attention, TP reduce-scatters and an evenly spaced
+    ``fraction`` of matmul outputs (0.5: TorchTitan's op-level SAC, every other matmul).
+    """
     from torch.utils.checkpoint import CheckpointPolicy
 
     def policy(ctx, func, *args, **kwargs):

@@ -6,7 +6,9 @@
   activations, temporaries...). A pipeline rank holds more than one microbatch's activations: under
   1F1B the first rank holds ``min(m, pp)``, under GPipe all ``m``, under interleaved 1F1B
   ``((v−1)·pp + 2·(pp−1) + 1)`` chunk-activations of ``1/v`` of its layers each (torch's
-  ``ScheduleInterleaved1F1B`` warm-up); the extra microbatches add the captured activation bytes of one.
+  ``ScheduleInterleaved1F1B`` warm-up). Two microbatches are captured (so FSDP2's unsharded gradient
+  accumulation between them is real); further in-flight microbatches add the captured activation bytes
+  of one each.
 * **compute**: the simulator's time model per captured operator (calibrated on ``cpu``, roofline from
   the spec's figures on other devices); operators of activation-checkpoint recomputation are
   reported as recomputation.
@@ -66,11 +68,13 @@ class StageProfile:
     blocking_comm_s: float
     """TP collectives and waits on the compute stream, forward and backward."""
     fsdp: dict[str, float]
-    """Per step: ``ag_fwd``, ``ag_bwd``, ``rs``, ``ar`` (replicate all-reduce) seconds of the data-parallel collectives."""
+    """Per step, seconds of the data-parallel collectives: ``ag_fwd``, ``ag_bwd``, ``rs``, ``ar`` (replicas)."""
     blocks: int
     collectives: list[dict[str, Any]] = field(default_factory=list)
     """Per collective kind and mesh dimension: count and bytes (the captured rank, extrapolated)."""
     captured_blocks: tuple[int, ...] = ()
+    captured_microbatches: int = 1
+    """Microbatches in flight in the capture (their activations are in ``peak_by_category``)."""
 
     @property
     def peak_bytes(self) -> float:
@@ -87,8 +91,13 @@ class StageProfile:
             base = coll.setdefault((c["kind"], c["dim"]), {**c, "count": 0, "bytes": 0})
             base["count"] = round(mix(base["count"] if base is not c else 0, c["count"]))
             base["bytes"] = round(mix(base["bytes"] if base is not c else 0, c["bytes"]))
+        # The peak is extrapolated as a total; its split by category is each category's extrapolation, floored
+        # at zero and scaled to that total (the two captures may peak at different operators).
+        total = mix(self.peak_bytes, other.peak_bytes)
+        split = {k: max(mix(self.peak_by_category[k], other.peak_by_category[k]), 0.0) for k in CATEGORIES}
+        scale = total / sum(split.values()) if sum(split.values()) > 0 else 0.0
         return StageProfile(
-            peak_by_category={k: mix(self.peak_by_category[k], other.peak_by_category[k]) for k in CATEGORIES},
+            peak_by_category={k: v * scale for k, v in split.items()},
             activation_bytes=mix(self.activation_bytes, other.activation_bytes),
             forward_s=mix(self.forward_s, other.forward_s),
             backward_s=mix(self.backward_s, other.backward_s),
@@ -99,6 +108,7 @@ class StageProfile:
             blocks=blocks,
             collectives=sorted(coll.values(), key=lambda c: (c["dim"], c["kind"])),
             captured_blocks=self.captured_blocks + other.captured_blocks,
+            captured_microbatches=self.captured_microbatches,
         )
 
 
@@ -172,6 +182,7 @@ def model_config(name: str, seq_len: int) -> Any:
 
 
 def model_shape(name: str) -> ModelShape:
+    """Layers and heads of a registry model (what decides which degrees split it)."""
     from memfit.models import LlamaConfig
 
     config = model_config(name, 1) if isinstance(name, str) else name
@@ -199,7 +210,7 @@ def _profile_key(workload: Workload, config: ParallelConfig, spec: HardwareSpec,
 def capture_stage(
     workload: Workload, config: ParallelConfig, spec: HardwareSpec, blocks: int, kind: str
 ) -> StageProfile:
-    """Capture one rank of the stage ``kind`` (``whole``, ``first``, ``last``) with ``blocks`` blocks, one microbatch."""
+    """Capture one rank of the stage ``kind`` (``whole``, ``first``, ``last``) with ``blocks`` blocks."""
     key = _profile_key(workload, config, spec, blocks, kind)
     if key in _CACHE:
         return _CACHE[key]
@@ -234,18 +245,34 @@ def capture_stage(
             inputs = torch.randn(micro, local_seq, llama.dim, dtype=act_dtype, requires_grad=True)
         return net, (inputs, tokens[:, 1:].contiguous())
 
+    # Under a pipeline two microbatches are captured (forward, forward, backward, backward): FSDP2 gathers once
+    # and keeps the unsharded gradients of the first to accumulate the second's (no reduce-scatter until the
+    # last microbatch), as torch.distributed.pipelining drives it. Per-microbatch figures divide by ``k``.
+    k = min(2, config.microbatches) if config.pp > 1 else 1
+
     def step(net, opt, data):
         from torch.distributed.tensor.parallel import loss_parallel
 
         inputs, targets = data
-        parallel_loss = loss_parallel() if config.tp > 1 else contextlib.nullcontext()
-        if kind in ("whole", "last"):
-            with parallel_loss:
-                loss = net.loss(inputs, targets)
-                loss.backward()
-        else:
-            out = net(inputs)
-            out.backward(torch.ones_like(out))  # the gradient the next stage sends back
+        parallel_loss = loss_parallel if config.tp > 1 else contextlib.nullcontext
+        outputs = []
+        for _ in range(k):
+            if kind in ("whole", "last"):
+                with parallel_loss():
+                    outputs.append(net.loss(inputs, targets))
+            else:
+                outputs.append(net(inputs))
+        for index, out in enumerate(outputs):
+            last = index == len(outputs) - 1
+            if k > 1 and hasattr(net, "set_requires_gradient_sync"):
+                net.set_requires_gradient_sync(last)
+                net.set_reshard_after_backward(last)
+            if kind in ("whole", "last"):
+                with parallel_loss():
+                    out.backward()
+            else:
+                out.backward(torch.ones_like(out))  # the gradient the next stage sends back
+        del outputs
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -259,7 +286,7 @@ def capture_stage(
         make_optimizer=lambda params: make_optimizer("adamw", params),
         granularity=spec.allocation_granularity,
     )
-    profile = _profile(captured, config, spec, blocks)
+    profile = _profile(captured, config, spec, blocks, k)
     _CACHE[key] = profile
     return profile
 
@@ -305,7 +332,8 @@ def collective_seconds(kind: str, nbytes: float, group: int, dim: str, config: P
     return float(model(nbytes, group, tier))
 
 
-def _profile(captured: Any, config: ParallelConfig, spec: HardwareSpec, blocks: int) -> StageProfile:
+def _profile(captured: Any, config: ParallelConfig, spec: HardwareSpec, blocks: int, k: int = 1) -> StageProfile:
+    """Per-microbatch figures of a capture of ``k`` microbatches (per-step ones: optimizer, data-parallel comm)."""
     from memfit.types import Phase
 
     seconds = _op_seconds(captured, config, spec)
@@ -336,12 +364,13 @@ def _profile(captured: Any, config: ParallelConfig, spec: HardwareSpec, blocks: 
     memory = captured.memory
     return StageProfile(
         peak_by_category={k: float(memory.peak_by_category.get(k, 0)) for k in CATEGORIES},
-        activation_bytes=float(memory.activation_bytes),
-        forward_s=fwd,
-        backward_s=bwd,
-        recompute_s=rec,
+        activation_bytes=float(memory.activation_bytes) / k,
+        forward_s=fwd / k,
+        backward_s=bwd / k,
+        recompute_s=rec / k,
         optimizer_s=opt,
-        blocking_comm_s=blocking,
+        blocking_comm_s=blocking / k,
+        captured_microbatches=k,
         fsdp=fsdp,
         blocks=blocks,
         collectives=sorted(summary.values(), key=lambda c: (c["dim"], c["kind"])),
@@ -420,8 +449,7 @@ def predict(
     spec = hardware if isinstance(hardware, HardwareSpec) else get_spec(hardware)
     shape = model_shape(workload.model)
     config.check(workload, shape)
-    notes = []
-    llama = model_config(workload.model, workload.seq_len)
+    notes: list[str] = []
     if config.pp == 1:
         stages = {0: stage_profile(workload, config, spec, "whole", exact_layers)}
     else:
@@ -434,6 +462,25 @@ def predict(
             notes.append(
                 f"pipeline rank {rank}: {p.blocks} blocks extrapolated from captures of {p.captured_blocks} blocks"
             )
+    return assemble(workload, config, spec, stages, notes)
+
+
+def assemble(
+    workload: Workload,
+    config: ParallelConfig,
+    spec: HardwareSpec,
+    stages: dict[int, StageProfile],
+    notes: list[str] | None = None,
+    *,
+    exact_pipeline: bool = True,
+) -> Prediction:
+    """A step from the profiles of the first (``0``) and last (``pp − 1``) pipeline ranks (module docs).
+
+    ``exact_pipeline=False`` times a pipeline by the closed form ``Σ stages + (m − 1)·slowest`` (the
+    search's screening) instead of the recurrence.
+    """
+    notes = list(notes or [])
+    llama = model_config(workload.model, workload.seq_len)
     if config.cp > 1:
         notes.append("context parallelism modelled (ring attention), not captured: see memfit_parallel.predict")
     if spec.intra_node is None:
@@ -441,7 +488,7 @@ def predict(
     # memory: the rank with the highest peak once its in-flight microbatches are counted
     peaks = {}
     for rank, p in stages.items():
-        extra = (in_flight(config, rank) - 1.0) * p.activation_bytes
+        extra = max(in_flight(config, rank) - p.captured_microbatches, 0.0) * p.activation_bytes
         cats = dict(p.peak_by_category)
         cats["activation"] = cats["activation"] + extra
         peaks[rank] = {k: int(round(v)) for k, v in cats.items()}
@@ -469,7 +516,6 @@ def predict(
         bubble = 0.0
         recompute = p.recompute_s
     else:
-        first, last = stages[0], stages[config.pp - 1]
         hidden = (config.local_batch(workload) // m) * (workload.seq_len // config.cp) * llama.dim * 2 // config.tp
         p2p = 0.0
         if spec.inter_node is not None:
@@ -478,14 +524,16 @@ def predict(
             p2p = send_recv_seconds(hidden, spec, inter_node=config.world_size // config.pp >= spec.devices_per_node)
         fs = [micro_f[0]] * (config.pp - 1) + [micro_f[config.pp - 1]]
         bs = [micro_b[0]] * (config.pp - 1) + [micro_b[config.pp - 1]]
+        slowest_stage = max(f + b for f, b in zip(fs, bs, strict=True))
         if config.pp_schedule == "interleaved_1f1b":
             v = config.stages_per_rank
-            pipeline = (m + (config.pp - 1) / v) * max(f + b for f, b in zip(fs, bs, strict=True))
-            pipeline += 2 * (config.pp - 1) * v * p2p
-        else:
+            pipeline = (m + (config.pp - 1) / v) * slowest_stage + 2 * (config.pp - 1) * v * p2p
+        elif exact_pipeline:
             from memfit_simulator.streams import pipeline_seconds
 
             pipeline = pipeline_seconds(fs, bs, m, p2p)
+        else:
+            pipeline = sum(fs) + sum(bs) + (m - 1) * slowest_stage + 2 * (config.pp - 1) * p2p
         slowest = max(stages, key=lambda r: micro_f[r] + micro_b[r])
         p = stages[slowest]
         busy = m * (micro_f[slowest] + micro_b[slowest])
@@ -493,7 +541,6 @@ def predict(
         compute = m * (p.forward_s + p.backward_s) + p.optimizer_s
         recompute = m * p.recompute_s
         exposed = m * p.blocking_comm_s + _pp_dp_exposed(p, micro_f[slowest], micro_b[slowest]) + m * cp_ring
-        exposed += max(pipeline - busy - bubble, 0.0)
     step = compute + recompute + exposed + bubble
     collectives = [dict(c, rank=rank) for rank, p in stages.items() for c in p.collectives]
     return Prediction(
