@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import torch
 import torch.distributed as dist
 from memfit.errors import MemfitError
 
@@ -42,8 +43,31 @@ def fake_process_group(world_size: int, rank: int = 0) -> Iterator[None]:
             "a torch.distributed process group is already initialised in this process; memfit-parallel captures a "
             "rank under a fake process group of its own: run the prediction outside the training job"
         )
+    _forget_meshes()
     dist.init_process_group("fake", rank=rank, world_size=world_size, store=fake_store())
     try:
         yield
     finally:
         dist.destroy_process_group()
+        _forget_meshes()
+
+
+def _forget_meshes() -> None:
+    """Clear DTensor's caches of sharding decisions.
+
+    They hold the DeviceMesh of the first job that met an operator; a mesh of the next job compares
+    equal to it (same shape and names) but its process groups were destroyed with that job.
+    """
+    try:
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor._redistribute import _gen_transform_infos
+
+        propagator = DTensor._op_dispatcher.sharding_propagator
+        propagator.propagate_op_sharding.cache_clear()
+        type(propagator)._propagate_tensor_meta_cached.cache_clear()
+        _gen_transform_infos.cache_clear()
+        clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+        if clear_native is not None:  # the C++ dispatch fast path's own cache
+            clear_native()
+    except (ImportError, AttributeError):  # pragma: no cover - another torch layout: nothing cached there
+        pass
