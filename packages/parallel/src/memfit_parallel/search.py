@@ -300,12 +300,18 @@ def search(
             f"({least[2].describe()}). Use more devices, a smaller global batch or sequence, or a device with "
             "more memory"
         )
-    ranked.sort(key=lambda p: p.step_s)
+    ranked.sort(key=_rank_key)
     return SearchResult(
         workload=workload, hardware=spec.name, devices=devices, ranked=ranked, candidates=len(pool),
         screened_fitting=len(fitting), confirmed=confirmed, seconds=time.perf_counter() - started,
         rejected=rejected,
     )  # fmt: skip
+
+
+def _rank_key(p: Prediction) -> tuple[int, int]:
+    """Step time, to 0.1 %; within that, fewer parallel dimensions first (the simpler job)."""
+    dims = sum(getattr(p.config, name) > 1 for name in ("dp_replicate", "dp_shard", "tp", "pp", "cp"))
+    return round(math.log(p.step_s) / math.log(1.001)) if p.step_s > 0 else 0, dims
 
 
 def why(prediction: Prediction, baseline: Prediction) -> str:

@@ -200,8 +200,9 @@ def get_spec(name: str) -> HardwareSpec:
         MemfitError: unknown device; the message lists the known ones.
     """
     key = name.lower().strip()
-    aliases = {"h100-sxm": "h100", "h100-sxm5": "h100", "h200-sxm": "h200", "h100-95": "h100-95gb", "h100-thesis": "h100-95gb", "a100-80gb": "a100", "910b": "ascend-910b",
-               "910c": "ascend-910c", "cpu-sim": "cpu"}  # fmt: skip
+    aliases = {"h100-sxm": "h100", "h100-sxm5": "h100", "h200-sxm": "h200", "h100-95": "h100-95gb",
+               "h100-thesis": "h100-95gb", "a100-80gb": "a100", "910b": "ascend-910b", "910c": "ascend-910c",
+               "cpu-sim": "cpu"}  # fmt: skip
     key = aliases.get(key, key)
     if key == "cpu":
         return cpu_spec()
