@@ -3,7 +3,7 @@
 import pytest
 from memfit.errors import MemfitError
 from memfit_parallel.config import ParallelConfig, Workload
-from memfit_parallel.predict import in_flight, predict
+from memfit_parallel.prediction import in_flight, predict
 from memfit_simulator.hardware import get_spec
 
 TINY = Workload(model="tiny", global_batch=8, seq_len=128)

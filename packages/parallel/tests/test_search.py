@@ -7,8 +7,8 @@ from click.testing import CliRunner
 from memfit.errors import MemfitError
 from memfit_parallel.cli import parallel, parse_devices
 from memfit_parallel.config import ParallelConfig, Workload
-from memfit_parallel.predict import predict
-from memfit_parallel.search import candidates, search
+from memfit_parallel.planning import candidates, search
+from memfit_parallel.prediction import predict
 from memfit_simulator.hardware import get_spec
 
 TINY = Workload(model="tiny", global_batch=8, seq_len=128)

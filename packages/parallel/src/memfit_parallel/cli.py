@@ -44,7 +44,7 @@ def parse_devices(text: str) -> tuple[int, str]:
 def plan(model, devices, batch, seq, dtype, top, as_json, out):
     """Search the parallel configurations of MODEL on DEVICES by simulation; show the fastest that fit."""
     from memfit_parallel.config import Workload
-    from memfit_parallel.search import search
+    from memfit_parallel.planning import search
 
     try:
         count, hardware = parse_devices(devices)
@@ -67,7 +67,7 @@ def _table(result) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from memfit_parallel.search import why
+    from memfit_parallel.planning import why
 
     w = result.workload
     table = Table(

@@ -482,7 +482,7 @@ def assemble(
     notes = list(notes or [])
     llama = model_config(workload.model, workload.seq_len)
     if config.cp > 1:
-        notes.append("context parallelism modelled (ring attention), not captured: see memfit_parallel.predict")
+        notes.append("context parallelism modelled (ring attention), not captured: see memfit_parallel.prediction")
     if spec.intra_node is None:
         notes.append(f"{spec.name} has no link figures: communication is not timed")
     # memory: the rank with the highest peak once its in-flight microbatches are counted

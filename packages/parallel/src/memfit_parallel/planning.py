@@ -10,12 +10,12 @@ proposed (1F1B has its step time with fewer microbatches in flight); swapping is
 
 1. **Screen** every candidate with a model scaled from a few real captures: the whole model with 1
    and 2 blocks, one sequence, no TP/CP, FSDP over 2 ranks, per checkpointing mode
-   (:func:`memfit_parallel.predict.capture_stage`). A block's activations, temporaries and compute
+   (:func:`memfit_parallel.prediction.capture_stage`). A block's activations, temporaries and compute
    divide by ``tp·cp`` and multiply by the microbatch size; parameters, gradients and optimizer
    states are counted from the shapes and sharded by ``tp·dp_shard·cp``; FSDP, TP and pipeline
    communication come from the comm model. Candidates screened over ``SCREEN_MARGIN ×`` the
    capacity are dropped.
-2. **Confirm** the fastest screened candidates, in order, with :func:`memfit_parallel.predict.predict`
+2. **Confirm** the fastest screened candidates, in order, with :func:`memfit_parallel.prediction.predict`
    (the real parallel code captured for their ranks) until ``top`` fit, within a time budget. Only
    confirmed predictions are ranked and shown: the search never proposes a configuration whose
    captured prediction does not fit.
@@ -32,7 +32,7 @@ from memfit.errors import MemfitError
 from memfit_simulator.hardware import HardwareSpec, get_spec
 
 from memfit_parallel.config import ParallelConfig, Workload
-from memfit_parallel.predict import (
+from memfit_parallel.prediction import (
     CATEGORIES,
     Prediction,
     StageProfile,
