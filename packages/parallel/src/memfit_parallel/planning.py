@@ -16,7 +16,8 @@ proposed (1F1B has its step time with fewer microbatches in flight); swapping is
    communication come from the comm model. Candidates screened over ``SCREEN_MARGIN ×`` the
    capacity are dropped.
 2. **Confirm** the fastest screened candidates, in order, with :func:`memfit_parallel.prediction.predict`
-   (the real parallel code captured for their ranks) until ``top`` fit, within a time budget. Only
+   (the real parallel code captured for their ranks) until ``top`` fit and the next screened time is
+   beyond ``CONFIRM_BAND ×`` the best confirmed one, within a time budget. Only
    confirmed predictions are ranked and shown: the search never proposes a configuration whose
    captured prediction does not fit.
 """
@@ -49,6 +50,9 @@ MIN_CP_TOKENS = 4096
 """Context parallelism is considered only while each CP rank keeps at least this many tokens."""
 SCREEN_MARGIN = 1.15
 """Screening keeps candidates up to this factor over capacity: the confirming capture decides."""
+CONFIRM_BAND = 1.15
+"""After ``top`` fits are confirmed, confirming goes on while a candidate's screened time is within this factor of
+the best confirmed one (the screening's error against captures is about ±10 %)."""
 AC_MODES = (("none", None), ("sac", 0.5), ("full", None))
 
 
@@ -249,7 +253,7 @@ def search(
     *,
     dtype: str | None = None,
     top: int = 5,
-    confirm_seconds: float = 40.0,
+    confirm_seconds: float = 35.0,
 ) -> SearchResult:
     """The fastest configurations of ``workload`` on ``devices`` devices that are predicted to fit (module docs).
 
@@ -286,9 +290,12 @@ def search(
     rejected: list[tuple[str, int]] = []
     confirmed = 0
     deadline = time.perf_counter() + confirm_seconds
-    for _, _, config in fitting:
-        if len(ranked) >= top or (ranked and time.perf_counter() > deadline):
+    for screened_s, _, config in fitting:
+        if ranked and time.perf_counter() > deadline:
             break
+        best_s = min(p.step_s for p in ranked) if ranked else float("inf")
+        if len(ranked) >= top and screened_s > CONFIRM_BAND * best_s:
+            break  # the screening's error band: nothing further down can beat the best confirmed
         p = predict(workload, config, spec)
         confirmed += 1
         (ranked if p.fits else rejected).append(p if p.fits else (config.describe(), p.peak_bytes))
@@ -300,7 +307,13 @@ def search(
             f"({least[2].describe()}). Use more devices, a smaller global batch or sequence, or a device with "
             "more memory"
         )
-    ranked.sort(key=_rank_key)
+    ranked.sort(key=lambda p: p.step_s)
+    for _ in range(len(ranked)):  # ties within 0.1 %: the configuration with fewer parallel dimensions first
+        for i in range(len(ranked) - 1):
+            a, b = ranked[i], ranked[i + 1]
+            if b.step_s <= a.step_s * 1.001 and _dims(b.config) < _dims(a.config):
+                ranked[i], ranked[i + 1] = b, a
+    ranked = ranked[:top]
     return SearchResult(
         workload=workload, hardware=spec.name, devices=devices, ranked=ranked, candidates=len(pool),
         screened_fitting=len(fitting), confirmed=confirmed, seconds=time.perf_counter() - started,
@@ -308,10 +321,8 @@ def search(
     )  # fmt: skip
 
 
-def _rank_key(p: Prediction) -> tuple[int, int]:
-    """Step time, to 0.1 %; within that, fewer parallel dimensions first (the simpler job)."""
-    dims = sum(getattr(p.config, name) > 1 for name in ("dp_replicate", "dp_shard", "tp", "pp", "cp"))
-    return round(math.log(p.step_s) / math.log(1.001)) if p.step_s > 0 else 0, dims
+def _dims(config: ParallelConfig) -> int:
+    return sum(getattr(config, name) > 1 for name in ("dp_replicate", "dp_shard", "tp", "pp", "cp"))
 
 
 def why(prediction: Prediction, baseline: Prediction) -> str:
