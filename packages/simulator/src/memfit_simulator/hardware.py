@@ -13,7 +13,7 @@ Example:
 
     h100 = get_spec("h100")
     h100.peak_flops["bfloat16"]      # 989.4e12
-    sorted(specs())                  # ['a100', 'ascend-910b', 'ascend-910c', 'cpu', 'h100', 'h200']
+    sorted(specs())                  # ['a100', 'ascend-910b', 'ascend-910c', 'cpu', 'h100', 'h100-95gb', 'h200']
     ```
 """
 
