@@ -63,6 +63,11 @@ def test_more_microbatches_in_flight_cost_memory_and_interleaving_shrinks_the_bu
     assert interleaved.bubble_s < one_f_one_b.bubble_s
 
 
+def test_what_is_not_modelled_is_said():
+    p = predict(TINY, ParallelConfig(swap=True), "cpu")
+    assert any("swap is not modelled" in note for note in p.notes)
+
+
 def test_a_configuration_that_cannot_run_is_refused_with_the_reason():
     with pytest.raises(MemfitError, match="does not divide the model's 4 heads"):
         predict(TINY, ParallelConfig(tp=8), "h100")

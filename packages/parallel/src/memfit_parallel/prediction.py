@@ -450,6 +450,8 @@ def predict(
     shape = model_shape(workload.model)
     config.check(workload, shape)
     notes: list[str] = []
+    if config.swap:
+        notes.append("swap is not modelled: predicted as without swapping (memory and time)")
     if config.pp == 1:
         stages = {0: stage_profile(workload, config, spec, "whole", exact_layers)}
     else:
