@@ -24,9 +24,12 @@
 
 **Captured vs extrapolated.** A stage of at most ``exact_layers`` layers (default 4) is captured whole,
 with the real batch and sequence: nothing is extrapolated (the ``tiny`` model always is). A deeper stage
-is captured twice, with 1 and 2 of its blocks (plus its embedding / head), at the real microbatch and
-sequence, and every quantity (memory by category, operator times, collective times) is extended
-linearly to its block count: one block's difference times the remaining blocks. Context parallelism is
+is captured twice, with 2 and 3 of its blocks (plus its embedding / head), at the real microbatch and
+sequence, and every quantity (operator times, collective counts, bytes and times) is extended
+linearly to its block count: one block's difference times the remaining blocks. Memory is
+extrapolated region by region (:func:`peak_regions`: each phase before, in its first block, in its
+last block, after the blocks) and the largest region is the peak, since which region peaks may change
+with depth. Context parallelism is
 modelled, not captured: the rank is captured with ``seq / cp`` tokens, its attention operators cost
 ``cp`` times their local causal work (load-balanced ring attention does ``1/cp`` of the full causal
 attention) and the ring passes ``cp − 1`` K/V chunks per block forward and twice that backward,
@@ -75,6 +78,8 @@ class StageProfile:
     captured_blocks: tuple[int, ...] = ()
     captured_microbatches: int = 1
     """Microbatches in flight in the capture (their activations are in ``peak_by_category``)."""
+    regions: dict[str, dict[str, float]] = field(default_factory=dict)
+    """The peak by category of each region of the step (:func:`peak_regions`), for extrapolation in depth."""
 
     @property
     def peak_bytes(self) -> float:
@@ -86,16 +91,25 @@ class StageProfile:
         def mix(a: float, b: float) -> float:
             return a + weight * (b - a)
 
-        coll = {(c["kind"], c["dim"]): dict(c) for c in self.collectives}
+        coll = {(c["kind"], c["dim"]): dict(c, count=0, bytes=0) for c in self.collectives}
+        for c in self.collectives:
+            coll[(c["kind"], c["dim"])].update(count=c["count"], bytes=c["bytes"])
         for c in other.collectives:
-            base = coll.setdefault((c["kind"], c["dim"]), {**c, "count": 0, "bytes": 0})
-            base["count"] = round(mix(base["count"] if base is not c else 0, c["count"]))
-            base["bytes"] = round(mix(base["bytes"] if base is not c else 0, c["bytes"]))
-        # The peak is extrapolated as a total; its split by category is each category's extrapolation, floored
-        # at zero and scaled to that total (the two captures may peak at different operators).
-        total = mix(self.peak_bytes, other.peak_bytes)
-        split = {k: max(mix(self.peak_by_category[k], other.peak_by_category[k]), 0.0) for k in CATEGORIES}
-        scale = total / sum(split.values()) if sum(split.values()) > 0 else 0.0
+            base = coll.setdefault((c["kind"], c["dim"]), dict(c, count=0, bytes=0))
+            base["count"] = round(mix(base["count"], c["count"]))
+            base["bytes"] = round(mix(base["bytes"], c["bytes"]))
+        # The peak is the largest of the regions' peaks, each extrapolated on its own: which region peaks
+        # may change with depth (activations grow with the blocks in forward, gradients in backward).
+        regions = {}
+        for key in set(self.regions) & set(other.regions):
+            regions[key] = {k: max(mix(self.regions[key][k], other.regions[key][k]), 0.0) for k in CATEGORIES}
+        if regions:
+            split = max(regions.values(), key=lambda cats: sum(cats.values()))
+            scale = 1.0
+        else:  # no regions recorded: the peak's total, split as each category extrapolates
+            total = mix(self.peak_bytes, other.peak_bytes)
+            split = {k: max(mix(self.peak_by_category[k], other.peak_by_category[k]), 0.0) for k in CATEGORIES}
+            scale = total / sum(split.values()) if sum(split.values()) > 0 else 0.0
         return StageProfile(
             peak_by_category={k: v * scale for k, v in split.items()},
             activation_bytes=mix(self.activation_bytes, other.activation_bytes),
@@ -109,6 +123,7 @@ class StageProfile:
             collectives=sorted(coll.values(), key=lambda c: (c["dim"], c["kind"])),
             captured_blocks=self.captured_blocks + other.captured_blocks,
             captured_microbatches=self.captured_microbatches,
+            regions=regions,
         )
 
 
@@ -362,6 +377,7 @@ def _profile(captured: Any, config: ParallelConfig, spec: HardwareSpec, blocks: 
         else:
             blocking += t
     memory = captured.memory
+    regions = peak_regions(captured)
     return StageProfile(
         peak_by_category={k: float(memory.peak_by_category.get(k, 0)) for k in CATEGORIES},
         activation_bytes=float(memory.activation_bytes) / k,
@@ -375,20 +391,57 @@ def _profile(captured: Any, config: ParallelConfig, spec: HardwareSpec, blocks: 
         blocks=blocks,
         collectives=sorted(summary.values(), key=lambda c: (c["dim"], c["kind"])),
         captured_blocks=(blocks,),
+        regions=regions,
     )
+
+
+def peak_regions(captured: Any) -> dict[str, dict[str, float]]:
+    """Per region of the step, the bytes by category at its highest point.
+
+    A region is a phase (forward, backward, optimizer) and a position in it: before the first block,
+    in the first block it runs, in the last block it runs, after the blocks. Each region's peak grows
+    linearly with the block count, while which region holds the step's peak may change with it.
+    """
+    import re
+
+    memory = captured.memory
+    totals = memory.total
+    pattern = re.compile(r"^layers\.(\d+)")
+    by_phase: dict[int, list[tuple[int, int | None]]] = {}
+    for index, (phase, module) in enumerate(zip(captured.step.phases.tolist(), captured.step.op_modules, strict=True)):
+        match = pattern.match(module or "")
+        by_phase.setdefault(phase, []).append((index, int(match.group(1)) if match else None))
+    regions: dict[str, dict[str, float]] = {}
+    for phase, ops in by_phase.items():
+        blocks = [b for _, b in ops if b is not None]
+        first, last = (blocks[0], blocks[-1]) if blocks else (None, None)
+        seen_block = False
+        for index, block in ops:
+            names = []
+            if block is None:
+                names.append("after" if seen_block else "before")
+            else:
+                seen_block = True
+                names += ["first"] * (block == first) + ["last"] * (block == last)
+            for name in names:
+                key = f"{phase}:{name}"
+                if key not in regions or totals[index] > sum(regions[key].values()):
+                    regions[key] = {k: float(memory.by_category[k][index]) for k in CATEGORIES}
+    return regions
 
 
 def stage_profile(
     workload: Workload, config: ParallelConfig, spec: HardwareSpec, kind: str, exact_layers: int = EXACT_LAYERS
 ) -> StageProfile:
-    """The stage's profile: captured whole when small, else from 1 and 2 captured blocks (module docs)."""
+    """The stage's profile: captured whole when small, else from 2 and 3 captured blocks (module docs)."""
     n_layers = model_config(workload.model, workload.seq_len).n_layers
     blocks = n_layers if kind == "whole" else stage_layers(n_layers, config)
-    if blocks <= exact_layers:
+    if blocks <= max(exact_layers, 3):
         return capture_stage(workload, config, spec, blocks, kind)
-    one = capture_stage(workload, config, spec, 1, kind)
+    # two and three blocks: with one, the first block a phase runs is also its last, and regions blur
     two = capture_stage(workload, config, spec, 2, kind)
-    return one.combine(two, blocks - 1, blocks)
+    three = capture_stage(workload, config, spec, 3, kind)
+    return two.combine(three, blocks - 2, blocks)
 
 
 # -- assembling a step -----------------------------------------------------------------------------
