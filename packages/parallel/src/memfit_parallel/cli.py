@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import re
+from pathlib import Path
+
 import click
+from memfit.errors import MemfitError
 
 from memfit_parallel.launch import run
 
@@ -10,6 +15,87 @@ from memfit_parallel.launch import run
 @click.group()
 def parallel():
     """Choose N-D parallelism by simulation (plan) and train the reference model with it (run)."""
+
+
+def parse_devices(text: str) -> tuple[int, str]:
+    """``"128xh100"`` as ``(128, "h100")`` (the device name as the simulator's registry knows it)."""
+    match = re.fullmatch(r"\s*(\d+)\s*[x×*]\s*([A-Za-z0-9_.-]+)\s*", text)
+    if not match or int(match.group(1)) < 1:
+        raise MemfitError(
+            f"--devices {text!r} is not COUNTxDEVICE: write e.g. 128xh100, 8xh100-95gb or 4xcpu (a positive count "
+            "times a device of the simulator's registry)"
+        )
+    from memfit_simulator.hardware import get_spec
+
+    spec = get_spec(match.group(2))  # an unknown device raises, listing the known ones
+    return int(match.group(1)), spec.name
+
+
+@parallel.command()
+@click.option("--model", required=True, help="A model of the registry: tiny, small, medium, llama3-8b, llama3-70b, "
+              "llama3-405b, llama2-7b.")  # fmt: skip
+@click.option("--devices", required=True, metavar="COUNTxDEVICE", help="How many of which device: 128xh100, 8xcpu.")
+@click.option("--batch", type=click.IntRange(1), required=True, help="Global batch (sequences per optimizer step).")
+@click.option("--seq", type=click.IntRange(1), required=True, help="Tokens per sequence.")
+@click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default=None,
+              help="Compute dtype (FSDP mixed precision); default bfloat16 on GPUs, float32 on cpu.")  # fmt: skip
+@click.option("--top", type=click.IntRange(1), default=5, show_default=True, help="Configurations to show.")
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON (its 'config' is what --config reads).")
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Also write the plan (JSON) to this file (what `memfit parallel run --config` reads).")  # fmt: skip
+def plan(model, devices, batch, seq, dtype, top, as_json, out):
+    """Search the parallel configurations of MODEL on DEVICES by simulation; show the fastest that fit."""
+    from memfit_parallel.config import Workload
+    from memfit_parallel.planning import search
+
+    try:
+        count, hardware = parse_devices(devices)
+        workload = Workload(model=model, global_batch=batch, seq_len=seq)
+        result = search(workload, count, hardware, dtype=dtype, top=top)
+    except MemfitError as exc:
+        raise click.ClickException(str(exc)) from exc
+    document = result.to_json()
+    if out is not None:
+        out.write_text(json.dumps(document, indent=2) + "\n")
+    if as_json:
+        click.echo(json.dumps(document, indent=2))
+        return
+    _table(result)
+    if out is not None:
+        click.echo(f"plan written to {out}")
+
+
+def _table(result) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from memfit_parallel.planning import why
+
+    w = result.workload
+    table = Table(
+        title=f"{w.model}, global batch {w.global_batch} × {w.seq_len} tokens on {result.devices} × {result.hardware}"
+    )
+    for name in ("#", "configuration", "tok/s/device", "step s", "compute", "exposed comm", "bubble", "recompute",
+                 "peak GiB", "why"):  # fmt: skip
+        table.add_column(name, justify="left" if name in ("configuration", "why") else "right")
+    best = result.best
+    for index, p in enumerate(result.ranked, 1):
+        table.add_row(
+            str(index), p.config.describe(), f"{p.tokens_per_s_per_device:,.1f}", f"{p.step_s:.3g}",
+            f"{p.compute_s:.3g}", f"{p.exposed_comm_s:.3g}", f"{p.bubble_s:.3g}", f"{p.recompute_s:.3g}",
+            f"{p.peak_bytes / 2**30:.1f}", why(p, best),
+        )  # fmt: skip
+    console = Console()
+    if not console.is_terminal:  # piped: wide enough for the table
+        console = Console(width=170)
+    console.print(table)
+    console.print(
+        f"{result.candidates} configurations, {result.screened_fitting} screened to fit, {result.confirmed} captured "
+        f"and confirmed in {result.seconds:.1f} s; capacity {best.capacity_bytes / 2**30:.0f} GiB per device. "
+        "Seconds are per step on the slowest rank."
+    )
+    for note in best.notes:
+        console.print(f"note: {note}")
 
 
 parallel.add_command(run)

@@ -14,7 +14,7 @@ from rich.table import Table
 
 console = Console()
 
-_PRESETS = ("tiny", "small", "medium", "llama2-7b", "llama3-8b")
+_PRESETS = ("tiny", "small", "medium", "llama2-7b", "llama3-8b", "llama3-70b", "llama3-405b")
 # options that shape a preset's or a transformers model's step, not a user's build function
 _SHAPING = ("layers", "batch", "seq", "dtype", "optimizer")
 

@@ -13,7 +13,7 @@ Example:
 
     h100 = get_spec("h100")
     h100.peak_flops["bfloat16"]      # 989.4e12
-    sorted(specs())                  # ['a100', 'ascend-910b', 'ascend-910c', 'cpu', 'h100', 'h200']
+    sorted(specs())                  # ['a100', 'ascend-910b', 'ascend-910c', 'cpu', 'h100', 'h100-95gb', 'h200']
     ```
 """
 
@@ -166,6 +166,27 @@ _BUILTIN["h200"] = _BUILTIN["h100"].model_copy(
     }
 )  # fmt: skip
 
+# The thesis's cluster (LEGOAI, Purandare 2025, §3.5): "NVIDIA H100 GPUs with 95 GiB memory ... non-standard. They
+# have HBM2e and are limited to a lower TDP. The actual peak TFLOPs should be between SXM and NVL". We take the
+# midpoint of the SXM (989.4) and NVL (835.5) dense bf16 peaks and the H100 PCIe's HBM2e bandwidth (2.0 TB/s); links
+# as the h100 entry (8 GPUs per host on NVSwitch, one 400 Gb/s RDMA NIC per GPU).
+_THESIS_H100 = (
+    "LEGOAI thesis (Purandare 2025) §3.5: 95 GiB HBM2e H100, lower TDP, peak between SXM and NVL (midpoint taken)"
+)
+_BUILTIN["h100-95gb"] = _BUILTIN["h100"].model_copy(
+    update={
+        "name": "h100-95gb",
+        "description": "NVIDIA H100 95 GiB HBM2e (the LEGOAI thesis's TorchTitan cluster)",
+        "peak_flops": {"float32": (66.9 + 60.0) / 2 * TERA, "tfloat32": (494.7 + 417.5) / 2 * TERA,
+                       "bfloat16": (989.4 + 835.5) / 2 * TERA, "float16": (989.4 + 835.5) / 2 * TERA},
+        "memory_bandwidth": 2000 * GB,
+        "capacity_bytes": 95 * 2**30,
+        "sources": {**_BUILTIN["h100"].sources, "peak_flops": _THESIS_H100 + "; NVIDIA H100 SXM5 and NVL datasheets",
+                    "memory_bandwidth": "NVIDIA H100 PCIe datasheet (HBM2e, 2.0 TB/s); the thesis says HBM2e",
+                    "capacity_bytes": _THESIS_H100},
+    }
+)  # fmt: skip
+
 
 def specs() -> dict[str, HardwareSpec]:
     """Every known device: the built-ins and ``cpu`` (measured on this machine)."""
@@ -179,8 +200,9 @@ def get_spec(name: str) -> HardwareSpec:
         MemfitError: unknown device; the message lists the known ones.
     """
     key = name.lower().strip()
-    aliases = {"h100-sxm": "h100", "h100-sxm5": "h100", "h200-sxm": "h200", "a100-80gb": "a100", "910b": "ascend-910b",
-               "910c": "ascend-910c", "cpu-sim": "cpu"}  # fmt: skip
+    aliases = {"h100-sxm": "h100", "h100-sxm5": "h100", "h200-sxm": "h200", "h100-95": "h100-95gb",
+               "h100-thesis": "h100-95gb", "a100-80gb": "a100", "910b": "ascend-910b", "910c": "ascend-910c",
+               "cpu-sim": "cpu"}  # fmt: skip
     key = aliases.get(key, key)
     if key == "cpu":
         return cpu_spec()

@@ -45,7 +45,7 @@ from memfit.errors import MemfitError
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}  # fmt: skip
 OPTIMIZERS = ("adamw", "adam", "sgd", "none")
-PRESETS = ("tiny", "small", "medium", "llama2-7b", "llama3-8b")
+PRESETS = ("tiny", "small", "medium", "llama2-7b", "llama3-8b", "llama3-70b", "llama3-405b")
 
 Build = Callable[[], tuple[torch.nn.Module, "torch.optim.Optimizer | None", Any]]
 Step = Callable[[torch.nn.Module, "torch.optim.Optimizer | None", Any], Any]

@@ -92,6 +92,11 @@ PRESETS: dict[str, LlamaConfig] = {
                              max_seq_len=4096, norm_eps=1e-5),
     "llama3-8b": LlamaConfig(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
                              max_seq_len=8192, rope_theta=500000.0),
+    # Llama 3.1 (TorchTitan's flavors: ffn_dim_multiplier 1.3 / 1.2, multiple_of 4096): for simulation only
+    "llama3-70b": LlamaConfig(vocab_size=128256, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672,
+                              max_seq_len=8192, rope_theta=500000.0),
+    "llama3-405b": LlamaConfig(vocab_size=128256, dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim=53248,
+                               max_seq_len=8192, rope_theta=500000.0),
 }  # fmt: skip
 
 

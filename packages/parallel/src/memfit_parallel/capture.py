@@ -1,0 +1,414 @@
+"""Capture one rank of a parallel training step: the real FSDP2 / TP / pipeline-stage code under fake tensors.
+
+What runs is what a job runs: the model (or the pipeline stage this rank holds) is built under
+:class:`~torch._subclasses.fake_tensor.FakeTensorMode`, parallelized with torch's own APIs
+(:mod:`memfit_parallel.parallelize`) outside it — DeviceMesh computes coordinates with real tensors —
+under torch's fake process group (:mod:`memfit_parallel.fakepg`), then one step runs under the mode.
+Collectives return at once with the right shapes, so the rank's memory and every collective it
+issues come from the parallel code itself.
+
+The simulator's recorder (:mod:`memfit_simulator.capture`) follows every storage's life and
+attributes operators to modules; here it is taught three more things:
+
+* **DTensor**: an operator on DTensors is let through (the recorder returns ``NotImplemented``), so
+  the recorder sees the local operators DTensor runs on each shard: local shapes, local FLOPs, local
+  bytes. Parameters, gradients and optimizer states are tracked by their local shards.
+* **storage resizes**: FSDP2 allocates and frees unsharded parameters by resizing their storage
+  (``untyped_storage().resize_``); a resize to zero frees the storage at that operator, a resize up
+  allocates it anew, as the caching allocator sees it. Such storages are counted as ``parameter``
+  (the unsharded parameters), never as activations, though they may live from forward into backward.
+* **collectives**: each ``c10d`` / ``_c10d_functional`` operator is recorded with its kind, the bytes
+  the comm model takes (all-gather: output; reduce-scatter: input; all-reduce: the buffer), its group
+  size and the mesh dimension of its group.
+
+Operators run inside activation-checkpoint recomputation are flagged (a block's forward running
+during backward), so recomputation is timed apart.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from memfit.errors import MemfitError
+from memfit.types import Phase
+from memfit_simulator.capture import CapturedStep, _ModuleAttribution, _Recorder
+from memfit_simulator.memory import MemoryBreakdown, memory_breakdown
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+from torch.utils._pytree import tree_flatten
+
+COLLECTIVE_KINDS = {
+    "all_gather_into_tensor": "all_gather", "_allgather_base_": "all_gather", "allgather_": "all_gather",
+    "all_gather_into_tensor_coalesced": "all_gather", "allgather_into_tensor_coalesced_": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter", "_reduce_scatter_base_": "reduce_scatter",
+    "reduce_scatter_": "reduce_scatter", "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced_": "reduce_scatter", "all_reduce": "all_reduce", "allreduce_": "all_reduce",
+    "all_reduce_coalesced": "all_reduce", "allreduce_coalesced_": "all_reduce", "all_to_all_single": "all_to_all",
+    "alltoall_base_": "all_to_all", "broadcast_": "broadcast", "broadcast": "broadcast",
+}  # fmt: skip
+"""Collective operators (``c10d::`` and ``_c10d_functional::`` names without namespace) by kind."""
+
+
+@dataclass(frozen=True, slots=True)
+class Collective:
+    """One collective a rank issued: what the comm model needs to time it."""
+
+    kind: str
+    """``all_gather``, ``reduce_scatter``, ``all_reduce``, ``all_to_all`` or ``broadcast``."""
+    nbytes: int
+    """Bytes per device as the comm model takes them (all-gather: output; reduce-scatter: input; all-reduce: buffer)."""
+    group_size: int
+    dim: str
+    """The mesh dimension(s) of its group (``dp_shard``, ``tp``, ``dp_replicate+dp_shard``...)."""
+    phase: int
+    op_index: int
+    """The operator index in the captured step (the collective itself)."""
+    module: str
+
+
+@dataclass
+class RankCapture:
+    """One rank's captured step: operators, storages, memory and collectives."""
+
+    step: CapturedStep
+    memory: MemoryBreakdown
+    collectives: list[Collective]
+    recompute: np.ndarray
+    """Per operator: ran in activation-checkpoint recomputation."""
+    communication: np.ndarray
+    """Per operator: a collective or a wait on one (timed by the comm model, not the compute model)."""
+    world_size: int
+    mesh: dict[str, int] = field(default_factory=dict)
+
+
+def _leaves(tree: Any) -> list[Any]:
+    return tree_flatten(tree)[0]
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (the tensor itself otherwise)."""
+    return t._local_tensor if hasattr(t, "_local_tensor") else t
+
+
+class _ParallelRecorder(_Recorder):
+    """The simulator's recorder, seeing through DTensor, storage resizes and collectives (module docs)."""
+
+    def __init__(self, groups: dict[str, str]) -> None:
+        super().__init__(keep_args=True)
+        self.groups = groups  # group name -> mesh dimension
+        self.collectives: list[Collective] = []
+        self.communication: list[bool] = []
+        self.recompute: list[bool] = []
+        self.recomputing = 0
+        self.resized_away: set[int] = set()
+        self.mesh: dict[str, int] = {}
+        self.suspended = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if any(is_traceable_wrapper_subclass(x) for x in _leaves((args, kwargs))):
+            return NotImplemented  # DTensor runs its local operators, which come back here
+        if func.namespace == "prim":
+            return func(*args, **kwargs)
+        if self.suspended:  # DTensor's sharding propagation: global-shape fake operators, not the rank's work
+            return func(*args, **kwargs)
+        name = func._schema.name.split("::")[-1]
+        kind = COLLECTIVE_KINDS.get(name) if func.namespace in ("c10d", "_c10d_functional") else None
+        if kind is not None:
+            self._collective(kind, func, args, kwargs)
+        communication = kind is not None or name in ("wait_tensor", "wait")
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        self.communication.append(communication)
+        self.recompute.append(self.recomputing > 0)
+        return out
+
+    def _collective(self, kind: str, func: Any, args: tuple, kwargs: dict) -> None:
+        tensors = [x for x in _leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+        group_name, group_size = "", 1
+        for x in _leaves((args, kwargs)):
+            if isinstance(x, str) and x in self.groups:
+                group_name = x
+            elif isinstance(x, torch.ScriptObject) and hasattr(x, "size"):
+                group_size = int(x.size())
+                group_name = str(getattr(x, "group_name", ""))
+        if group_name:
+            import torch.distributed as dist
+            from torch.distributed.distributed_c10d import _resolve_process_group
+
+            group_size = dist.get_world_size(_resolve_process_group(group_name))
+        nbytes = [t.numel() * t.element_size() for t in tensors]
+        if group_size == 1 and kind in ("all_gather", "reduce_scatter") and len(nbytes) >= 2 and min(nbytes):
+            group_size = max(nbytes) // min(nbytes)  # c10d ops: output and input sizes say the group's
+        if kind == "all_gather" and func.namespace == "_c10d_functional":
+            size = nbytes[0] * group_size  # functional: the input; the model takes the gathered output
+        elif kind == "all_reduce":
+            size = sum(nbytes)
+        else:  # c10d all-gather: (output, input); reduce-scatter: the input, the larger
+            size = max(nbytes, default=0)
+        self.collectives.append(
+            Collective(kind, int(size), group_size, self.groups.get(group_name) or self.dim_of_size(group_size),
+                       self._phase(), len(self.names), self._op_module or "")
+        )  # fmt: skip
+
+    def dim_of_size(self, size: int) -> str:
+        """The mesh dimension(s) a group of ``size`` ranks spans when its name is not known (outer to inner)."""
+        names, sizes = list(self.mesh), list(self.mesh.values())
+        for i in range(len(names)):
+            for j in range(i + 1, len(names) + 1):
+                if int(np.prod(sizes[i:j])) == size:
+                    return "+".join(names[i:j])
+        return "world"
+
+    # -- storage resizes (FSDP2 unsharded parameters) -------------------------------------------------
+    def resized(self, storage: Any, nbytes: int) -> None:
+        key = id(storage)
+        row = self._row.get(key)
+        if row is not None and nbytes < self.storages[row].nbytes:
+            self.storages[row].category = "parameter"  # an unsharded parameter FSDP2 frees (module docs)
+            self.storages[row].freed = max(len(self.names) - 1, self.storages[row].created)
+            self.resized_away.add(row)
+            del self._row[key]
+        elif nbytes > 0 and (row is None or nbytes > self.storages[row].nbytes):
+            if row is not None:  # grown: the old block is freed, a larger one allocated
+                self.storages[row].category = "parameter"
+                self.storages[row].freed = max(len(self.names) - 1, self.storages[row].created)
+                self.resized_away.add(row)
+                del self._row[key]
+            from memfit_simulator.capture import _Storage
+
+            new = len(self.storages)
+            self.storages.append(
+                _Storage(int(nbytes), "uint8", (int(nbytes),), len(self.names) - 1, self._phase(), self._op_module)
+            )
+            # FSDP2 allocates unsharded parameters this way: they are parameters (TorchSim's UNSHARDED_PARAM),
+            # not activations, even when they live from forward into backward (ZeRO-2, the last block)
+            self.storages[new].category = "parameter"
+            self._row[key] = new
+            weakref.finalize(storage, self._freed, key, new)
+
+    def _freed(self, key: int, row: int) -> None:
+        if row in self.resized_away:
+            return
+        super()._freed(key, row)
+
+
+def _patch_resize(recorder: _ParallelRecorder) -> Callable[[], None]:
+    original = torch.UntypedStorage.resize_
+
+    def resize_(self, size):
+        out = original(self, size)
+        recorder.resized(self, int(size))
+        return out
+
+    torch.UntypedStorage.resize_ = resize_
+
+    def restore() -> None:
+        torch.UntypedStorage.resize_ = original
+
+    return restore
+
+
+def _skip_sharding_propagation(recorder: _ParallelRecorder) -> Callable[[], None]:
+    """Do not record DTensor's sharding propagation.
+
+    DTensor derives an operator's output metadata by running it on global-shape fake tensors the first time it
+    meets a sharding; those operators are not the rank's work.
+    """
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    original = ShardingPropagator._propagate_tensor_meta_non_cached
+
+    def propagate(self, op_schema):
+        recorder.suspended += 1
+        try:
+            return original(self, op_schema)
+        finally:
+            recorder.suspended -= 1
+
+    ShardingPropagator._propagate_tensor_meta_non_cached = propagate
+
+    def restore() -> None:
+        ShardingPropagator._propagate_tensor_meta_non_cached = original
+
+    return restore
+
+
+def _mark_recompute(model: torch.nn.Module, recorder: _ParallelRecorder) -> list[Any]:
+    """Flag operators a checkpointed block runs during backward (its recomputation)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    handles = []
+    for module in model.modules():
+        if isinstance(module, CheckpointWrapper):
+            inner = module._checkpoint_wrapped_module
+
+            def pre(mod, args):
+                if torch._C._current_graph_task_id() >= 0:
+                    recorder.recomputing += 1
+                    mod._memfit_recomputing = True
+
+            def post(mod, args, out):
+                if getattr(mod, "_memfit_recomputing", False):
+                    recorder.recomputing -= 1
+                    mod._memfit_recomputing = False
+
+            # always_call: non-reentrant checkpointing stops a recomputation early by raising through the forward
+            handles += [inner.register_forward_pre_hook(pre), inner.register_forward_hook(post, always_call=True)]
+    return handles
+
+
+def capture_parallel_step(
+    build: Callable[[], tuple[torch.nn.Module, Any]],
+    parallelize: Callable[[torch.nn.Module, Any], None],
+    step: Callable[[torch.nn.Module, torch.optim.Optimizer, Any], Any],
+    *,
+    mesh_names: tuple[str, ...],
+    mesh_sizes: tuple[int, ...],
+    make_optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer],
+    granularity: int = 1,
+) -> RankCapture:
+    """Capture rank 0 of a ``prod(mesh_sizes)``-rank job (module docs).
+
+    Args:
+        build: returns ``(model, batch)``; runs under fake tensors.
+        parallelize: ``parallelize(model, mesh)`` applies the parallelism (runs outside fake tensors).
+        step: one iteration (forward, backward, optimizer step, ``zero_grad``); runs under fake tensors.
+        mesh_names: the device mesh's dimension names, outer to inner (empty for one rank).
+        mesh_sizes: the size of each dimension.
+        make_optimizer: builds the optimizer over the parallelized parameters.
+        granularity: the device allocator's block size (memory is rounded up to it).
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from memfit_parallel.fakepg import fake_process_group
+
+    started = time.perf_counter()
+    world = int(np.prod(mesh_sizes)) if mesh_sizes else 1
+    with fake_process_group(world):
+        mesh = init_device_mesh("cpu", mesh_sizes, mesh_dim_names=mesh_names) if mesh_sizes else None
+        groups: dict[str, str] = {}
+        if mesh is not None:
+            for name in mesh_names:
+                groups[mesh[name].get_group().group_name] = name
+            if len(mesh_names) > 1:
+                for i in range(len(mesh_names)):
+                    for j in range(i + 1, len(mesh_names)):
+                        try:
+                            sub = mesh[mesh_names[i], mesh_names[j]]
+                            for g in sub.get_all_groups():
+                                groups.setdefault(g.group_name, f"{mesh_names[i]}+{mesh_names[j]}")
+                        except Exception:  # noqa: BLE001 - only names groups; an unnamed one says "world"
+                            pass
+        fake = FakeTensorMode(allow_non_fake_inputs=True)
+        with fake:
+            model, batch = build()
+        parallelize(model, mesh)
+        recorder = _ParallelRecorder(groups)
+        recorder.mesh = dict(zip(mesh_names, mesh_sizes, strict=True))
+        try:
+            with fake:
+                optimizer = make_optimizer(list(model.parameters()))
+                _track_static(recorder, model, batch)
+                grads: list[int] = []
+                hooks = _optimizer_hooks(recorder, grads)
+                handles = _mark_recompute(model, recorder)
+                restores = [_patch_resize(recorder), _skip_sharding_propagation(recorder)]
+                try:
+                    with _ModuleAttribution(model) as recorder.modules, recorder:
+                        step(model, optimizer, batch)
+                    recorder.closed = True
+                except NotImplementedError as exc:
+                    raise MemfitError(f"the parallel step cannot run under fake tensors: {exc}") from exc
+                finally:
+                    for restore in restores:
+                        restore()
+                    for h in hooks + handles:
+                        h.remove()
+                _categorise(recorder, grads)
+                del model, optimizer, batch
+        finally:
+            recorder.closed = True
+    captured = CapturedStep(
+        op_names=recorder.names, phases=np.array(recorder.phases, dtype=np.int8), inputs=recorder.inputs,
+        outputs=recorder.outputs, op_modules=[m or "" for m in recorder.op_modules], storages=recorder.storages,
+        capture_seconds=time.perf_counter() - started, op_args=recorder.op_args, op_flops=recorder.op_flops,
+    )  # fmt: skip
+    return RankCapture(
+        step=captured,
+        memory=memory_breakdown(captured, granularity),
+        collectives=recorder.collectives,
+        recompute=np.array(recorder.recompute, dtype=bool),
+        communication=np.array(recorder.communication, dtype=bool),
+        world_size=world,
+        mesh=dict(zip(mesh_names, mesh_sizes, strict=True)),
+    )
+
+
+def _track_static(recorder: _ParallelRecorder, model: torch.nn.Module, batch: Any) -> None:
+    for name, module in model.named_modules():
+        for p in module.parameters(recurse=False):
+            row = recorder.track(local(p), -1, int(Phase.FWD), "parameter")
+            recorder.storages[row].module = recorder.owner.setdefault(row, name)
+        for b in module.buffers(recurse=False):
+            recorder.storages[recorder.track(local(b), -1, int(Phase.FWD), "buffer")].module = name
+    for t in _leaves(batch):
+        if isinstance(t, torch.Tensor):
+            recorder.track(local(t), -1, int(Phase.FWD), "input")
+
+
+def _optimizer_hooks(recorder: _ParallelRecorder, grads: list[int]) -> list[Any]:
+    def owned_states(opt):
+        for p, state in opt.state.items():
+            owner = recorder.owner.get(recorder._row.get(id(local(p).untyped_storage()), -1), "")
+            for v in state.values():
+                if isinstance(v, torch.Tensor):
+                    yield local(v), owner
+
+    def pre_step(opt, args, kwargs):
+        recorder.in_optimizer = True
+        for g in opt.param_groups:
+            for p in g["params"]:
+                if p.grad is None:
+                    continue
+                row = recorder.track(local(p.grad), -1, int(Phase.BWD))
+                grads.append(row)
+                owner = recorder.owner.get(recorder._row.get(id(local(p).untyped_storage()), -1))
+                if owner is not None:
+                    recorder.owner[row] = owner
+
+    def post_step(opt, args, kwargs):
+        recorder.in_optimizer = False
+        recorder.resolve_optimizer_ops()
+        for v, owner in owned_states(opt):
+            if v.numel() > 1:
+                row = recorder.track(v, len(recorder.names) - 1, int(Phase.OPT))
+                recorder.storages[row].category = "optimizer_state"
+                recorder.storages[row].module = owner
+
+    return [register_optimizer_step_pre_hook(pre_step), register_optimizer_step_post_hook(post_step)]
+
+
+def _categorise(recorder: _ParallelRecorder, grads: list[int]) -> None:
+    """The simulator's categories (see :mod:`memfit_simulator.capture`)."""
+    for row in grads:
+        if not recorder.storages[row].category:
+            recorder.storages[row].category = "gradient"
+    phases = recorder.phases
+    end_of_forward = next((i for i, p in enumerate(phases) if p != int(Phase.FWD)), len(phases))
+    for s in recorder.storages:
+        if s.module is None:
+            s.module = ""
+        if s.category:
+            continue
+        alive_into_backward = s.freed == -1 or s.freed >= end_of_forward
+        s.category = (
+            "activation" if s.phase == int(Phase.FWD) and s.created < end_of_forward and alive_into_backward
+            else "temporary"
+        )  # fmt: skip

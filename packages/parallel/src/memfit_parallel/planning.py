@@ -1,0 +1,341 @@
+"""Choose a parallel configuration by simulation: enumerate, screen, confirm by capture, rank.
+
+The space (thesis §1.4, TorchTitan's knobs): data parallelism as FSDP, HSDP (FSDP within groups of
+``dp_shard`` ranks, replicated across them) or DDP; TP ``≤ devices_per_node`` dividing the heads and
+KV heads (innermost); CP when each rank keeps at least ``MIN_CP_TOKENS`` tokens; PP dividing the
+remaining devices with 1F1B or interleaved 1F1B (two stages per rank) and ``m ∈ {pp, 2pp, 4pp, local
+batch}`` microbatches; activation checkpointing none / selective (half the matmuls saved, TorchTitan's
+op-level policy) / full; the dtype given. The degrees multiply to the device count. GPipe is not
+proposed (1F1B has its step time with fewer microbatches in flight); swapping is not modelled.
+
+1. **Screen** every candidate with a model scaled from a few real captures: the whole model with 1
+   and 2 blocks, one sequence, no TP/CP, FSDP over 2 ranks, per checkpointing mode
+   (:func:`memfit_parallel.prediction.capture_stage`). A block's activations, temporaries and compute
+   divide by ``tp·cp`` and multiply by the microbatch size; parameters, gradients and optimizer
+   states are counted from the shapes and sharded by ``tp·dp_shard·cp``; FSDP, TP and pipeline
+   communication come from the comm model. Candidates screened over ``SCREEN_MARGIN ×`` the
+   capacity are dropped.
+2. **Confirm** the fastest screened candidates, in order, with :func:`memfit_parallel.prediction.predict`
+   (the real parallel code captured for their ranks) until ``top`` fit and the next screened time is
+   beyond ``CONFIRM_BAND ×`` the best confirmed one, within a time budget. Only
+   confirmed predictions are ranked and shown: the search never proposes a configuration whose
+   captured prediction does not fit.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from memfit.errors import MemfitError
+from memfit_simulator.hardware import HardwareSpec, get_spec
+
+from memfit_parallel.config import ParallelConfig, Workload
+from memfit_parallel.prediction import (
+    CATEGORIES,
+    Prediction,
+    StageProfile,
+    assemble,
+    capture_stage,
+    collective_seconds,
+    model_config,
+    model_shape,
+    predict,
+    stage_layers,
+)
+
+MIN_CP_TOKENS = 4096
+"""Context parallelism is considered only while each CP rank keeps at least this many tokens."""
+SCREEN_MARGIN = 1.15
+"""Screening keeps candidates up to this factor over capacity: the confirming capture decides."""
+CONFIRM_BAND = 1.15
+"""After ``top`` fits are confirmed, confirming goes on while a candidate's screened time is within this factor of
+the best confirmed one (the screening's error against captures is about ±10 %)."""
+AC_MODES = (("none", None), ("sac", 0.5), ("full", None))
+
+
+@dataclass
+class SearchResult:
+    """Confirmed predictions, fastest first, and what the search did."""
+
+    workload: Workload
+    hardware: str
+    devices: int
+    ranked: list[Prediction]
+    candidates: int
+    screened_fitting: int
+    confirmed: int
+    seconds: float
+    rejected: list[tuple[str, int]] = field(default_factory=list)
+    """Confirmed candidates that did not fit: (description, predicted peak bytes)."""
+
+    @property
+    def best(self) -> Prediction:
+        return self.ranked[0]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "workload": self.workload.model_dump(),
+            "hardware": self.hardware,
+            "devices": self.devices,
+            "config": self.best.config.model_dump(),
+            "prediction": self.best.to_json(),
+            "ranked": [p.to_json() for p in self.ranked],
+            "candidates": self.candidates,
+            "screened_fitting": self.screened_fitting,
+            "confirmed": self.confirmed,
+            "search_seconds": self.seconds,
+        }
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(workload: Workload, devices: int, spec: HardwareSpec, dtype: str) -> list[ParallelConfig]:
+    """Every configuration of the space (module docs) that can run ``workload`` on ``devices``."""
+    shape = model_shape(workload.model)
+    found = []
+    tps = [t for t in _divisors(min(devices, spec.devices_per_node)) if shape.n_kv_heads % t == 0]
+    for tp in tps:
+        for cp in _divisors(devices // tp):
+            if cp > 1 and (workload.seq_len // cp < MIN_CP_TOKENS or workload.seq_len % (2 * cp)):
+                continue
+            rest = devices // (tp * cp)
+            for pp in _divisors(rest):
+                if pp > shape.n_layers or pp > 64:
+                    continue
+                dp = rest // pp
+                if workload.global_batch % dp:
+                    continue
+                local = workload.global_batch // dp
+                flavours = {(1, dp)}  # FSDP
+                flavours |= {(dp // s, s) for s in (8, 16, 32, 64) if s < dp and dp % s == 0}  # HSDP
+                if dp > 1:
+                    flavours.add((dp, 1))  # DDP
+                schedules: list[tuple[str, int, int]] = [("1f1b", 1, 1)]
+                if pp > 1:
+                    ms = sorted({m for m in (pp, 2 * pp, 4 * pp, local) if m >= pp and local % m == 0})
+                    schedules = [("1f1b", 1, m) for m in ms]
+                    if shape.n_layers >= 2 * pp:
+                        schedules += [("interleaved_1f1b", 2, m) for m in ms if m % pp == 0]
+                for replicate, shard in sorted(flavours):
+                    for schedule, v, m in schedules:
+                        for ac, fraction in AC_MODES:
+                            try:
+                                config = ParallelConfig(
+                                    dp_replicate=replicate, dp_shard=shard, tp=tp, cp=cp, pp=pp,
+                                    pp_schedule=schedule, stages_per_rank=v, microbatches=m,
+                                    activation_checkpoint=ac, sac_memory_fraction=fraction, param_dtype=dtype,
+                                )  # fmt: skip
+                            except ValueError:
+                                continue
+                            if not config.problems(workload, shape, devices):
+                                found.append(config)
+    return found
+
+
+# -- screening ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Reference:
+    """One checkpointing mode's captured block and remainder (embedding, norm, head, loss), one sequence."""
+
+    block: StageProfile
+    rest: StageProfile
+
+
+def _reference(workload: Workload, spec: HardwareSpec, ac: str, fraction: float | None, dtype: str) -> _Reference:
+    base = ParallelConfig(dp_shard=2, activation_checkpoint=ac, sac_memory_fraction=fraction, param_dtype=dtype)
+    one_seq = Workload(model=workload.model, global_batch=2, seq_len=workload.seq_len)
+    one = capture_stage(one_seq, base, spec, 1, "whole")
+    two = capture_stage(one_seq, base, spec, 2, "whole")
+    block = one.combine(two, 1.0, 1)  # two, as a profile
+    diff = {k: max(block.peak_by_category[k] - one.peak_by_category[k], 0.0) for k in CATEGORIES}
+
+    def minus(a: StageProfile, b: StageProfile, factor: float = 1.0) -> StageProfile:
+        return StageProfile(
+            peak_by_category={k: a.peak_by_category[k] - factor * diff[k] for k in CATEGORIES},
+            activation_bytes=a.activation_bytes - factor * (b.activation_bytes - a.activation_bytes),
+            forward_s=a.forward_s - factor * (b.forward_s - a.forward_s),
+            backward_s=a.backward_s - factor * (b.backward_s - a.backward_s),
+            recompute_s=a.recompute_s - factor * (b.recompute_s - a.recompute_s),
+            optimizer_s=a.optimizer_s - factor * (b.optimizer_s - a.optimizer_s),
+            blocking_comm_s=0.0,
+            fsdp={},
+            blocks=0,
+        )
+
+    per_block = StageProfile(
+        peak_by_category=diff, activation_bytes=two.activation_bytes - one.activation_bytes,
+        forward_s=two.forward_s - one.forward_s, backward_s=two.backward_s - one.backward_s,
+        recompute_s=two.recompute_s - one.recompute_s, optimizer_s=two.optimizer_s - one.optimizer_s,
+        blocking_comm_s=0.0, fsdp={}, blocks=1,
+    )  # fmt: skip
+    return _Reference(block=per_block, rest=minus(one, two))
+
+
+def _param_counts(workload: Workload) -> tuple[int, int, int]:
+    """Parameters of a block, of the embedding, and of the norm and output head."""
+    c = model_config(workload.model, workload.seq_len)
+    kv = c.n_kv_heads * c.head_dim
+    block = 2 * c.dim * c.dim + 2 * c.dim * kv + 3 * c.dim * c.ffn_dim + 2 * c.dim
+    return block, c.vocab_size * c.dim, c.dim + c.vocab_size * c.dim
+
+
+def screen(workload: Workload, config: ParallelConfig, spec: HardwareSpec, ref: _Reference) -> Prediction:
+    """The screening prediction of ``config`` from the reference captures (module docs)."""
+    c = model_config(workload.model, workload.seq_len)
+    block_params, embed_params, head_params = _param_counts(workload)
+    mb = config.local_batch(workload) // config.microbatches
+    tp, cp, shard = config.tp, config.cp, config.dp_shard * config.cp
+    split = tp * cp
+    fsdp = config.dp > 1 or cp > 1
+    low = 2 if config.param_dtype == "bfloat16" else 4
+    n = stage_layers(c.n_layers, config)
+    token_bytes = mb * (workload.seq_len // cp) * c.dim * 2
+    profiles = {}
+    for rank, first, last in ((0, True, config.pp == 1), (config.pp - 1, config.pp == 1, True)):
+        if rank in profiles:
+            continue
+        params = n * block_params + (embed_params if first else 0) + (head_params if last else 0)
+        blk, rest = ref.block, ref.rest
+        head_share = 1.0 if last else 0.0  # the remainder is mostly the output head and loss
+        cats = dict.fromkeys(CATEGORIES, 0.0)
+        if fsdp:
+            cats["parameter"] = 4 * params / (tp * shard)
+            cats["optimizer_state"] = 8 * params / (tp * shard)
+            if config.pp > 1:  # ZeRO-2: the stage stays gathered; unsharded gradients accumulate
+                cats["parameter"] += low * params / tp
+                cats["gradient"] = low * params / tp
+            else:
+                cats["parameter"] += 2 * low * block_params / tp
+        else:
+            cats["parameter"] = low * params / tp
+            cats["optimizer_state"] = 2 * low * params / tp
+            cats["gradient"] = low * params / tp
+        act_one = mb * (n * blk.activation_bytes + head_share * rest.activation_bytes) / split
+        cats["activation"] = act_one
+        cats["temporary"] = mb * (head_share * rest.peak_by_category["temporary"] + blk.peak_by_category["temporary"])
+        cats["temporary"] /= split
+        fwd = mb * (n * blk.forward_s + head_share * rest.forward_s) / split
+        bwd = mb * (n * blk.backward_s + head_share * rest.backward_s) / split
+        rec = mb * n * blk.recompute_s / split
+        opt = (n * blk.optimizer_s + rest.optimizer_s) * 2 / (tp * shard if fsdp else tp / 2)
+        blocking = 0.0
+        if tp > 1:
+            passes = 8 + (
+                4 if config.activation_checkpoint == "full" else 2 if config.activation_checkpoint == "sac" else 0
+            )
+            one = collective_seconds("all_gather", token_bytes, tp, "tp", config, spec)
+            blocking = n * passes * one + (2 * one if last else 0)
+        comm = {"ag_fwd": 0.0, "ag_bwd": 0.0, "rs": 0.0, "ar": 0.0}
+        if fsdp and shard > 1:
+            ag = collective_seconds("all_gather", low * block_params / tp, shard, "dp_shard", config, spec)
+            rs = collective_seconds("reduce_scatter", 4 * block_params / tp, shard, "dp_shard", config, spec)
+            comm["ag_fwd"], comm["rs"] = n * ag, n * rs
+            comm["ag_bwd"] = 0.0 if config.pp > 1 else (n - 1) * ag
+        if config.dp_replicate > 1:
+            grads = 4 * params / (tp * shard)
+            comm["ar"] = collective_seconds("all_reduce", grads, config.dp_replicate, "dp_replicate", config, spec)
+        profiles[rank] = StageProfile(
+            peak_by_category=cats, activation_bytes=act_one, forward_s=fwd, backward_s=bwd, recompute_s=rec,
+            optimizer_s=opt, blocking_comm_s=blocking, fsdp=comm, blocks=n,
+        )  # fmt: skip
+    return assemble(workload, config, spec, profiles, exact_pipeline=False)
+
+
+def search(
+    workload: Workload,
+    devices: int,
+    hardware: str | HardwareSpec,
+    *,
+    dtype: str | None = None,
+    top: int = 5,
+    confirm_seconds: float = 35.0,
+) -> SearchResult:
+    """The fastest configurations of ``workload`` on ``devices`` devices that are predicted to fit (module docs).
+
+    Raises:
+        MemfitError: an unknown model or device, a device count nothing divides the workload over, or
+            nothing predicted to fit (the message says what to change).
+    """
+    started = time.perf_counter()
+    spec = hardware if isinstance(hardware, HardwareSpec) else get_spec(hardware)
+    dtype = dtype or ("float32" if spec.name == "cpu" else "bfloat16")
+    if devices < 1:
+        raise MemfitError(f"the device count must be positive, got {devices}")
+    if devices > spec.devices_per_node and devices % spec.devices_per_node:
+        raise MemfitError(
+            f"{devices} {spec.name} devices are not whole nodes of {spec.devices_per_node}: use a multiple of "
+            f"{spec.devices_per_node}"
+        )
+    pool = candidates(workload, devices, spec, dtype)
+    if not pool:
+        raise MemfitError(
+            f"no configuration splits {workload.model} (global batch {workload.global_batch}, sequence "
+            f"{workload.seq_len}) over {devices} devices: the global batch must divide over the data-parallel "
+            f"ranks. Use a global batch that {devices} or one of its divisors divides (e.g. "
+            f"{math.lcm(workload.global_batch, devices)}), or another device count"
+        )
+    refs = {(ac, f): _reference(workload, spec, ac, f, dtype) for ac, f in AC_MODES}
+    screened = []
+    for config in pool:
+        p = screen(workload, config, spec, refs[(config.activation_checkpoint, config.sac_memory_fraction)])
+        screened.append((p.step_s, p.peak_bytes, config))
+    capacity = spec.capacity_bytes
+    fitting = sorted((s for s in screened if s[1] <= SCREEN_MARGIN * capacity), key=lambda s: s[0])
+    ranked: list[Prediction] = []
+    rejected: list[tuple[str, int]] = []
+    confirmed = 0
+    deadline = time.perf_counter() + confirm_seconds
+    for screened_s, _, config in fitting:
+        if ranked and time.perf_counter() > deadline:
+            break
+        best_s = min(p.step_s for p in ranked) if ranked else float("inf")
+        if len(ranked) >= top and screened_s > CONFIRM_BAND * best_s:
+            break  # the screening's error band: nothing further down can beat the best confirmed
+        p = predict(workload, config, spec)
+        confirmed += 1
+        (ranked if p.fits else rejected).append(p if p.fits else (config.describe(), p.peak_bytes))
+    if not ranked:
+        least = min(screened, key=lambda s: s[1])
+        raise MemfitError(
+            f"nothing fits: {len(pool)} configurations of {workload.model} on {devices} × {spec.name} "
+            f"({capacity / 2**30:.0f} GiB each); the smallest screened peak is {least[1] / 2**30:.1f} GiB "
+            f"({least[2].describe()}). Use more devices, a smaller global batch or sequence, or a device with "
+            "more memory"
+        )
+    ranked.sort(key=lambda p: p.step_s)
+    for _ in range(len(ranked)):  # ties within 0.1 %: the configuration with fewer parallel dimensions first
+        for i in range(len(ranked) - 1):
+            a, b = ranked[i], ranked[i + 1]
+            if b.step_s <= a.step_s * 1.001 and _dims(b.config) < _dims(a.config):
+                ranked[i], ranked[i + 1] = b, a
+    ranked = ranked[:top]
+    return SearchResult(
+        workload=workload, hardware=spec.name, devices=devices, ranked=ranked, candidates=len(pool),
+        screened_fitting=len(fitting), confirmed=confirmed, seconds=time.perf_counter() - started,
+        rejected=rejected,
+    )  # fmt: skip
+
+
+def _dims(config: ParallelConfig) -> int:
+    return sum(getattr(config, name) > 1 for name in ("dp_replicate", "dp_shard", "tp", "pp", "cp"))
+
+
+def why(prediction: Prediction, baseline: Prediction) -> str:
+    """In words, where ``prediction``'s step time differs most from ``baseline``'s (the fastest)."""
+    parts = {
+        "compute": (prediction.compute_s, baseline.compute_s),
+        "exposed comm": (prediction.exposed_comm_s, baseline.exposed_comm_s),
+        "bubble": (prediction.bubble_s, baseline.bubble_s),
+        "recompute": (prediction.recompute_s, baseline.recompute_s),
+    }
+    if prediction is baseline:
+        share = max(parts, key=lambda k: parts[k][0])
+        return f"fastest; most time in {share}"
+    name = max(parts, key=lambda k: parts[k][0] - parts[k][1])
+    delta = parts[name][0] - parts[name][1]
+    return f"+{delta:.3g} s {name}"

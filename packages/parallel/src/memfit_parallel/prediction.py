@@ -1,0 +1,619 @@
+"""Predict one training step of a parallel configuration: per-rank memory by category and the step time.
+
+:func:`predict` captures the rank's real parallel step (:mod:`memfit_parallel.capture`) and times it:
+
+* **memory**: the captured per-rank peak by category (parameters, gradients, optimizer states,
+  activations, temporaries...). A pipeline rank holds more than one microbatch's activations: under
+  1F1B the first rank holds ``min(m, pp)``, under GPipe all ``m``, under interleaved 1F1B
+  ``((v−1)·pp + 2·(pp−1) + 1)`` chunk-activations of ``1/v`` of its layers each (torch's
+  ``ScheduleInterleaved1F1B`` warm-up). Two microbatches are captured (so FSDP2's unsharded gradient
+  accumulation between them is real); further in-flight microbatches add the captured activation bytes
+  of one each.
+* **compute**: the simulator's time model per captured operator (calibrated on ``cpu``, roofline from
+  the spec's figures on other devices); operators of activation-checkpoint recomputation are
+  reported as recomputation.
+* **communication**: every captured collective timed by the simulator's comm model on the tiers its
+  group spans (mesh order ``pp, dp_replicate, dp_shard·cp, tp``: a group of a dimension whose inner
+  dimensions multiply to ``k`` has ``devices_per_node // k`` ranks per node). TP collectives block the
+  compute stream; FSDP all-gathers are prefetched one block ahead and reduce-scatters follow each block's
+  backward on their own streams (:class:`memfit_simulator.streams.StreamTimeline`), so only what compute
+  does not hide is exposed.
+* **pipeline**: 1F1B and GPipe by the simulator's pipeline recurrence
+  (:func:`memfit_simulator.streams.pipeline_seconds`) over the stages' microbatch times with
+  point-to-point transfers; interleaved 1F1B as ``(m + (pp−1)/v)·(t_f + t_b)`` (Narayanan et al. 2021).
+
+**Captured vs extrapolated.** A stage of at most ``exact_layers`` layers (default 4) is captured whole,
+with the real batch and sequence: nothing is extrapolated (the ``tiny`` model always is). A deeper stage
+is captured twice, with 2 and 3 of its blocks (plus its embedding / head), at the real microbatch and
+sequence, and every quantity (operator times, collective counts, bytes and times) is extended
+linearly to its block count: one block's difference times the remaining blocks. Memory is
+extrapolated region by region (:func:`peak_regions`: each phase before, in its first block, in its
+last block, after the blocks) and the largest region is the peak, since which region peaks may change
+with depth. Context parallelism is
+modelled, not captured: the rank is captured with ``seq / cp`` tokens, its attention operators cost
+``cp`` times their local causal work (load-balanced ring attention does ``1/cp`` of the full causal
+attention) and the ring passes ``cp − 1`` K/V chunks per block forward and twice that backward,
+overlapped with attention.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from memfit.errors import MemfitError
+from memfit_simulator.hardware import HardwareSpec, get_spec
+
+from memfit_parallel.config import ModelShape, ParallelConfig, Workload
+
+CATEGORIES = ("parameter", "buffer", "input", "gradient", "optimizer_state", "activation", "temporary")
+EXACT_LAYERS = 4
+"""Stages with at most this many blocks are captured whole (nothing extrapolated)."""
+
+
+@dataclass
+class StageProfile:
+    """One pipeline stage on one rank, for ONE microbatch (one step without a pipeline)."""
+
+    peak_by_category: dict[str, float]
+    activation_bytes: float
+    """Activations one microbatch leaves for backward (what each extra in-flight microbatch adds)."""
+    forward_s: float
+    backward_s: float
+    """Backward compute without recomputation."""
+    recompute_s: float
+    optimizer_s: float
+    blocking_comm_s: float
+    """TP collectives and waits on the compute stream, forward and backward."""
+    fsdp: dict[str, float]
+    """Per step, seconds of the data-parallel collectives: ``ag_fwd``, ``ag_bwd``, ``rs``, ``ar`` (replicas)."""
+    blocks: int
+    collectives: list[dict[str, Any]] = field(default_factory=list)
+    """Per collective kind and mesh dimension: count and bytes (the captured rank, extrapolated)."""
+    captured_blocks: tuple[int, ...] = ()
+    captured_microbatches: int = 1
+    """Microbatches in flight in the capture (their activations are in ``peak_by_category``)."""
+    regions: dict[str, dict[str, float]] = field(default_factory=dict)
+    """The peak by category of each region of the step (:func:`peak_regions`), for extrapolation in depth."""
+
+    @property
+    def peak_bytes(self) -> float:
+        return float(sum(self.peak_by_category.values()))
+
+    def combine(self, other: StageProfile, weight: float, blocks: int) -> StageProfile:
+        """``self + weight · (other − self)`` for every quantity (linear extrapolation in blocks)."""
+
+        def mix(a: float, b: float) -> float:
+            return a + weight * (b - a)
+
+        coll = {(c["kind"], c["dim"]): dict(c, count=0, bytes=0) for c in self.collectives}
+        for c in self.collectives:
+            coll[(c["kind"], c["dim"])].update(count=c["count"], bytes=c["bytes"])
+        for c in other.collectives:
+            base = coll.setdefault((c["kind"], c["dim"]), dict(c, count=0, bytes=0))
+            base["count"] = round(mix(base["count"], c["count"]))
+            base["bytes"] = round(mix(base["bytes"], c["bytes"]))
+        # The peak is the largest of the regions' peaks, each extrapolated on its own: which region peaks
+        # may change with depth (activations grow with the blocks in forward, gradients in backward).
+        regions = {}
+        for key in set(self.regions) & set(other.regions):
+            regions[key] = {k: max(mix(self.regions[key][k], other.regions[key][k]), 0.0) for k in CATEGORIES}
+        if regions:
+            split = max(regions.values(), key=lambda cats: sum(cats.values()))
+            scale = 1.0
+        else:  # no regions recorded: the peak's total, split as each category extrapolates
+            total = mix(self.peak_bytes, other.peak_bytes)
+            split = {k: max(mix(self.peak_by_category[k], other.peak_by_category[k]), 0.0) for k in CATEGORIES}
+            scale = total / sum(split.values()) if sum(split.values()) > 0 else 0.0
+        return StageProfile(
+            peak_by_category={k: v * scale for k, v in split.items()},
+            activation_bytes=mix(self.activation_bytes, other.activation_bytes),
+            forward_s=mix(self.forward_s, other.forward_s),
+            backward_s=mix(self.backward_s, other.backward_s),
+            recompute_s=mix(self.recompute_s, other.recompute_s),
+            optimizer_s=mix(self.optimizer_s, other.optimizer_s),
+            blocking_comm_s=mix(self.blocking_comm_s, other.blocking_comm_s),
+            fsdp={k: mix(self.fsdp[k], other.fsdp[k]) for k in self.fsdp},
+            blocks=blocks,
+            collectives=sorted(coll.values(), key=lambda c: (c["dim"], c["kind"])),
+            captured_blocks=self.captured_blocks + other.captured_blocks,
+            captured_microbatches=self.captured_microbatches,
+            regions=regions,
+        )
+
+
+@dataclass
+class Prediction:
+    """A configuration's predicted step on one kind of device (per rank: the most loaded one)."""
+
+    workload: Workload
+    config: ParallelConfig
+    hardware: str
+    peak_by_category: dict[str, int]
+    """Per-rank peak bytes by category (the pipeline rank with the highest peak)."""
+    capacity_bytes: int
+    compute_s: float
+    """Forward, backward and optimizer compute of the slowest rank (no recomputation)."""
+    exposed_comm_s: float
+    """Communication that compute does not hide (TP collectives, exposed FSDP, pipeline transfers, CP ring)."""
+    bubble_s: float
+    """Pipeline idle time of the slowest rank."""
+    recompute_s: float
+    """Activation-checkpoint recomputation."""
+    step_s: float
+    collectives: list[dict[str, Any]]
+    notes: list[str] = field(default_factory=list)
+    """What was extrapolated or not modelled."""
+
+    @property
+    def peak_bytes(self) -> int:
+        return int(sum(self.peak_by_category.values()))
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_bytes <= self.capacity_bytes
+
+    @property
+    def tokens_per_s_per_device(self) -> float:
+        tokens = self.workload.global_batch * self.workload.seq_len
+        return tokens / self.step_s / self.config.world_size
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "workload": self.workload.model_dump(),
+            "config": self.config.model_dump(),
+            "describe": self.config.describe(),
+            "hardware": self.hardware,
+            "peak_bytes": self.peak_bytes,
+            "peak_by_category": self.peak_by_category,
+            "capacity_bytes": self.capacity_bytes,
+            "fits": self.fits,
+            "step_seconds": self.step_s,
+            "seconds": {"compute": self.compute_s, "exposed_communication": self.exposed_comm_s,
+                        "bubble": self.bubble_s, "recomputation": self.recompute_s},
+            "tokens_per_s_per_device": self.tokens_per_s_per_device,
+            "collectives": self.collectives,
+            "notes": self.notes,
+        }  # fmt: skip
+
+
+# -- models ----------------------------------------------------------------------------------------
+def model_config(name: str, seq_len: int) -> Any:
+    """The reference Llama config of a registry name, with room for ``seq_len`` tokens."""
+    from memfit.models import LlamaConfig
+    from memfit.models.llama import PRESETS
+
+    if name not in PRESETS:
+        raise MemfitError(
+            f"unknown model {name!r}: memfit-parallel plans the reference Llama's presets: {', '.join(PRESETS)}"
+        )
+    config = LlamaConfig.preset(name)
+    return dataclasses.replace(config, max_seq_len=max(seq_len, config.max_seq_len))
+
+
+def model_shape(name: str) -> ModelShape:
+    """Layers and heads of a registry model (what decides which degrees split it)."""
+    from memfit.models import LlamaConfig
+
+    config = model_config(name, 1) if isinstance(name, str) else name
+    assert isinstance(config, LlamaConfig)
+    return ModelShape(n_layers=config.n_layers, n_heads=config.n_heads, n_kv_heads=config.n_kv_heads)
+
+
+def stage_layers(n_layers: int, config: ParallelConfig) -> int:
+    """Blocks the most loaded pipeline rank holds (stages balanced, the extra blocks to the first ones)."""
+    return math.ceil(n_layers / config.stages) * config.stages_per_rank
+
+
+# -- capture ---------------------------------------------------------------------------------------
+_CACHE: dict[tuple, StageProfile] = {}
+
+
+def _profile_key(workload: Workload, config: ParallelConfig, spec: HardwareSpec, blocks: int, kind: str) -> tuple:
+    return (
+        workload.model, workload.seq_len, config.local_batch(workload) // max(config.microbatches, 1),
+        config.dp_replicate, config.dp_shard, config.cp, config.tp, config.pp > 1, config.activation_checkpoint,
+        config.sac_memory_fraction, config.param_dtype, spec.name, blocks, kind,
+    )  # fmt: skip
+
+
+def capture_stage(
+    workload: Workload, config: ParallelConfig, spec: HardwareSpec, blocks: int, kind: str
+) -> StageProfile:
+    """Capture one rank of the stage ``kind`` (``whole``, ``first``, ``last``) with ``blocks`` blocks."""
+    key = _profile_key(workload, config, spec, blocks, kind)
+    if key in _CACHE:
+        return _CACHE[key]
+    from memfit.models import Llama
+    from memfit_simulator.simulation import make_optimizer
+
+    from memfit_parallel.capture import capture_parallel_step
+    from memfit_parallel.parallelize import LlamaStage, parallelize, stage_mesh
+
+    llama = dataclasses.replace(model_config(workload.model, workload.seq_len), n_layers=blocks)
+    micro = config.local_batch(workload) // config.microbatches
+    seq = workload.seq_len // config.cp
+    with_fsdp = config.dp > 1 or config.cp > 1
+    build_dtype = torch.float32 if with_fsdp else getattr(torch, config.param_dtype)
+    act_dtype = getattr(torch, config.param_dtype)
+
+    def build():
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(build_dtype)
+        try:
+            if kind == "whole":
+                net = Llama(llama)
+            else:
+                net = LlamaStage(llama, blocks, first=kind == "first", last=kind == "last", seq_len=seq)
+        finally:
+            torch.set_default_dtype(previous)
+        tokens = torch.randint(0, llama.vocab_size, (micro, seq + 1))
+        if kind in ("whole", "first"):
+            inputs = tokens[:, :-1].contiguous()
+        else:
+            local_seq = seq // config.tp if config.tp > 1 else seq
+            inputs = torch.randn(micro, local_seq, llama.dim, dtype=act_dtype, requires_grad=True)
+        return net, (inputs, tokens[:, 1:].contiguous())
+
+    # Under a pipeline two microbatches are captured (forward, forward, backward, backward): FSDP2 gathers once
+    # and keeps the unsharded gradients of the first to accumulate the second's (no reduce-scatter until the
+    # last microbatch), as torch.distributed.pipelining drives it. Per-microbatch figures divide by ``k``.
+    k = min(2, config.microbatches) if config.pp > 1 else 1
+
+    def step(net, opt, data):
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        inputs, targets = data
+        parallel_loss = loss_parallel if config.tp > 1 else contextlib.nullcontext
+        outputs = []
+        for _ in range(k):
+            if kind in ("whole", "last"):
+                with parallel_loss():
+                    outputs.append(net.loss(inputs, targets))
+            else:
+                outputs.append(net(inputs))
+        for index, out in enumerate(outputs):
+            last = index == len(outputs) - 1
+            if k > 1 and hasattr(net, "set_requires_gradient_sync"):
+                net.set_requires_gradient_sync(last)
+                net.set_reshard_after_backward(last)
+            if kind in ("whole", "last"):
+                with parallel_loss():
+                    out.backward()
+            else:
+                out.backward(torch.ones_like(out))  # the gradient the next stage sends back
+        del outputs
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    mesh = stage_mesh(config)
+    captured = capture_parallel_step(
+        build,
+        lambda model, device_mesh: parallelize(model, device_mesh, config) if device_mesh is not None else None,
+        step,
+        mesh_names=mesh.names,
+        mesh_sizes=mesh.sizes,
+        make_optimizer=lambda params: make_optimizer("adamw", params),
+        granularity=spec.allocation_granularity,
+    )
+    profile = _profile(captured, config, spec, blocks, k)
+    _CACHE[key] = profile
+    return profile
+
+
+def _op_seconds(captured: Any, config: ParallelConfig, spec: HardwareSpec) -> np.ndarray:
+    from memfit_simulator.calibration import attention_flops
+    from memfit_simulator.timing import grid_features, op_costs, time_model
+
+    costs = op_costs(captured.step)
+    for i, c in enumerate(costs):
+        if c.category == "attention" and c.flops == 0:
+            backward = "backward" in c.name
+            (heads, sq, skv, dim), _ = grid_features(c)
+            # causal: flash kernels skip the masked half; CP: the ring does cp × the local causal work
+            flops = attention_flops(heads, sq, skv, dim, backward=backward) / 2 * config.cp
+            costs[i] = dataclasses.replace(c, flops=flops)
+        elif c.category == "attention" and config.cp > 1:
+            costs[i] = dataclasses.replace(c, flops=c.flops * config.cp)
+    seconds = np.asarray(time_model(spec).predict(costs), dtype=float)
+    seconds[captured.communication] = 0.0
+    return seconds
+
+
+def _tier_spec(spec: HardwareSpec, config: ParallelConfig, dim: str) -> HardwareSpec:
+    """``spec`` with the ranks per node a group of mesh dimension(s) ``dim`` has (module docs)."""
+    inner = {"tp": 1, "dp_shard": config.tp, "dp_replicate": config.tp * config.dp_shard * config.cp}
+    first = dim.split("+")[0]
+    stride = inner.get(first, config.world_size // config.pp)
+    per_node = max(1, spec.devices_per_node // stride)
+    return spec.model_copy(update={"devices_per_node": per_node})
+
+
+def collective_seconds(kind: str, nbytes: float, group: int, dim: str, config: ParallelConfig, spec: HardwareSpec):
+    """One collective on the tiers its group spans (0 on a device without link figures, e.g. ``cpu``)."""
+    from memfit_simulator.comm import COLLECTIVES
+
+    if group <= 1 or spec.intra_node is None or spec.inter_node is None:
+        return 0.0
+    tier = _tier_spec(spec, config, dim)
+    if group % min(group, tier.devices_per_node):
+        tier = tier.model_copy(update={"devices_per_node": 1})
+    model = COLLECTIVES.get(kind, COLLECTIVES["all_reduce"])
+    return float(model(nbytes, group, tier))
+
+
+def _profile(captured: Any, config: ParallelConfig, spec: HardwareSpec, blocks: int, k: int = 1) -> StageProfile:
+    """Per-microbatch figures of a capture of ``k`` microbatches (per-step ones: optimizer, data-parallel comm)."""
+    from memfit.types import Phase
+
+    seconds = _op_seconds(captured, config, spec)
+    phases = captured.step.phases
+    recompute = captured.recompute
+    fwd = float(seconds[(phases == int(Phase.FWD)) & ~recompute].sum())
+    bwd = float(seconds[(phases == int(Phase.BWD)) & ~recompute].sum())
+    rec = float(seconds[recompute].sum())
+    opt = float(seconds[phases == int(Phase.OPT)].sum())
+    fsdp = {"ag_fwd": 0.0, "ag_bwd": 0.0, "rs": 0.0, "ar": 0.0}
+    blocking = 0.0
+    summary: dict[tuple[str, str], dict[str, Any]] = {}
+    for c in captured.collectives:
+        t = collective_seconds(c.kind, c.nbytes, c.group_size, c.dim, config, spec)
+        entry = summary.setdefault((c.kind, c.dim), {"kind": c.kind, "dim": c.dim, "group_size": c.group_size,
+                                                     "count": 0, "bytes": 0})  # fmt: skip
+        entry["count"] += 1
+        entry["bytes"] += c.nbytes
+        if c.dim.startswith("dp"):
+            if c.kind == "all_gather":
+                fsdp["ag_fwd" if c.phase == int(Phase.FWD) else "ag_bwd"] += t
+            elif c.kind == "reduce_scatter":
+                fsdp["rs"] += t
+            else:
+                fsdp["ar"] += t
+        else:
+            blocking += t
+    memory = captured.memory
+    regions = peak_regions(captured)
+    return StageProfile(
+        peak_by_category={k: float(memory.peak_by_category.get(k, 0)) for k in CATEGORIES},
+        activation_bytes=float(memory.activation_bytes) / k,
+        forward_s=fwd / k,
+        backward_s=bwd / k,
+        recompute_s=rec / k,
+        optimizer_s=opt,
+        blocking_comm_s=blocking / k,
+        captured_microbatches=k,
+        fsdp=fsdp,
+        blocks=blocks,
+        collectives=sorted(summary.values(), key=lambda c: (c["dim"], c["kind"])),
+        captured_blocks=(blocks,),
+        regions=regions,
+    )
+
+
+def peak_regions(captured: Any) -> dict[str, dict[str, float]]:
+    """Per region of the step, the bytes by category at its highest point.
+
+    A region is a phase (forward, backward, optimizer) and a position in it: before the first block,
+    in the first block it runs, in the last block it runs, after the blocks. Each region's peak grows
+    linearly with the block count, while which region holds the step's peak may change with it.
+    """
+    import re
+
+    memory = captured.memory
+    totals = memory.total
+    pattern = re.compile(r"^layers\.(\d+)")
+    by_phase: dict[int, list[tuple[int, int | None]]] = {}
+    for index, (phase, module) in enumerate(zip(captured.step.phases.tolist(), captured.step.op_modules, strict=True)):
+        match = pattern.match(module or "")
+        by_phase.setdefault(phase, []).append((index, int(match.group(1)) if match else None))
+    regions: dict[str, dict[str, float]] = {}
+    for phase, ops in by_phase.items():
+        blocks = [b for _, b in ops if b is not None]
+        first, last = (blocks[0], blocks[-1]) if blocks else (None, None)
+        seen_block = False
+        for index, block in ops:
+            names = []
+            if block is None:
+                names.append("after" if seen_block else "before")
+            else:
+                seen_block = True
+                names += ["first"] * (block == first) + ["last"] * (block == last)
+            for name in names:
+                key = f"{phase}:{name}"
+                if key not in regions or totals[index] > sum(regions[key].values()):
+                    regions[key] = {k: float(memory.by_category[k][index]) for k in CATEGORIES}
+    return regions
+
+
+def stage_profile(
+    workload: Workload, config: ParallelConfig, spec: HardwareSpec, kind: str, exact_layers: int = EXACT_LAYERS
+) -> StageProfile:
+    """The stage's profile: captured whole when small, else from 2 and 3 captured blocks (module docs)."""
+    n_layers = model_config(workload.model, workload.seq_len).n_layers
+    blocks = n_layers if kind == "whole" else stage_layers(n_layers, config)
+    if blocks <= max(exact_layers, 3):
+        return capture_stage(workload, config, spec, blocks, kind)
+    # two and three blocks: with one, the first block a phase runs is also its last, and regions blur
+    two = capture_stage(workload, config, spec, 2, kind)
+    three = capture_stage(workload, config, spec, 3, kind)
+    return two.combine(three, blocks - 2, blocks)
+
+
+# -- assembling a step -----------------------------------------------------------------------------
+def in_flight(config: ParallelConfig, rank: int) -> float:
+    """Microbatches' activations pipeline rank ``rank`` holds at its peak, in units of its whole stage."""
+    m, pp, v = config.microbatches, config.pp, config.stages_per_rank
+    if pp == 1:
+        return 1.0
+    if config.pp_schedule == "gpipe":
+        return float(m)
+    if config.pp_schedule == "1f1b":
+        return float(min(m, pp - rank))
+    chunks = min(m * v, (v - 1) * pp + 2 * (pp - 1 - rank) + 1)
+    return chunks / v
+
+
+def _dp_exposed(profile: StageProfile, config: ParallelConfig) -> float:
+    """Data-parallel communication compute does not hide: a stream timeline of the stage's blocks."""
+    from memfit_simulator.streams import StreamTimeline
+
+    f = profile.fsdp
+    if not any(f.values()):
+        return 0.0
+    n = max(profile.blocks, 1)
+    m = config.microbatches
+    fwd = (profile.forward_s + profile.blocking_comm_s / 3) * m / n
+    bwd = (profile.backward_s + profile.recompute_s + profile.blocking_comm_s * 2 / 3) * m / n
+    ag_f, ag_b, rs = f["ag_fwd"] / n, f["ag_bwd"] / n, f["rs"] / n
+    timeline = StreamTimeline()
+    gathers, computes = [], []
+    for i in range(n):
+        waits = (computes[i - 2],) if i >= 2 else ()
+        gathers.append(timeline.add("all_gather", ag_f, waits))
+        computes.append(timeline.add("compute", fwd, (gathers[i],)))
+    for j, _ in enumerate(range(n)):
+        waits = (computes[-2],) if j >= 1 and len(computes) >= 2 else ()
+        gather = timeline.add("all_gather", ag_b, waits)
+        computes.append(timeline.add("compute", bwd, (gather,)))
+        timeline.add("reduce_scatter", rs, (computes[-1],))
+    ends = timeline.run()[1]
+    exposed = max(ends) - n * (fwd + bwd)
+    return max(exposed, 0.0) + f["ar"]  # the replicas' all-reduce follows the last reduce-scatter
+
+
+def predict(
+    workload: Workload,
+    config: ParallelConfig,
+    hardware: str | HardwareSpec = "cpu",
+    *,
+    exact_layers: int = EXACT_LAYERS,
+) -> Prediction:
+    """Predict ``config`` running ``workload`` on ``hardware`` devices (module docs).
+
+    Raises:
+        MemfitError: an unknown model or device, or a configuration that cannot run the workload
+            (the message says why, as :meth:`ParallelConfig.check`).
+    """
+    spec = hardware if isinstance(hardware, HardwareSpec) else get_spec(hardware)
+    shape = model_shape(workload.model)
+    config.check(workload, shape)
+    notes: list[str] = []
+    if config.swap:
+        notes.append("swap is not modelled: predicted as without swapping (memory and time)")
+    if config.pp == 1:
+        stages = {0: stage_profile(workload, config, spec, "whole", exact_layers)}
+    else:
+        stages = {
+            0: stage_profile(workload, config, spec, "first", exact_layers),
+            config.pp - 1: stage_profile(workload, config, spec, "last", exact_layers),
+        }
+    for rank, p in stages.items():
+        if len(p.captured_blocks) > 1:
+            notes.append(
+                f"pipeline rank {rank}: {p.blocks} blocks extrapolated from captures of {p.captured_blocks} blocks"
+            )
+    return assemble(workload, config, spec, stages, notes)
+
+
+def assemble(
+    workload: Workload,
+    config: ParallelConfig,
+    spec: HardwareSpec,
+    stages: dict[int, StageProfile],
+    notes: list[str] | None = None,
+    *,
+    exact_pipeline: bool = True,
+) -> Prediction:
+    """A step from the profiles of the first (``0``) and last (``pp − 1``) pipeline ranks (module docs).
+
+    ``exact_pipeline=False`` times a pipeline by the closed form ``Σ stages + (m − 1)·slowest`` (the
+    search's screening) instead of the recurrence.
+    """
+    notes = list(notes or [])
+    llama = model_config(workload.model, workload.seq_len)
+    if config.cp > 1:
+        notes.append("context parallelism modelled (ring attention), not captured: see memfit_parallel.prediction")
+    if spec.intra_node is None:
+        notes.append(f"{spec.name} has no link figures: communication is not timed")
+    # memory: the rank with the highest peak once its in-flight microbatches are counted
+    peaks = {}
+    for rank, p in stages.items():
+        extra = max(in_flight(config, rank) - p.captured_microbatches, 0.0) * p.activation_bytes
+        cats = dict(p.peak_by_category)
+        cats["activation"] = cats["activation"] + extra
+        peaks[rank] = {k: int(round(v)) for k, v in cats.items()}
+    worst = max(peaks, key=lambda r: sum(peaks[r].values()))
+    # time
+    m = config.microbatches
+    micro_f = {r: p.forward_s + p.blocking_comm_s / 3 for r, p in stages.items()}
+    micro_b = {r: p.backward_s + p.recompute_s + p.blocking_comm_s * 2 / 3 for r, p in stages.items()}
+    cp_ring = 0.0
+    if config.cp > 1 and spec.intra_node is not None:
+        kv_bytes = (
+            (config.local_batch(workload) // m) * (workload.seq_len // config.cp)
+            * (llama.n_kv_heads * llama.head_dim // config.tp) * 2 * 2
+        )  # fmt: skip  # K and V, bf16
+        one = collective_seconds("all_gather", kv_bytes, 2, "dp_shard", config, spec) * (config.cp - 1)
+        attention_share = 0.25  # attention's part of a block's compute at long context; the ring overlaps it
+        p0 = stages[0]
+        hidden = attention_share * (p0.forward_s + p0.backward_s) / max(p0.blocks, 1)
+        cp_ring = max(0.0, 3 * one - hidden) * p0.blocks
+        notes.append("CP ring exposure: K/V passes beyond the attention compute they overlap")
+    if config.pp == 1:
+        p = stages[0]
+        compute = p.forward_s + p.backward_s + p.optimizer_s
+        exposed = p.blocking_comm_s + _dp_exposed(p, config) + cp_ring
+        bubble = 0.0
+        recompute = p.recompute_s
+    else:
+        hidden = (config.local_batch(workload) // m) * (workload.seq_len // config.cp) * llama.dim * 2 // config.tp
+        p2p = 0.0
+        if spec.inter_node is not None:
+            from memfit_simulator.comm import send_recv_seconds
+
+            p2p = send_recv_seconds(hidden, spec, inter_node=config.world_size // config.pp >= spec.devices_per_node)
+        fs = [micro_f[0]] * (config.pp - 1) + [micro_f[config.pp - 1]]
+        bs = [micro_b[0]] * (config.pp - 1) + [micro_b[config.pp - 1]]
+        slowest_stage = max(f + b for f, b in zip(fs, bs, strict=True))
+        if config.pp_schedule == "interleaved_1f1b":
+            v = config.stages_per_rank
+            pipeline = (m + (config.pp - 1) / v) * slowest_stage + 2 * (config.pp - 1) * v * p2p
+        elif exact_pipeline:
+            from memfit_simulator.streams import pipeline_seconds
+
+            pipeline = pipeline_seconds(fs, bs, m, p2p)
+        else:
+            pipeline = sum(fs) + sum(bs) + (m - 1) * slowest_stage + 2 * (config.pp - 1) * p2p
+        slowest = max(stages, key=lambda r: micro_f[r] + micro_b[r])
+        p = stages[slowest]
+        busy = m * (micro_f[slowest] + micro_b[slowest])
+        bubble = max(pipeline - busy, 0.0)
+        compute = m * (p.forward_s + p.backward_s) + p.optimizer_s
+        recompute = m * p.recompute_s
+        exposed = m * p.blocking_comm_s + _pp_dp_exposed(p, micro_f[slowest], micro_b[slowest]) + m * cp_ring
+    step = compute + recompute + exposed + bubble
+    collectives = [dict(c, rank=rank) for rank, p in stages.items() for c in p.collectives]
+    return Prediction(
+        workload=workload, config=config, hardware=spec.name, peak_by_category=peaks[worst],
+        capacity_bytes=spec.capacity_bytes, compute_s=compute, exposed_comm_s=exposed, bubble_s=bubble,
+        recompute_s=recompute, step_s=step, collectives=collectives, notes=notes,
+    )  # fmt: skip
+
+
+def _pp_dp_exposed(p: StageProfile, forward_s: float, backward_s: float) -> float:
+    """FSDP under a pipeline (ZeRO-2): gathered once before the first microbatch, reduced after the last."""
+    f, n = p.fsdp, max(p.blocks, 1)
+    gather = f["ag_fwd"] + f["ag_bwd"]
+    exposed = gather / n + max(0.0, gather - gather / n - forward_s)
+    exposed += f["rs"] / n + max(0.0, f["rs"] - f["rs"] / n - backward_s)
+    return exposed + f["ar"]
+
+
+def clear_cache() -> None:
+    """Forget captured stage profiles (they are kept per process, keyed by everything that shapes them)."""
+    _CACHE.clear()

@@ -1,0 +1,119 @@
+"""One rank of a parallel step captured under the fake process group, checked against counts derived by hand
+and against a real cpu-sim run."""
+
+from collections import Counter
+
+import pytest
+import torch
+from memfit.errors import MemfitError
+from memfit.models import Llama, LlamaConfig
+from memfit_parallel.capture import capture_parallel_step
+from memfit_parallel.config import ParallelConfig
+from memfit_parallel.fakepg import fake_process_group, fake_store
+from memfit_parallel.parallelize import parallelize, stage_mesh
+from memfit_simulator.simulation import make_optimizer
+
+TINY = LlamaConfig.preset("tiny")
+BATCH, SEQ = 8, 128
+
+
+def capture(config: ParallelConfig, model: LlamaConfig = TINY):
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    mesh = stage_mesh(config)
+
+    def build():
+        tokens = torch.randint(0, model.vocab_size, (BATCH, SEQ + 1))
+        return Llama(model), (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+
+    def step(net, opt, data):
+        import contextlib
+
+        with loss_parallel() if config.tp > 1 else contextlib.nullcontext():
+            net.loss(*data).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return capture_parallel_step(
+        build,
+        lambda net, device_mesh: parallelize(net, device_mesh, config) if device_mesh is not None else None,
+        step,
+        mesh_names=mesh.names,
+        mesh_sizes=mesh.sizes,
+        make_optimizer=lambda params: make_optimizer("adamw", params),
+    )
+
+
+def block_params(c: LlamaConfig) -> int:
+    kv = c.n_kv_heads * c.head_dim
+    return 2 * c.dim * c.dim + 2 * c.dim * kv + 3 * c.dim * c.ffn_dim + 2 * c.dim
+
+
+def test_the_fake_process_group_imports_and_refuses_to_nest():
+    assert fake_store() is not None
+    with fake_process_group(4), pytest.raises(MemfitError, match="already initialised"):
+        with fake_process_group(2):
+            pass
+
+
+def test_one_rank_is_the_single_process_step_and_matches_a_real_cpu_sim_run():
+    from memfit_simulator import simulate_training
+    from memfit_simulator.baselines import measured_peak
+
+    one = capture(ParallelConfig())
+    single = simulate_training("tiny", batch=BATCH, seq=SEQ)
+    assert one.memory.peak_by_category == single.memory.peak_by_category
+    measured = measured_peak("tiny", batch=BATCH, seq=SEQ)
+    assert abs(one.memory.peak_bytes - measured) / measured < 0.01
+    assert one.collectives == []
+
+
+def test_fsdp_shards_the_state_and_gathers_each_block_as_derived_by_hand():
+    rank = capture(ParallelConfig(dp_shard=2))
+    params = TINY.num_parameters()
+    assert rank.memory.peak_by_category["parameter"] >= 4 * params // 2  # the shard, plus gathered blocks
+    assert rank.memory.peak_by_category["optimizer_state"] == 2 * 4 * params // 2  # AdamW's two states, sharded
+    block, root = 4 * block_params(TINY), 4 * (params - TINY.n_layers * block_params(TINY))
+    seen = Counter((c.kind, c.dim, c.nbytes) for c in rank.collectives)
+    # forward gathers every block; backward re-gathers all but the last (kept unsharded, as TorchTitan);
+    # the root (embedding, norm, output) is gathered in both; every unit's gradients are reduce-scattered once
+    assert seen == {
+        ("all_gather", "dp_shard", block): 2 * TINY.n_layers - 1,
+        ("all_gather", "dp_shard", root): 2,
+        ("reduce_scatter", "dp_shard", block): TINY.n_layers,
+        ("reduce_scatter", "dp_shard", root): 1,
+    }
+    assert {c.group_size for c in rank.collectives} == {2}
+
+
+def test_tp_with_sequence_parallelism_issues_four_collectives_per_block_and_pass():
+    rank = capture(ParallelConfig(dp_shard=2, tp=2))
+    activation = BATCH * SEQ * TINY.dim * 4  # a full (batch, seq, dim) fp32 activation
+    seen = Counter((c.kind, c.nbytes) for c in rank.collectives if c.dim == "tp")
+    # per block: gather before attention and MLP, reduce-scatter after wo and w2 (forward), the converse backward;
+    # plus the embedding (reduce-scatter forward) and the output (gather forward), and their backward
+    per_kind = 2 * 2 * TINY.n_layers + 2
+    assert seen[("all_gather", activation)] == per_kind and seen[("reduce_scatter", activation)] == per_kind
+    # parameters: TP splits every weight but the norms (replicated for SP); FSDP halves what each TP rank holds
+    norms = (2 * TINY.n_layers + 1) * TINY.dim
+    per_tp_rank = (TINY.num_parameters() - norms) // 2 + norms
+    assert rank.memory.peak_by_category["optimizer_state"] == 2 * 4 * per_tp_rank // 2
+
+
+def test_full_checkpointing_keeps_less_and_its_recomputation_is_flagged_in_backward():
+    plain = capture(ParallelConfig(dp_shard=2))
+    full = capture(ParallelConfig(dp_shard=2, activation_checkpoint="full"))
+    assert full.memory.peak_by_category["activation"] < plain.memory.peak_by_category["activation"] / 3
+    assert not plain.recompute.any()
+    recomputed = full.recompute.nonzero()[0]
+    assert len(recomputed) > 0 and (full.step.phases[recomputed] == 1).all()  # Phase.BWD
+    names = Counter(full.step.op_names[i] for i in recomputed)
+    # each block's projections run again but the last (w2): non-reentrant checkpointing stops recomputing once it
+    # has every saved tensor backward needs, and w2's output is only added to the residual
+    assert names["aten::mm"] == 6 * TINY.n_layers
+
+
+def test_captures_in_a_row_do_not_leak_meshes():
+    first = capture(ParallelConfig(dp_shard=2, tp=2))
+    again = capture(ParallelConfig(dp_shard=2, tp=2))
+    assert first.memory.peak_bytes == again.memory.peak_bytes

@@ -1,0 +1,92 @@
+"""Predictions: exact where captured whole, extrapolation checked against a whole capture, pipeline arithmetic."""
+
+import pytest
+from memfit.errors import MemfitError
+from memfit_parallel.config import ParallelConfig, Workload
+from memfit_parallel.prediction import in_flight, predict
+from memfit_simulator.hardware import get_spec
+
+TINY = Workload(model="tiny", global_batch=8, seq_len=128)
+
+
+def test_a_single_rank_prediction_is_the_simulators():
+    from memfit_simulator import simulate_training
+
+    p = predict(TINY, ParallelConfig(), "cpu")
+    single = simulate_training("tiny", batch=8, seq=128)
+    assert p.peak_bytes == single.memory.peak_bytes and p.fits
+    assert p.exposed_comm_s == 0 and p.bubble_s == 0 and p.recompute_s == 0
+    assert p.tokens_per_s_per_device == pytest.approx(8 * 128 / p.step_s)
+
+
+def test_the_step_time_splits_into_its_parts():
+    config = ParallelConfig(dp_shard=2, tp=2, pp=2, microbatches=4, activation_checkpoint="full")
+    p = predict(Workload(model="tiny", global_batch=16, seq_len=128), config, "h100")
+    assert p.step_s == pytest.approx(p.compute_s + p.exposed_comm_s + p.bubble_s + p.recompute_s)
+    assert p.bubble_s > 0 and p.recompute_s > 0 and p.exposed_comm_s > 0
+    assert sum(p.peak_by_category.values()) == p.peak_bytes
+    kinds = {(c["kind"], c["dim"]) for c in p.collectives}
+    assert {("all_gather", "tp"), ("reduce_scatter", "tp"), ("all_gather", "dp_shard")} <= kinds
+
+
+def test_extrapolating_from_two_and_three_blocks_agrees_with_capturing_every_block():
+    workload = Workload(model="medium", global_batch=4, seq_len=128)  # 8 blocks; 4 per pipeline stage
+    for config in (
+        ParallelConfig(dp_shard=2, tp=2, activation_checkpoint="sac", sac_memory_fraction=0.5),
+        ParallelConfig(dp_replicate=2, activation_checkpoint="full", param_dtype="bfloat16"),
+        ParallelConfig(dp_shard=2, pp=2, microbatches=2, param_dtype="bfloat16"),
+    ):
+        whole = predict(workload, config, "h100", exact_layers=8)
+        scaled = predict(workload, config, "h100", exact_layers=3)
+        assert not any("extrapolated" in note for note in whole.notes)
+        assert any("extrapolated from captures of (2, 3) blocks" in note for note in scaled.notes)
+        # a uniform stack of blocks: memory and time are linear in the block count
+        assert scaled.peak_bytes == pytest.approx(whole.peak_bytes, rel=0.01)
+        assert scaled.step_s == pytest.approx(whole.step_s, rel=0.01)
+
+
+def test_microbatches_in_flight_follow_the_schedule():
+    assert in_flight(ParallelConfig(pp=4, microbatches=8), 0) == 4  # 1F1B: pp on the first rank
+    assert in_flight(ParallelConfig(pp=4, microbatches=8), 3) == 1
+    assert in_flight(ParallelConfig(pp=4, microbatches=8, pp_schedule="gpipe"), 3) == 8  # GPipe: all
+    interleaved = ParallelConfig(pp=4, microbatches=8, pp_schedule="interleaved_1f1b", stages_per_rank=2)
+    assert in_flight(interleaved, 0) == (1 * 4 + 2 * 3 + 1) / 2  # torch's warm-up, in chunks of half a stage
+
+
+def test_more_microbatches_in_flight_cost_memory_and_interleaving_shrinks_the_bubble():
+    workload = Workload(model="small", global_batch=16, seq_len=256)
+    one_f_one_b = predict(workload, ParallelConfig(pp=2, microbatches=8, param_dtype="bfloat16"), "h100")
+    gpipe = predict(workload, ParallelConfig(pp=2, microbatches=8, pp_schedule="gpipe", param_dtype="bfloat16"), "h100")
+    interleaved = predict(
+        workload,
+        ParallelConfig(pp=2, microbatches=8, pp_schedule="interleaved_1f1b", stages_per_rank=2, param_dtype="bfloat16"),
+        "h100",
+    )
+    assert gpipe.peak_bytes > one_f_one_b.peak_bytes
+    assert interleaved.bubble_s < one_f_one_b.bubble_s
+
+
+def test_what_is_not_modelled_is_said():
+    p = predict(TINY, ParallelConfig(swap=True), "cpu")
+    assert any("swap is not modelled" in note for note in p.notes)
+
+
+def test_a_configuration_that_cannot_run_is_refused_with_the_reason():
+    with pytest.raises(MemfitError, match="does not divide the model's 4 heads"):
+        predict(TINY, ParallelConfig(tp=8), "h100")
+    with pytest.raises(MemfitError, match="unknown model"):
+        predict(Workload(model="gpt-5", global_batch=8, seq_len=128), ParallelConfig(), "h100")
+
+
+def test_the_thesis_h100_is_in_the_registry_with_its_source():
+    spec = get_spec("h100-95gb")
+    assert spec.capacity_bytes == 95 * 2**30
+    assert get_spec("h100").peak_flops["bfloat16"] > spec.peak_flops["bfloat16"]  # between SXM and NVL
+    assert "thesis" in spec.sources["capacity_bytes"] and "§3.5" in spec.sources["capacity_bytes"]
+
+
+def test_llama_3_1_shapes_have_their_published_sizes():
+    from memfit.models import LlamaConfig
+
+    assert round(LlamaConfig.preset("llama3-70b").num_parameters() / 1e9, 1) == 70.6
+    assert round(LlamaConfig.preset("llama3-405b").num_parameters() / 1e9) == 406

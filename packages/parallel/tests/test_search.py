@@ -1,0 +1,74 @@
+"""The search: every proposal fits, the ranking is by confirmed predictions, bad requests say what to change."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+from memfit.errors import MemfitError
+from memfit_parallel.cli import parallel, parse_devices
+from memfit_parallel.config import ParallelConfig, Workload
+from memfit_parallel.planning import candidates, search
+from memfit_parallel.prediction import predict
+from memfit_simulator.hardware import get_spec
+
+TINY = Workload(model="tiny", global_batch=8, seq_len=128)
+
+
+def test_candidates_multiply_to_the_devices_with_tp_inside_a_node_and_dividing_the_heads():
+    pool = candidates(TINY, 8, get_spec("h100"), "bfloat16")
+    assert pool and all(c.world_size == 8 for c in pool)
+    assert {c.tp for c in pool} == {1, 2}  # tiny has 2 KV heads
+    assert all(c.cp == 1 for c in pool)  # 128 tokens: nothing to split
+    assert {c.pp for c in pool} == {1, 2}  # 2 layers
+    kinds = {(c.dp_replicate > 1, c.dp_shard > 1) for c in pool}
+    assert (False, True) in kinds and (True, False) in kinds  # FSDP and DDP
+
+
+def test_the_search_ranks_confirmed_predictions_that_fit():
+    result = search(TINY, 8, "h100", top=3)
+    assert 1 <= len(result.ranked) <= 3 and result.confirmed >= len(result.ranked)
+    assert all(p.fits and p.config.world_size == 8 for p in result.ranked)
+    times = [p.step_s for p in result.ranked]
+    assert times[0] <= min(times) * 1.001
+    again = predict(TINY, result.best.config, "h100")  # the ranking is predict()'s own numbers
+    assert again.step_s == pytest.approx(result.best.step_s) and again.peak_bytes == result.best.peak_bytes
+
+
+def test_nothing_that_fits_and_nothing_that_divides_are_explained():
+    with pytest.raises(MemfitError, match="nothing fits.*more devices"):
+        search(Workload(model="llama3-405b", global_batch=8, seq_len=8192), 8, "h100")
+    with pytest.raises(MemfitError, match="global batch must divide"):
+        search(Workload(model="tiny", global_batch=3, seq_len=128), 8, "h100")
+    with pytest.raises(MemfitError, match="not whole nodes of 8"):
+        search(TINY, 12, "h100")
+
+
+def test_device_strings():
+    assert parse_devices("128xh100") == (128, "h100") and parse_devices("8 × h100-95gb") == (8, "h100-95gb")
+    with pytest.raises(MemfitError, match="COUNTxDEVICE"):
+        parse_devices("h100")
+    with pytest.raises(MemfitError, match="unknown device 'tpu'"):
+        parse_devices("8xtpu")
+
+
+def test_plan_prints_a_table_and_writes_a_plan_that_parallel_config_loads(tmp_path):
+    runner = CliRunner()
+    out = tmp_path / "plan.json"
+    args = ["plan", "--model", "tiny", "--devices", "8xh100", "--batch", "8", "--seq", "128", "--top", "2"]
+    shown = runner.invoke(parallel, [*args, "--out", str(out)])
+    assert shown.exit_code == 0, shown.output
+    assert "tok/s/device" in shown.output and "exposed comm" in shown.output and "bubble" in shown.output
+    config = ParallelConfig.load(out)
+    assert config.world_size == 8
+    printed = runner.invoke(parallel, [*args, "--json"])
+    plan = json.loads(printed.output)
+    assert ParallelConfig.model_validate(plan["config"]) == config
+    assert plan["prediction"]["fits"] and plan["ranked"][0]["config"] == plan["config"]
+
+
+def test_plan_errors_are_one_clear_line():
+    runner = CliRunner()
+    bad = runner.invoke(parallel, ["plan", "--model", "tiny", "--devices", "8xfoo", "--batch", "8", "--seq", "128"])
+    assert bad.exit_code != 0 and "unknown device 'foo'" in bad.output and "Traceback" not in bad.output
+    bad = runner.invoke(parallel, ["plan", "--model", "nope", "--devices", "8xh100", "--batch", "8", "--seq", "128"])
+    assert bad.exit_code != 0 and "unknown model 'nope'" in bad.output
