@@ -18,6 +18,11 @@ EXPECTED_OUTPUT = {
     "offload_a_training_step.py": ["lower", "losses and parameters bit-identical to eager: True"],
     "offload_a_kv_cache.py": ["with KVOffload", "decoded: True"],
     "train_under_a_budget.py": ["(within budget: True)", "bit-identical to training without memfit: True"],
+    "choose_a_parallel_configuration.py": [
+        "prediction off by",
+        "fits in 95 GiB: True",
+        "ParallelConfig.load reads back: True",
+    ],
     "simulate_fault_tolerance.py": [
         "fault-free plan: dp=4 pp=[4, 4, 4, 4]",
         "decision: reparallelize",
