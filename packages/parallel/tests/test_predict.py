@@ -90,3 +90,36 @@ def test_llama_3_1_shapes_have_their_published_sizes():
 
     assert round(LlamaConfig.preset("llama3-70b").num_parameters() / 1e9, 1) == 70.6
     assert round(LlamaConfig.preset("llama3-405b").num_parameters() / 1e9) == 406
+
+
+@pytest.mark.parametrize("config", [ParallelConfig(activation_checkpoint="full"), ParallelConfig(pp=2, microbatches=2)])
+def test_checkpointing_counts_without_a_mesh(config):
+    # one rank per stage (one device, or a pipeline alone) has no TP or FSDP mesh: checkpointing
+    # must still be applied (it once was not, and full AC predicted the same as none)
+    checkpointed = config.model_copy(update={"activation_checkpoint": "full"})
+    plain, full = (
+        predict(TINY, config.model_copy(update={"activation_checkpoint": "none"}), "cpu"),
+        predict(TINY, checkpointed, "cpu"),
+    )
+    assert full.peak_bytes < plain.peak_bytes and full.recompute_s > 0 == plain.recompute_s
+
+
+def test_a_checkpointed_single_rank_is_what_a_real_cpu_sim_run_measures():
+    # the oracle: the reference Llama trained for real on cpu-sim with every block checkpointed
+    import torch
+    from memfit.backends.cpu_sim import CpuSimBackend
+    from memfit.models import LlamaConfig, build_training
+    from memfit_parallel.parallelize import apply_ac
+
+    sim = CpuSimBackend(capacity="1GiB")
+    with sim.activate():
+        torch.manual_seed(0)
+        run = build_training(LlamaConfig.preset("tiny"), batch_size=8, seq_len=128)
+        apply_ac(run.model, "full")
+        run.step()
+        sim.reset_peak_memory_stats()
+        run.step()
+        measured = sim.max_memory_allocated()
+    sim.close()
+    predicted = predict(TINY, ParallelConfig(activation_checkpoint="full"), "cpu").peak_bytes
+    assert predicted == pytest.approx(measured, rel=0.01)

@@ -233,7 +233,7 @@ def capture_stage(
     from memfit_simulator.simulation import make_optimizer
 
     from memfit_parallel.capture import capture_parallel_step
-    from memfit_parallel.parallelize import LlamaStage, parallelize, stage_mesh
+    from memfit_parallel.parallelize import LlamaStage, apply_ac, parallelize, stage_mesh
 
     llama = dataclasses.replace(model_config(workload.model, workload.seq_len), n_layers=blocks)
     micro = config.local_batch(workload) // config.microbatches
@@ -294,7 +294,12 @@ def capture_stage(
     mesh = stage_mesh(config)
     captured = capture_parallel_step(
         build,
-        lambda model, device_mesh: parallelize(model, device_mesh, config) if device_mesh is not None else None,
+        # no mesh (one rank per stage: a pipeline alone, or one device): no TP or FSDP, but checkpointing still applies
+        lambda model, device_mesh: (
+            parallelize(model, device_mesh, config)
+            if device_mesh is not None
+            else apply_ac(model, config.activation_checkpoint, config.sac_memory_fraction)
+        ),
         step,
         mesh_names=mesh.names,
         mesh_sizes=mesh.sizes,
