@@ -71,3 +71,14 @@ def test_save_and_load_round_trip_and_bad_files_are_clear_errors(tmp_path):
     (tmp_path / "typo.json").write_text('{"tensor_parallel": 2}')
     with pytest.raises(MemfitError, match="typo.json is not a valid parallel configuration"):
         ParallelConfig.load(tmp_path / "typo.json")
+
+
+def test_a_list_of_configurations_is_read_by_load_all_and_refused_by_load(tmp_path):
+    both = tmp_path / "both.json"
+    both.write_text('[{"dp_shard": 2}, {"config": {"tp": 2}}]')
+    assert ParallelConfig.load_all(both) == [ParallelConfig(dp_shard=2), ParallelConfig(tp=2)]
+    with pytest.raises(MemfitError, match="holds 2 parallel configurations"):
+        ParallelConfig.load(both)
+    (tmp_path / "empty.json").write_text("[]")
+    with pytest.raises(MemfitError, match="holds no parallel configuration"):
+        ParallelConfig.load_all(tmp_path / "empty.json")

@@ -317,7 +317,7 @@ def test_bad_requests_fail_before_anything_launches(tmp_path):
     with pytest.raises(MemfitError, match="cannot read parallel configuration"):
         load_configs(tmp_path / "missing.json")
     (tmp_path / "bad.json").write_text(json.dumps([{"dp_shard": 2}, {"tp": 0}]))
-    with pytest.raises(MemfitError, match="invalid parallel configuration"):
+    with pytest.raises(MemfitError, match="not a valid parallel configuration"):
         load_configs(tmp_path / "bad.json")
     sac = ParallelConfig(dp_shard=2, activation_checkpoint="sac", sac_memory_fraction=0.5)
     with pytest.raises(MemfitError, match="needs the SAC plan"):

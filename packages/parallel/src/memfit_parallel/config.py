@@ -197,7 +197,20 @@ class ParallelConfig(MemfitModel):
         """Read a configuration from JSON: a bare config, or a plan file with a ``"config"`` key.
 
         Raises:
-            MemfitError: missing file, bad JSON or an invalid configuration; the message names the file.
+            MemfitError: missing file, bad JSON, an invalid configuration, or a list of several
+                (:meth:`load_all` reads those); the message names the file.
+        """
+        configs = cls.load_all(path)
+        if len(configs) != 1:
+            raise MemfitError(f"{path} holds {len(configs)} parallel configurations; give one (or use load_all)")
+        return configs[0]
+
+    @classmethod
+    def load_all(cls, path: str | Path) -> list[ParallelConfig]:
+        """The configurations of a JSON file: one configuration, a plan file (``"config"`` key), or a list of either.
+
+        Raises:
+            MemfitError: missing file, bad JSON, an invalid or no configuration; the message names the file.
         """
         path = Path(path)
         try:
@@ -206,12 +219,17 @@ class ParallelConfig(MemfitModel):
             raise MemfitError(f"cannot read parallel configuration {path}: {exc.strerror}") from exc
         except json.JSONDecodeError as exc:
             raise MemfitError(f"{path} is not JSON ({exc}); write it with ParallelConfig.save or --json") from exc
-        if isinstance(data, dict) and isinstance(data.get("config"), dict):
-            data = data["config"]
-        try:
-            return cls.model_validate(data)
-        except ValidationError as exc:
-            raise MemfitError(f"{path} is not a valid parallel configuration:\n{exc}") from exc
+        configs = []
+        for item in data if isinstance(data, list) else [data]:
+            if isinstance(item, dict) and isinstance(item.get("config"), dict):
+                item = item["config"]  # a plan file written by `memfit parallel plan --json`
+            try:
+                configs.append(cls.model_validate(item))
+            except ValidationError as exc:
+                raise MemfitError(f"{path} is not a valid parallel configuration:\n{exc}") from exc
+        if not configs:
+            raise MemfitError(f"{path} holds no parallel configuration")
+        return configs
 
     def save(self, path: str | Path) -> Path:
         """Write the configuration as JSON (what :meth:`load` and ``--config`` read)."""

@@ -65,29 +65,9 @@ def load_recompute(path: str | Path) -> list:
 
 def load_configs(path: str | Path):
     """The configurations of a file: one configuration, a plan file (``"config"`` key), or a JSON list of either."""
-    from memfit.errors import MemfitError
-
     from memfit_parallel.config import ParallelConfig
 
-    path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except OSError as exc:
-        raise MemfitError(f"cannot read parallel configuration {path}: {exc.strerror}") from exc
-    except json.JSONDecodeError as exc:
-        raise MemfitError(f"{path} is not JSON ({exc})") from exc
-    items = data if isinstance(data, list) else [data]
-    configs = []
-    for item in items:
-        if isinstance(item, dict) and isinstance(item.get("config"), dict):
-            item = item["config"]
-        try:
-            configs.append(ParallelConfig.model_validate(item))
-        except ValueError as exc:
-            raise MemfitError(f"{path} holds an invalid parallel configuration:\n{exc}") from exc
-    if not configs:
-        raise MemfitError(f"{path} holds no parallel configuration")
-    return configs
+    return ParallelConfig.load_all(path)
 
 
 def _device_and_memory(capacity: str):
