@@ -37,9 +37,8 @@ import numpy as np
 import torch
 from memfit.errors import MemfitError
 from memfit.types import Phase
-from memfit_simulator.capture import CapturedStep, _ModuleAttribution, _Recorder
+from memfit_simulator.capture import CapturedStep, _ModuleAttribution, _Recorder, optimizer_hooks
 from memfit_simulator.memory import MemoryBreakdown, memory_breakdown
-from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
@@ -317,7 +316,7 @@ def capture_parallel_step(
                 optimizer = make_optimizer(list(model.parameters()))
                 _track_static(recorder, model, batch)
                 grads: list[int] = []
-                hooks = _optimizer_hooks(recorder, grads)
+                hooks = optimizer_hooks(recorder, grads, local)
                 handles = _mark_recompute(model, recorder)
                 restores = [_patch_resize(recorder), _skip_sharding_propagation(recorder)]
                 try:
@@ -361,38 +360,6 @@ def _track_static(recorder: _ParallelRecorder, model: torch.nn.Module, batch: An
     for t in _leaves(batch):
         if isinstance(t, torch.Tensor):
             recorder.track(local(t), -1, int(Phase.FWD), "input")
-
-
-def _optimizer_hooks(recorder: _ParallelRecorder, grads: list[int]) -> list[Any]:
-    def owned_states(opt):
-        for p, state in opt.state.items():
-            owner = recorder.owner.get(recorder._row.get(id(local(p).untyped_storage()), -1), "")
-            for v in state.values():
-                if isinstance(v, torch.Tensor):
-                    yield local(v), owner
-
-    def pre_step(opt, args, kwargs):
-        recorder.in_optimizer = True
-        for g in opt.param_groups:
-            for p in g["params"]:
-                if p.grad is None:
-                    continue
-                row = recorder.track(local(p.grad), -1, int(Phase.BWD))
-                grads.append(row)
-                owner = recorder.owner.get(recorder._row.get(id(local(p).untyped_storage()), -1))
-                if owner is not None:
-                    recorder.owner[row] = owner
-
-    def post_step(opt, args, kwargs):
-        recorder.in_optimizer = False
-        recorder.resolve_optimizer_ops()
-        for v, owner in owned_states(opt):
-            if v.numel() > 1:
-                row = recorder.track(v, len(recorder.names) - 1, int(Phase.OPT))
-                recorder.storages[row].category = "optimizer_state"
-                recorder.storages[row].module = owner
-
-    return [register_optimizer_step_pre_hook(pre_step), register_optimizer_step_post_hook(post_step)]
 
 
 def _categorise(recorder: _ParallelRecorder, grads: list[int]) -> None:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -264,6 +264,52 @@ def _shapes(tree: Any) -> tuple:
     return tuple((tuple(x.shape), x.dtype) for x in leaves if isinstance(x, torch.Tensor))
 
 
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _owned_states(recorder: Any, opt: Any, local: Callable[[torch.Tensor], torch.Tensor] = _same) -> Iterator:
+    """``(state tensor, owning module)`` of every optimizer state, the owner found through its parameter."""
+    for p, state in opt.state.items():
+        owner = recorder.owner.get(recorder._row.get(id(local(p).untyped_storage()), -1), "")
+        for v in state.values():
+            if isinstance(v, torch.Tensor):
+                yield local(v), owner
+
+
+def optimizer_hooks(
+    recorder: Any, grads: list[int], local: Callable[[torch.Tensor], torch.Tensor] = _same
+) -> list[Any]:
+    """Global optimizer hooks that record gradients (before a step) and new states (after it).
+
+    ``local`` maps a tensor to the one whose storage is recorded (memfit-parallel passes the
+    local shard of a DTensor). Returns the hook handles: remove them when the step is captured.
+    """
+
+    def pre_step(opt, args, kwargs):
+        recorder.in_optimizer = True
+        for g in opt.param_groups:
+            for p in g["params"]:
+                if p.grad is None:
+                    continue
+                row = recorder.track(local(p.grad), -1, int(Phase.BWD))
+                grads.append(row)
+                owner = recorder.owner.get(recorder._row.get(id(local(p).untyped_storage()), -1))
+                if owner is not None:
+                    recorder.owner[row] = owner
+
+    def post_step(opt, args, kwargs):
+        recorder.in_optimizer = False
+        recorder.resolve_optimizer_ops()
+        for v, owner in _owned_states(recorder, opt, local):
+            if v.numel() > 1:
+                row = recorder.track(v, len(recorder.names) - 1, int(Phase.OPT))
+                recorder.storages[row].category = "optimizer_state"
+                recorder.storages[row].module = owner
+
+    return [register_optimizer_step_pre_hook(pre_step), register_optimizer_step_post_hook(post_step)]
+
+
 def capture_step(
     build: Callable[[], tuple[torch.nn.Module, torch.optim.Optimizer | None, Any]],
     step: Callable[[torch.nn.Module, torch.optim.Optimizer | None, Any], Any],
@@ -301,39 +347,11 @@ def capture_step(
                 recorder.track(t, -1, int(Phase.FWD), "input")
         grads: list[int] = []
 
-        def owned_states(opt):
-            for p, state in opt.state.items():
-                owner = recorder.owner.get(recorder._row.get(id(p.untyped_storage()), -1), "")
-                for v in state.values():
-                    if isinstance(v, torch.Tensor):
-                        yield v, owner
-
-        for v, owner in owned_states(optimizer) if optimizer is not None else ():
+        for v, owner in _owned_states(recorder, optimizer) if optimizer is not None else ():
             row = recorder.track(v, -1, int(Phase.OPT), "optimizer_state")
             recorder.owner[row] = recorder.storages[row].module = owner
 
-        def pre_step(opt, args, kwargs):
-            recorder.in_optimizer = True
-            for g in opt.param_groups:
-                for p in g["params"]:
-                    if p.grad is None:
-                        continue
-                    row = recorder.track(p.grad, -1, int(Phase.BWD))
-                    grads.append(row)
-                    owner = recorder.owner.get(recorder._row.get(id(p.untyped_storage()), -1))
-                    if owner is not None:
-                        recorder.owner[row] = owner
-
-        def post_step(opt, args, kwargs):
-            recorder.in_optimizer = False
-            recorder.resolve_optimizer_ops()
-            for v, owner in owned_states(opt):
-                if v.numel() > 1:
-                    row = recorder.track(v, len(recorder.names) - 1, int(Phase.OPT))
-                    recorder.storages[row].category = "optimizer_state"
-                    recorder.storages[row].module = owner
-
-        handles = [register_optimizer_step_pre_hook(pre_step), register_optimizer_step_post_hook(post_step)]
+        handles = optimizer_hooks(recorder, grads)
         try:
             with _ModuleAttribution(model) as recorder.modules, recorder:
                 step(model, optimizer, batch)
