@@ -87,8 +87,10 @@ class OffloadBackend:
         residency_weight: float = 0.05,
         speed: DeviceSpeed | None = None,
         debug: bool = False,
+        wait_for_stores: bool = False,
     ) -> None:
         self.budget_bytes = budget_bytes
+        self.wait_for_stores = wait_for_stores
         self.order = order
         self.min_bytes = min_bytes
         self.kappa = kappa
@@ -111,7 +113,7 @@ class OffloadBackend:
     @property
     def runtime(self) -> OffloadRuntime:
         if self._runtime is None:
-            self._runtime = OffloadRuntime(self.device_backend, debug=self.debug)
+            self._runtime = OffloadRuntime(self.device_backend, debug=self.debug, wait_for_stores=self.wait_for_stores)
         return self._runtime
 
     @property
@@ -219,7 +221,9 @@ def backend(
     min_bytes: int | str = "64KiB",
     kappa: float = 1.2,
     residency_weight: float = 0.05,
+    speed: DeviceSpeed | None = None,
     debug: bool = False,
+    wait_for_stores: bool = False,
 ) -> OffloadBackend:
     """A ``torch.compile`` backend that offloads saved activations to host memory.
 
@@ -240,8 +244,15 @@ def backend(
             transfers ``kappa`` times longer than estimated.
         residency_weight: seconds of exposed transfer that holding the whole budget for one second
             is worth, in the refinement's cost (:mod:`memfit_offload.schedule`).
+        speed: the compute and copy rates the cost model times operators and transfers with
+            (:class:`~memfit_offload.costs.DeviceSpeed`). Default: on a CPU device, rates measured
+            once per process (milliseconds) with the backend's copy bandwidth; on an accelerator,
+            :class:`DeviceSpeed`'s defaults with the backend's copy bandwidth. Give it to make the
+            decisions independent of how busy the machine was when they were measured.
         debug: run graphs node by node and raise :class:`~memfit_offload.ops.ResidencyError` when
             an operator reads a released tensor, or a prefetched one before its wait.
+        wait_for_stores: a release waits for its store to finish, so the measured peak is the
+            schedule's whatever the machine's load (see :class:`~memfit_offload.ops.OffloadRuntime`).
 
     Raises:
         MemfitError: an invalid budget, size, order or margin; the message says what is expected.
@@ -253,6 +264,8 @@ def backend(
         raise MemfitError(f"invalid kappa {kappa!r}: a margin on transfer times must be at least 1.0")
     if not residency_weight >= 0:
         raise MemfitError(f"invalid residency_weight {residency_weight!r}: it must be zero or positive")
+    if speed is not None and not isinstance(speed, DeviceSpeed):
+        raise MemfitError(f"invalid speed {speed!r}: expected a memfit_offload.costs.DeviceSpeed")
     return OffloadBackend(
         budget_bytes,
         device_backend=device_backend,
@@ -260,5 +273,7 @@ def backend(
         min_bytes=_size(min_bytes, "min_bytes") if min_bytes != 0 else 0,
         kappa=kappa,
         residency_weight=residency_weight,
+        speed=speed,
         debug=debug,
+        wait_for_stores=wait_for_stores,
     )

@@ -107,11 +107,18 @@ class OffloadRuntime:
         debug: record which device storages were released or prefetched, so that
             :meth:`check_readable` can tell a read of a released tensor (see
             :mod:`memfit_offload.debug`).
+        wait_for_stores: a release whose store is still copying waits for it, so the device copy
+            is freed exactly where the schedule releases it. By default the release returns at
+            once and the copy is freed when its store completes (as ``record_stream`` does on a
+            GPU): faster, but the peak then depends on how far the copy stream lags the compute
+            stream. Waiting makes the measured peak the schedule's, whatever the machine's load;
+            the time waited counts as exposed transfer time.
     """
 
-    def __init__(self, backend: Any, *, debug: bool = False) -> None:
+    def __init__(self, backend: Any, *, debug: bool = False, wait_for_stores: bool = False) -> None:
         self.backend = backend
         self.debug = debug
+        self.wait_for_stores = wait_for_stores
         self.stats = TransferStats()
         self._lock = threading.Lock()
         self._stored: dict[int, Any] = {}  # host storage -> its store's event, until prefetched
@@ -180,6 +187,11 @@ class OffloadRuntime:
     def release(self, x: torch.Tensor, host: torch.Tensor) -> None:
         with self._lock:
             event = self._stored.get(_storage_key(host))
+        if event is not None and not event.query() and self.wait_for_stores:
+            start = time.perf_counter()
+            event.synchronize()
+            self.stats.exposed_seconds += time.perf_counter() - start
+        with self._lock:
             if event is not None and not event.query():
                 self._held.append((event, x))  # freed once the store has read it
             self._prune()
