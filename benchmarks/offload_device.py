@@ -9,7 +9,9 @@ reference Llama (``--model``) trained with AdamW for ``--steps`` steps
   nothing offloaded), ``jit`` and ``refined`` (saved activations and AdamW states offloaded;
   prefetches right before their reader, or placed by Algorithm 1).
 
-For each mode it reports whether losses and final parameters are bit-identical to eager, the
+For each mode it reports whether losses and final parameters are bit-identical to eager and to
+``none`` (offload must not change what the compiled graphs compute; ``--deterministic`` makes
+eager itself repeatable where CUDA kernels use atomics), the
 peak device memory over the measured steps (the allocator's own statistics, after ``--warmup``
 steps of compilation and state creation), the median step time (one mode at a time, each run
 freed before the next) and the exposed transfer time per step (host
@@ -69,9 +71,18 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=8, help="measured steps (after --warmup)")
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument(
+        "--deterministic", action="store_true", help="torch.use_deterministic_algorithms (eager repeatable)"
+    )
     args = parser.parse_args()
 
+    import os
+
     import torch
+
+    if args.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
 
     device_backend = make_backend(args.backend)
     total = args.warmup + args.steps
@@ -100,9 +111,13 @@ def main() -> None:
                 eager_losses, eager_params, eager_peak = losses, params, peak
                 eager_step = statistics.median(seconds[args.warmup :])
             else:
+                if mode == "none":  # the compiled graphs without offload: what offload must not change
+                    none_losses, none_params = losses, params
                 results[mode] = {
                     "bit_identical": losses == eager_losses
                     and all(torch.equal(a, b) for a, b in zip(params, eager_params, strict=True)),
+                    "identical_to_none": losses == none_losses
+                    and all(torch.equal(a, b) for a, b in zip(params, none_params, strict=True)),
                     "peak_bytes": peak,
                     "step_s": statistics.median(seconds[args.warmup :]),
                     "exposed_transfer_s": offload.runtime.reset_stats().exposed_seconds / args.steps,
@@ -117,10 +132,11 @@ def main() -> None:
         "step_ratio_vs_none": refined["step_s"] / none["step_s"],
         "refined_exposed_below_jit": refined["exposed_transfer_s"] < results["jit"]["exposed_transfer_s"],
     }
-    print(f"{'mode':8} {'exact':>6} {'peak MiB':>9} {'step ms':>8} {'exposed ms':>10} {'offloaded':>9}")
+    print(f"{'mode':8} {'exact':>6} {'=none':>6} {'peak MiB':>9} {'step ms':>8} {'exposed ms':>10} {'offloaded':>9}")
     for mode, r in results.items():
         print(
-            f"{mode:8} {r['bit_identical']!s:>6} {r['peak_bytes'] / 2**20:9.1f} {r['step_s'] * 1e3:8.2f} "
+            f"{mode:8} {r['bit_identical']!s:>6} {r['identical_to_none']!s:>6} "
+            f"{r['peak_bytes'] / 2**20:9.1f} {r['step_s'] * 1e3:8.2f} "
             f"{r['exposed_transfer_s'] * 1e3:10.3f} {r['offloaded_values']:9d}"
         )
     print(f"eager: peak {eager_peak / 2**20:.1f} MiB, step {eager_step * 1e3:.2f} ms; targets {targets}")

@@ -125,10 +125,14 @@ def test_an_oom_in_stable_is_handled_on_a_real_accelerator(monkeypatch):
     backend.reset_peak_memory_stats()
     losses, run = train_reference(24, device=backend.device)
     peak = backend.max_memory_allocated()
+    # what stays between steps: parameters, optimizer states, and memory the model does not own
+    # (cuBLAS keeps its workspaces in the caching allocator: tens of MiB on an H100, more than
+    # this model's parameters). Only the rest can be swapped: the budget cuts that part.
+    floor = backend.memory_allocated()
     params = [p.detach().cpu().numpy().copy() for p in run.model.parameters()]
     del run
     calls = count_dispatches(monkeypatch)
-    budget = peak * 6 // 10
+    budget = floor + (peak - floor) * 6 // 10
     session, got_losses, got_params, per_step = run_with_ballast(backend, budget, 24, calls)
     assert got_losses == losses and all((a == b).all() for a, b in zip(got_params, params, strict=True))
     quiet = [n for stage, ballast, n in per_step if stage == "Stable" and not ballast]

@@ -252,11 +252,15 @@ class SwapSession:
             self.budget_bytes = parse_size(self._budget_arg, what="swap budget")
             if self.budget_bytes <= 0:
                 raise MemfitError(f"the swap budget must be positive, got {self._budget_arg!r}")
+        # measured before the budget caps the device: the measurement needs room for its buffer
+        self._bandwidth = self.backend.copy_bandwidth()
+        if self._budget_arg is not None:
             self._saved_capacity = self.backend.capacity_bytes
             self.backend.set_capacity(self.budget_bytes)
         else:
             self.budget_bytes = self.backend.capacity_bytes
-        self._bandwidth = self.backend.copy_bandwidth()
+        # the report's peak is the session's, not what the program held before it began
+        self.backend.reset_peak_memory_stats()
         self._activation = self.backend.activate()
         self._activation.__enter__()
         if self.options.identity_oracle:

@@ -193,6 +193,11 @@ class AcceleratorBackend(Backend):
             raise MemfitError(f"{self.name} cannot emulate a smaller device: no set_per_process_memory_fraction")
         setter(nbytes / self._total, self._device)
         self._capacity = nbytes
+        # The caching allocator checks the fraction only when it asks the driver for memory, not when
+        # it reuses a block it already holds: blocks cached from before a smaller capacity would let
+        # the program keep more than the capacity (seen on an H100: a session's iteration peaking at
+        # 1.6x its budget). Returning the unused cache makes the capacity hold from here on.
+        self._mem.empty_cache()
 
     def memory_allocated(self) -> int:
         return int(self._mem.memory_allocated(self._device))
@@ -224,20 +229,27 @@ class AcceleratorBackend(Backend):
             known = json.loads(cache.read_text())
         except (OSError, ValueError):
             known = {}
-        if key not in known:
-            nbytes = 256 * 2**20
-            host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-            device = torch.empty(nbytes, dtype=torch.uint8, device=self._device)
-            device.copy_(host, non_blocking=True)  # warm-up
-            self.synchronize()
-            start = time.perf_counter()
-            for _ in range(5):
-                device.copy_(host, non_blocking=True)
-            self.synchronize()
-            known[key] = 5 * nbytes / (time.perf_counter() - start)
+        if key in known:
+            return float(known[key])
+        # 256 MiB measures the link, not the per-copy latency; under a small capacity (a swap budget
+        # of tens of MiB) a quarter of what is left still measures it, and is not cached.
+        full = 256 * 2**20
+        nbytes = min(full, max(2**20, (self._capacity - self.memory_allocated()) // 4))
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        device = torch.empty(nbytes, dtype=torch.uint8, device=self._device)
+        device.copy_(host, non_blocking=True)  # warm-up
+        self.synchronize()
+        start = time.perf_counter()
+        for _ in range(5):
+            device.copy_(host, non_blocking=True)
+        self.synchronize()
+        measured = 5 * nbytes / (time.perf_counter() - start)
+        del device
+        if nbytes == full:
+            known[key] = measured
             cache.parent.mkdir(parents=True, exist_ok=True)
             cache.write_text(json.dumps(known, indent=1))
-        return float(known[key])
+        return float(measured)
 
     def native_memory_source(self) -> tuple[str, int]:
         return ("device", int(self._device.index or 0))
