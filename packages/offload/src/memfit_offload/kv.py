@@ -77,6 +77,8 @@ import torch
 from memfit.errors import MemfitError
 from memfit.models.kvcache import KVCache, KVCacheHooks
 
+from memfit_offload.ops import copy_stream_after_compute
+
 MIN_SEGMENT_BLOCKS = 8
 """Smallest host segment, in blocks: fewer, larger segments mean fewer copies per prefetch."""
 
@@ -376,12 +378,7 @@ class KVOffload(KVCacheHooks):
         self._prefetched_bytes += buffer.numel() * buffer.element_size()
 
     def _copy_stream_after_compute(self) -> Any:
-        """The copy stream, made to wait for the compute stream's work so far (unless that is already done)."""
-        stream = self.backend.copy_stream()
-        compute = self.backend.current_stream().record_event()
-        if not compute.query():  # on cpu-sim compute is synchronous: nothing to wait for
-            stream.wait_event(compute)
-        return stream
+        return copy_stream_after_compute(self.backend)
 
     def _release_stored(self) -> None:
         """Drop the device blocks of every completed store (in order: one copy stream completes in order)."""

@@ -99,6 +99,19 @@ def _extent(t: torch.Tensor) -> int:
     return 1 + sum((size - 1) * stride for size, stride in zip(t.size(), t.stride(), strict=True) if size > 0)
 
 
+def copy_stream_after_compute(backend: Any) -> Any:
+    """The backend's copy stream, made to wait for the compute stream's work so far (unless it is done).
+
+    Copies on the copy stream run beside the compute stream: one that reads a tensor the compute
+    stream writes, or writes memory the compute stream last used, must be ordered after it.
+    """
+    stream = backend.copy_stream()
+    compute = backend.current_stream().record_event()
+    if not compute.query():  # on cpu-sim compute is synchronous: nothing to wait for
+        stream.wait_event(compute)
+    return stream
+
+
 class OffloadRuntime:
     """The state the cache operators of running graphs share: backend, copy stream, pending events.
 
@@ -168,7 +181,10 @@ class OffloadRuntime:
         numel = _extent(x)
         buffer = self._host_buffer(numel, x.dtype)
         host = buffer.as_strided(x.size(), x.stride())
-        event = self.backend.copy_async(host, x, self.backend.copy_stream())
+        # the copy stream reads x: it must wait for the compute work that writes it (on cpu-sim
+        # compute is synchronous; on a GPU, without this the store copies a tensor still being
+        # computed — seen on an H100 as offloaded training drifting from eager after one step)
+        event = self.backend.copy_async(host, x, copy_stream_after_compute(self.backend))
         key = _storage_key(host)
         returned = _alias(host)
         with self._lock:
@@ -199,7 +215,9 @@ class OffloadRuntime:
             self.released[_storage_key(x)] = (x, _storage_key(host))
 
     def prefetch(self, host: torch.Tensor) -> torch.Tensor:
-        stream = self.backend.copy_stream()
+        # the new device block may be one the compute stream freed with kernels still reading it:
+        # the copy stream writes it only after the compute work issued so far
+        stream = copy_stream_after_compute(self.backend)
         if self.debug:
             host_key = _storage_key(host)
             self.released = {k: v for k, v in self.released.items() if v[1] != host_key}
