@@ -189,7 +189,11 @@ class OffloadRuntime:
         returned = _alias(host)
         with self._lock:
             self._stored[key] = event
-            self._held.append((event, host))  # the copy's destination lives until the copy is done
+            # source and destination live until the copy is done: the graph drops x right after its
+            # store (its next reader gets the prefetched copy), and on a GPU its block would go back
+            # to the compute stream while the copy stream still reads it (cpu-sim's copy worker
+            # holds both itself, which hid this)
+            self._held += [(event, host), (event, x)]
             self._prune()
         # once the program drops the host copy (autograd frees saved tensors after backward; or a
         # forward without backward), its record goes and its buffer returns to the pool: host
