@@ -355,7 +355,8 @@ def _cache_keywords(module: Any) -> dict[str, Any]:
         return {}
     off: dict[str, Any] = {"use_cache": False}
     if not type(module)._can_checkpoint_with_cache:
-        off.update(past_key_values=None, layer_past=None)
+        # the same cache under the names transformers' layers have used (``cache`` since 5.x)
+        off.update(cache=None, past_key_values=None, past_key_value=None, layer_past=None)
     return off
 
 
