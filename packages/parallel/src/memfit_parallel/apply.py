@@ -392,22 +392,21 @@ def parallelize(
         config: the parallel configuration; its degrees must multiply to the world size.
         device: where the local shards go (``cpu`` for gloo; ``cuda:<local rank>`` ...).
         mesh: a ready ``DeviceMesh`` with the dimension names of ``config.mesh_shape()`` (default: built).
-        recompute: with ``activation_checkpoint="sac"``, the selective-checkpointing plan to apply:
-            :class:`memfit.plan.Recompute` actions (e.g. a ``memfit plan --planner sac`` plan's),
-            module names relative to the whole model; each rank applies those of its stages
-            (with memfit-executor's ``apply_recompute``).
+        recompute: with ``activation_checkpoint="sac"``, a memfit selective-checkpointing plan to
+            apply instead of the op-level policy (:func:`checkpoint_policy`): :class:`memfit.plan.Recompute`
+            actions (e.g. a ``memfit plan --planner sac`` plan's), module names relative to the whole
+            model; each rank applies those of its stages (with memfit-executor's ``apply_recompute``).
+            Ignored by configurations without ``"sac"``.
+        stage_ids: the pipeline stages this rank holds, given instead of read from the mesh's ``pp``
+            coordinate; no pipeline schedule is built then (the caller drives the stages, as the
+            capture of :mod:`memfit_parallel.prediction` does).
+        init: the context the whole model is built in (default ``torch.device("meta")``); the
+            capture builds under its ``FakeTensorMode``, whose parts need no :meth:`~ParallelModel.load_weights`.
 
     Raises:
         MemfitError: a part of the configuration this function does not apply (context
             parallelism, swapping) or that does not fit the model; a SAC plan naming modules the
             model does not have.
-
-    The capture (:mod:`memfit_parallel.prediction`) uses two more arguments:
-
-    * ``stage_ids``: the pipeline stages this rank holds, given instead of read from a ``pp`` mesh
-      dimension; no pipeline schedule is built then (the caller drives the stages);
-    * ``init``: the context the whole model is built in (default ``torch.device("meta")``; the
-      capture builds under its ``FakeTensorMode``, so the parts need no :meth:`~ParallelModel.load_weights`).
     """
     device = torch.device(device)
     problems = unapplied(config, recipe, recompute)
@@ -485,9 +484,7 @@ def unapplied(config: ParallelConfig, recipe: ModelRecipe, recompute: Sequence[R
         problems.append("context parallelism (cp > 1) is simulated by `memfit parallel plan` but not applied yet")
     if config.swap:
         problems.append("swap=True is not applied by memfit-parallel yet (use memfit.swap per rank)")
-    if recompute and config.activation_checkpoint != "sac":
-        problems.append('a SAC plan (recompute actions) goes with activation_checkpoint="sac"')
-    if recompute and importlib.util.find_spec("memfit_executor") is None:
+    if recompute and config.activation_checkpoint == "sac" and importlib.util.find_spec("memfit_executor") is None:
         problems.append("a SAC plan's recompute actions are applied by memfit-executor: pip install memfit-executor")
     if config.tp > 1 and recipe.block_tp_plan is None and recipe.tp_plan is None:
         problems.append("tp > 1 needs a TP plan in the model recipe (tp_plan / block_tp_plan)")
@@ -524,8 +521,11 @@ AC_SAVE_ALWAYS = ("_scaled_dot_product", "reduce_scatter_tensor")
 
 
 def checkpoint_policy(fraction: float) -> Callable[..., object]:
-    """TorchTitan's op-level selective-checkpoint policy: save attention, TP reduce-scatters and an evenly spaced
-    ``fraction`` of the matmul outputs (``0.5``: every other matmul); recompute the rest."""
+    """TorchTitan's op-level selective-checkpoint policy (``activation_checkpoint="sac"``).
+
+    It saves attention, TP reduce-scatters and an evenly spaced ``fraction`` of the matmul outputs
+    (``0.5``: every other matmul) and recomputes the rest.
+    """
     from torch.utils.checkpoint import CheckpointPolicy
 
     def policy(ctx, func, *args, **kwargs):
