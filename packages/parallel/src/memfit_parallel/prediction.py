@@ -282,49 +282,59 @@ def capture_stage(
     k, forwards_first = capture_order(config, kind)
     holder: dict[str, Any] = {}
 
+    local_seq = seq // config.tp if config.tp > 1 else seq
+
     def setup(mesh, fake):
         pm = parallelize(recipe, applied, device="cpu", mesh=mesh, stage_ids=stage_ids, init=lambda: fake)
         holder["pm"] = pm
         with fake:
             tokens = torch.randint(0, llama.vocab_size, (micro, seq + 1))
             if kind in ("whole", "first"):
-                inputs = tokens[:, :-1].contiguous()
-            else:  # the previous stage's output: sequence shards under TP
-                local_seq = seq // config.tp if config.tp > 1 else seq
-                inputs = torch.randn(micro, local_seq, llama.dim, dtype=act_dtype, requires_grad=True)
-        return pm.parts[0], (inputs, tokens[:, 1:].contiguous())
+                inputs = [tokens[:, :-1].contiguous()]  # the schedule's microbatches are views of the batch
+            else:  # the previous stage's outputs (sequence shards under TP): a receive buffer per microbatch
+                shape = (micro, local_seq, llama.dim)
+                inputs = [torch.randn(shape, dtype=act_dtype, requires_grad=True) for _ in range(k)]
+            # the first stage's buffers for the gradients the next stage sends back, one per microbatch
+            n_grads = k if kind == "first" else 0
+            grads = [torch.ones(micro, local_seq, llama.dim, dtype=act_dtype) for _ in range(n_grads)]
+        return pm.parts[0], (inputs, tokens[:, 1:].contiguous(), grads)
 
     def step(net, opt, data):
         pm = holder["pm"]
-        inputs, targets = data
+        inputs, targets, grads = data
         fsdp = hasattr(net, "set_requires_gradient_sync")
 
-        def forward():
+        def forward(index):
+            x = inputs[min(index, len(inputs) - 1)]
             if kind == "first":
-                return net(inputs)
+                return net(x), None
             with pm.loss_context():
-                return recipe.loss_fn(net(inputs), targets)
+                out = net(x)
+                loss = recipe.loss_fn(out, targets)
+            # a pipeline stage keeps its output until the microbatch's backward (the schedule's forward cache)
+            return loss, out if kind == "last" else None
 
-        def backward(out, last):
+        def backward(result, index):
+            out, _ = result
             if k > 1 and fsdp:  # as torch.distributed.pipelining drives FSDP2: reduce after the last microbatch
-                net.set_requires_gradient_sync(last)
-                net.set_reshard_after_backward(last)
+                net.set_requires_gradient_sync(index == k - 1)
+                net.set_reshard_after_backward(index == k - 1)
             if kind == "first":
-                out.backward(torch.ones_like(out))  # the gradient the next stage sends back
+                out.backward(grads[index])
             else:
                 with pm.loss_context():
                     out.backward()
 
         if forwards_first:
-            outputs = [forward() for _ in range(k)]
-            for index, out in enumerate(outputs):
-                backward(out, index == k - 1)
-            del outputs
+            results = [forward(i) for i in range(k)]
+            for index in range(k):
+                backward(results[index], index)
+                results[index] = None
         else:
             for index in range(k):
-                out = forward()
-                backward(out, index == k - 1)
-                del out
+                result = forward(index)
+                backward(result, index)
+                del result
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -497,6 +507,26 @@ def in_flight(config: ParallelConfig, rank: int) -> float:
     return chunks / v
 
 
+def m_total(config: ParallelConfig) -> int:
+    """Microbatches per step (1 without a pipeline)."""
+    return config.microbatches if config.pp > 1 else 1
+
+
+def receive_buffers(config: ParallelConfig, rank: int) -> int:
+    """Receive buffers pipeline rank ``rank`` holds through a step, each one microbatch of hidden states.
+
+    torch.distributed.pipelining allocates one per microbatch for each stage's input
+    (all stages but the first) and for its output's gradient (all but the last). The capture holds its
+    own stage's (the first stage's gradient buffers, the last stage's input buffers), one per captured
+    microbatch; an interleaved rank's further stages hold more.
+    """
+    if config.pp == 1:
+        return 0
+    stages = [rank + k * config.pp for k in range(config.stages_per_rank)]
+    last = config.stages - 1
+    return config.microbatches * sum((s > 0) + (s < last) for s in stages)
+
+
 def _dp_exposed(profile: StageProfile, config: ParallelConfig) -> float:
     """Data-parallel communication compute does not hide: a stream timeline of the stage's blocks."""
     from memfit_simulator.streams import StreamTimeline
@@ -581,10 +611,16 @@ def assemble(
         notes.append(f"{spec.name} has no link figures: communication is not timed")
     # memory: the rank with the highest peak once its in-flight microbatches are counted
     peaks = {}
+    buffer_bytes = 0
+    if config.pp > 1:  # one microbatch of the activations between stages (sequence shards under TP)
+        itemsize = torch.empty(0, dtype=getattr(torch, config.param_dtype)).element_size()
+        local_seq = workload.seq_len // config.cp // config.tp
+        buffer_bytes = (config.local_batch(workload) // m_total(config)) * local_seq * llama.dim * itemsize
     for rank, p in stages.items():
         extra = max(in_flight(config, rank) - p.captured_microbatches, 0.0) * p.activation_bytes
         cats = dict(p.peak_by_category)
         cats["activation"] = cats["activation"] + extra
+        cats["input"] = cats["input"] + max(receive_buffers(config, rank) - p.captured_microbatches, 0) * buffer_bytes
         peaks[rank] = {k: int(round(v)) for k, v in cats.items()}
     worst = max(peaks, key=lambda r: sum(peaks[r].values()))
     # time
