@@ -9,17 +9,23 @@ The order is meta init → PP → TP → AC → FSDP, then materialisation:
    ``s`` on pipeline rank ``s mod pp``); every later step applies to each stage on its own.
 3. **TP** (with sequence parallelism) next: it replaces parameters by DTensors sharded over the
    ``tp`` mesh dimension, which FSDP then shards a second time (2-D).
-4. **AC** wraps each block in non-reentrant ``torch.utils.checkpoint``; it must wrap the block
-   before FSDP does, so that FSDP's all-gather hooks sit outside the checkpointed region and
+4. **AC** wraps each block in non-reentrant ``torch.utils.checkpoint`` (``full``; ``sac``: TorchTitan's
+   op-level policy, :func:`checkpoint_policy`, or a memfit SAC plan where one is given); it must wrap
+   the block before FSDP does, so that FSDP's all-gather hooks sit outside the checkpointed region and
    recomputation re-gathers the parameters.
 5. **FSDP2** (``fully_shard``) last: each block, then the stage root; over ``dp_shard``, or HSDP
    over ``(dp_replicate, dp_shard)``. With PP, blocks are not resharded after forward (ZeRO-2
-   style), as TorchTitan does, to avoid one all-gather per microbatch.
+   style), as TorchTitan does, to avoid one all-gather per microbatch. Plain DDP is FSDP2's
+   ``replicate``.
 6. **materialise**: ``to_empty`` allocates each rank's local shards on the device, then the weights
    of the full model, built once on rank 0 with the seed, are broadcast and each rank keeps its
    shard (``set_model_state_dict(..., full_state_dict=True, broadcast_from_rank0=True)``). The
    initial weights therefore equal a single-process model built with the same seed, whatever the
    configuration, and so does training.
+
+This is the one application path: the trainer trains what :func:`parallelize` returns and
+:func:`memfit_parallel.predict` captures it (one rank under a fake process group), so a prediction
+describes the run.
 
 Users' own models come in as a :class:`ModelRecipe`: how to build the model, where its blocks are,
 the TP plan, and (for PP) how to make a stage from a model cut down to some blocks.

@@ -6,9 +6,12 @@
   activations, temporaries...). A pipeline rank holds more than one microbatch's activations: under
   1F1B the first rank holds ``min(m, pp)``, under GPipe all ``m``, under interleaved 1F1B
   ``((v−1)·pp + 2·(pp−1) + 1)`` chunk-activations of ``1/v`` of its layers each (torch's
-  ``ScheduleInterleaved1F1B`` warm-up). Two microbatches are captured (so FSDP2's unsharded gradient
-  accumulation between them is real); further in-flight microbatches add the captured activation bytes
-  of one each.
+  ``ScheduleInterleaved1F1B`` warm-up). The rank is applied by :func:`memfit_parallel.apply.parallelize`,
+  the trainer's own path. Two microbatches are captured in the rank's schedule order
+  (:func:`capture_order`; so FSDP2's unsharded gradient accumulation between them is real), the stage
+  keeping its output and a receive buffer per microbatch as ``torch.distributed.pipelining`` does;
+  further in-flight microbatches add the captured activation bytes of one each, further receive
+  buffers (:func:`receive_buffers`) one microbatch of hidden states each.
 * **compute**: the simulator's time model per captured operator (calibrated on ``cpu``, roofline from
   the spec's figures on other devices); operators of activation-checkpoint recomputation are
   reported as recomputation.
@@ -216,13 +219,16 @@ _CACHE: dict[tuple, StageProfile] = {}
 def capture_config(config: ParallelConfig) -> ParallelConfig:
     """What the capture applies: CP folded into FSDP (TorchTitan's ``dp_shard_cp``; the ring itself is modelled).
 
-    An interleaved rank is captured as one stage holding all its blocks (``stages_per_rank`` stages of a
-    pipeline of ``pp × stages_per_rank`` are applied to a real run; their activations are counted by
-    :func:`in_flight`). Not validated: it only shapes the capture.
+    A pipeline rank is captured as the first or last stage of a pipeline of two; an interleaved rank as
+    one stage holding all its blocks (a real run applies ``stages_per_rank`` stages of a pipeline of
+    ``pp × stages_per_rank``; their activations and buffers are counted by :func:`in_flight` and
+    :func:`receive_buffers`). Not validated: it only shapes the capture.
     """
     update: dict[str, Any] = {"dp_shard": config.dp_shard * config.cp, "cp": 1}
-    if config.stages_per_rank > 1:
-        update |= {"stages_per_rank": 1, "pp_schedule": "gpipe"}
+    if config.pp > 1:
+        # the first or the last stage of any pipeline is applied alike: two stages make both, and the
+        # capture builds (under fake tensors) a model of two stages' blocks, not of all of them
+        update |= {"pp": 2, "stages_per_rank": 1, "pp_schedule": "gpipe"}
     return config.model_copy(update=update)
 
 
