@@ -1,97 +1,106 @@
-"""memfit-parallel's predicted per-rank peak against real gloo runs on cpu-sim, for the reference tiny Llama.
+"""memfit-parallel's predicted per-rank peak against the trainer's measured one (gloo, cpu-sim), reference tiny Llama.
 
-Each configuration runs for real: ``world_size`` processes (gloo), the model parallelized with
-``memfit_parallel.parallelize.parallelize`` (the code the prediction captures), two AdamW steps on
-memfit's cpu-sim backend, which counts every live allocation; the second step's peak is each rank's
-measurement. The prediction is ``memfit_parallel.predict(workload, config, "cpu")`` in this process.
-Target: within 5 % (the simulator's single-process prediction is within 1 %).
+Each configuration is trained for real by ``memfit parallel run``'s trainer (``memfit_parallel.trainer``:
+the model applied by :func:`memfit_parallel.apply.parallelize`, the one application path, and stepped
+by its pipeline schedule), one launch of 2 processes and one of 4 training every configuration of
+their list in turn; each rank's memory is counted by memfit's cpu-sim backend. The measurement is
+``steady_peak_bytes`` (the least noisy step peak, see the trainer), the largest over the ranks. The
+prediction is ``memfit_parallel.predict(workload, config, "cpu").peak_bytes`` in this process (the
+most loaded rank), which captures one rank of the same ``parallelize`` under a fake process group.
+Target: within 5 % (issue 14, Must show 1).
 
-Prints a table and one JSON object ``{"rows": [{"config", "measured_bytes", "predicted_bytes", "diff_pct"}]}``.
+Prints a table and one JSON object ``{"rows": [{"nproc", "config", "measured_bytes", "measured_by_rank",
+"predicted_bytes", "diff_pct"}]}``.
 
-Run: python benchmarks/parallel_cpu_sim.py   (spawns 2–4 processes per configuration)
+Run: python benchmarks/parallel_cpu_sim.py [--nproc 2 4] [--batch 8] [--seq 32] [--n-layers 4] [--steps 3]
 """
 
 from __future__ import annotations
 
-import contextlib
+import argparse
+import dataclasses
 import json
-import os
 import tempfile
 import warnings
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+TWO = [
+    {"dp_shard": 2},
+    {"tp": 2},
+    {"pp": 2, "microbatches": 2},
+    {"pp": 2, "microbatches": 2, "pp_schedule": "gpipe"},
+    {"pp": 2, "microbatches": 2, "pp_schedule": "interleaved_1f1b", "stages_per_rank": 2},
+    {"dp_replicate": 2},
+    {"dp_shard": 2, "activation_checkpoint": "full"},
+    {"dp_shard": 2, "activation_checkpoint": "sac", "sac_memory_fraction": 0.5},
+    {"dp_shard": 2, "param_dtype": "bfloat16"},
+]
+FOUR = [
+    {"dp_shard": 2, "tp": 2},
+    {"dp_shard": 4},
+    {"pp": 4, "microbatches": 4},
+    {"dp_shard": 2, "pp": 2, "microbatches": 2},
+    {"dp_replicate": 2, "dp_shard": 2},
+]
 
-BATCH, SEQ = 8, 128
+
+def register_model(n_layers: int) -> str:
+    """The tiny Llama with ``n_layers`` blocks, as a preset name the prediction knows (in this process only)."""
+    from memfit.models.llama import PRESETS
+
+    name = f"tiny-{n_layers}l"
+    PRESETS.setdefault(name, dataclasses.replace(PRESETS["tiny"], n_layers=n_layers))
+    return name
 
 
-def worker(rank: int, world: int, config_json: str, port: int, out: str) -> None:
-    warnings.filterwarnings("ignore")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    from memfit.backends.cpu_sim import CpuSimBackend
-    from memfit.models import Llama, LlamaConfig
+def compare(report: dict, n_layers: int) -> list[dict]:
+    """Rows of measured (the trainer's report) against predicted per-rank peaks."""
+    from memfit_parallel import predict
+    from memfit_parallel.config import ParallelConfig, Workload
+
+    workload = Workload(model=register_model(n_layers), global_batch=report["global_batch"], seq_len=report["seq_len"])
+    rows = []
+    for run in report["runs"]:
+        config = ParallelConfig.model_validate(run["config"])
+        by_rank = [r["steady_peak_bytes"] for r in sorted(run["ranks"], key=lambda r: r["rank"])]
+        measured = max(by_rank)
+        predicted = predict(workload, config, "cpu").peak_bytes
+        rows.append({
+            "nproc": report["world_size"], "config": config.describe(), "measured_bytes": measured,
+            "measured_by_rank": by_rank, "predicted_bytes": predicted,
+            "diff_pct": round(100 * (predicted - measured) / measured, 3),
+        })  # fmt: skip
+    return rows
+
+
+def measure(nproc: int, configs: list[dict], args: argparse.Namespace) -> dict:
     from memfit_parallel.config import ParallelConfig
-    from memfit_parallel.parallelize import parallelize, stage_mesh
-    from memfit_simulator.simulation import make_optimizer
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import loss_parallel
+    from memfit_parallel.launch import RunRequest, launch
 
-    config = ParallelConfig.model_validate_json(config_json)
-    shape = stage_mesh(config)
-    mesh = init_device_mesh("cpu", shape.sizes, mesh_dim_names=shape.names)
-    backend = CpuSimBackend(capacity="64GiB")
-    try:
-        with backend.activate():
-            torch.manual_seed(0)
-            net = Llama(LlamaConfig.preset("tiny"))
-            parallelize(net, mesh, config)
-            optimizer = make_optimizer("adamw", list(net.parameters()))
-            tokens = torch.randint(0, net.config.vocab_size, (BATCH, SEQ + 1))
-            inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-            for step in range(2):
-                if step == 1:
-                    backend.reset_peak_memory_stats()
-                with loss_parallel() if config.tp > 1 else contextlib.nullcontext():
-                    net.loss(inputs, targets).backward()
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            peak = backend.max_memory_allocated()
-    finally:
-        backend.close()
-    Path(f"{out}.{rank}").write_text(str(peak))
-    dist.barrier()
-    dist.destroy_process_group()
+    request = RunRequest(
+        nproc=nproc, configs=[ParallelConfig(**c) for c in configs], n_layers=args.n_layers, global_batch=args.batch,
+        seq_len=args.seq, steps=args.steps,
+    )  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        return launch(request, Path(tmp) / "report.json")
 
 
 def main() -> None:
     warnings.filterwarnings("ignore")
-    from memfit_parallel import predict
-    from memfit_parallel.config import ParallelConfig, Workload
-
-    configs = [
-        ParallelConfig(dp_shard=2),
-        ParallelConfig(tp=2),
-        ParallelConfig(dp_shard=2, tp=2),
-        ParallelConfig(dp_replicate=2),
-        ParallelConfig(dp_shard=2, activation_checkpoint="full"),
-        ParallelConfig(dp_shard=2, activation_checkpoint="sac", sac_memory_fraction=0.5),
-    ]
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nproc", type=int, nargs="+", default=[2, 4], choices=[2, 4])
+    parser.add_argument("--batch", type=int, default=8, help="global batch")
+    parser.add_argument("--seq", type=int, default=32)
+    parser.add_argument("--n-layers", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=3)
+    args = parser.parse_args()
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for index, config in enumerate(configs):
-            out = f"{tmp}/peak{index}"
-            mp.spawn(worker, args=(config.world_size, config.model_dump_json(), 29610 + index, out),
-                     nprocs=config.world_size, join=True)  # fmt: skip
-            measured = max(int(Path(f"{out}.{r}").read_text()) for r in range(config.world_size))
-            workload = Workload(model="tiny", global_batch=BATCH * config.dp, seq_len=SEQ)
-            predicted = predict(workload, config, "cpu").peak_bytes
-            rows.append({"config": config.describe(), "measured_bytes": measured, "predicted_bytes": predicted,
-                         "diff_pct": round(100 * (predicted - measured) / measured, 3)})  # fmt: skip
-            print(f"{config.describe():32} measured {measured:>12,} B  predicted {predicted:>12,} B  "
-                  f"{rows[-1]['diff_pct']:+.3f} %", flush=True)  # fmt: skip
+    for nproc in args.nproc:
+        report = measure(nproc, TWO if nproc == 2 else FOUR, args)
+        for row in compare(report, args.n_layers):
+            rows.append(row)
+            print(f"{nproc} ranks  {row['config']:42} measured {row['measured_bytes']:>11,} B  "
+                  f"predicted {row['predicted_bytes']:>11,} B  {row['diff_pct']:+7.2f} %", flush=True)  # fmt: skip
     print(json.dumps({"rows": rows}))
 
 

@@ -6,41 +6,39 @@ from collections import Counter
 import pytest
 import torch
 from memfit.errors import MemfitError
-from memfit.models import Llama, LlamaConfig
+from memfit.models import LlamaConfig
+from memfit_parallel.apply import llama_recipe, parallelize
 from memfit_parallel.capture import capture_parallel_step
 from memfit_parallel.config import ParallelConfig
 from memfit_parallel.fakepg import fake_process_group, fake_store
-from memfit_parallel.parallelize import parallelize, stage_mesh
+from memfit_parallel.prediction import capture_mesh
 from memfit_simulator.simulation import make_optimizer
 
 TINY = LlamaConfig.preset("tiny")
 BATCH, SEQ = 8, 128
 
 
-def capture(config: ParallelConfig, model: LlamaConfig = TINY):
-    from torch.distributed.tensor.parallel import loss_parallel
+def capture(config: ParallelConfig):
+    """Rank 0 of ``config`` applied by the trainer's ``parallelize`` and stepped as the trainer steps it."""
+    recipe = llama_recipe("tiny")
+    names, sizes = capture_mesh(config)
+    applied = {}
 
-    mesh = stage_mesh(config)
-
-    def build():
-        tokens = torch.randint(0, model.vocab_size, (BATCH, SEQ + 1))
-        return Llama(model), (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+    def setup(mesh, fake):
+        applied["model"] = parallelize(recipe, config, mesh=mesh, init=lambda: fake)
+        with fake:
+            tokens = torch.randint(0, TINY.vocab_size, (BATCH, SEQ + 1))
+        return applied["model"].parts[0], (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
 
     def step(net, opt, data):
-        import contextlib
-
-        with loss_parallel() if config.tp > 1 else contextlib.nullcontext():
-            net.loss(*data).backward()
+        inputs, targets = data
+        with applied["model"].loss_context():
+            recipe.loss_fn(net(inputs), targets).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
     return capture_parallel_step(
-        build,
-        lambda net, device_mesh: parallelize(net, device_mesh, config) if device_mesh is not None else None,
-        step,
-        mesh_names=mesh.names,
-        mesh_sizes=mesh.sizes,
-        make_optimizer=lambda params: make_optimizer("adamw", params),
+        setup, step, mesh_names=names, mesh_sizes=sizes, make_optimizer=lambda params: make_optimizer("adamw", params)
     )
 
 

@@ -109,13 +109,13 @@ def test_a_checkpointed_single_rank_is_what_a_real_cpu_sim_run_measures():
     import torch
     from memfit.backends.cpu_sim import CpuSimBackend
     from memfit.models import LlamaConfig, build_training
-    from memfit_parallel.parallelize import apply_ac
+    from memfit_parallel.apply import apply_ac
 
     sim = CpuSimBackend(capacity="1GiB")
     with sim.activate():
         torch.manual_seed(0)
         run = build_training(LlamaConfig.preset("tiny"), batch_size=8, seq_len=128)
-        apply_ac(run.model, "full")
+        apply_ac(run.model, ParallelConfig(activation_checkpoint="full"))
         run.step()
         sim.reset_peak_memory_stats()
         run.step()

@@ -9,17 +9,23 @@ The order is meta init → PP → TP → AC → FSDP, then materialisation:
    ``s`` on pipeline rank ``s mod pp``); every later step applies to each stage on its own.
 3. **TP** (with sequence parallelism) next: it replaces parameters by DTensors sharded over the
    ``tp`` mesh dimension, which FSDP then shards a second time (2-D).
-4. **AC** wraps each block in non-reentrant ``torch.utils.checkpoint``; it must wrap the block
-   before FSDP does, so that FSDP's all-gather hooks sit outside the checkpointed region and
+4. **AC** wraps each block in non-reentrant ``torch.utils.checkpoint`` (``full``; ``sac``: TorchTitan's
+   op-level policy, :func:`checkpoint_policy`, or a memfit SAC plan where one is given); it must wrap
+   the block before FSDP does, so that FSDP's all-gather hooks sit outside the checkpointed region and
    recomputation re-gathers the parameters.
 5. **FSDP2** (``fully_shard``) last: each block, then the stage root; over ``dp_shard``, or HSDP
    over ``(dp_replicate, dp_shard)``. With PP, blocks are not resharded after forward (ZeRO-2
-   style), as TorchTitan does, to avoid one all-gather per microbatch.
+   style), as TorchTitan does, to avoid one all-gather per microbatch. Plain DDP is FSDP2's
+   ``replicate``.
 6. **materialise**: ``to_empty`` allocates each rank's local shards on the device, then the weights
    of the full model, built once on rank 0 with the seed, are broadcast and each rank keeps its
    shard (``set_model_state_dict(..., full_state_dict=True, broadcast_from_rank0=True)``). The
    initial weights therefore equal a single-process model built with the same seed, whatever the
    configuration, and so does training.
+
+This is the one application path: the trainer trains what :func:`parallelize` returns and
+:func:`memfit_parallel.predict` captures it (one rank under a fake process group), so a prediction
+describes the run.
 
 Users' own models come in as a :class:`ModelRecipe`: how to build the model, where its blocks are,
 the TP plan, and (for PP) how to make a stage from a model cut down to some blocks.
@@ -41,6 +47,7 @@ Example (under ``torchrun``, after ``dist.init_process_group``):
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib.util
 from collections.abc import Callable, Sequence
@@ -83,6 +90,9 @@ class ModelRecipe:
             :meth:`ParallelModel.load_weights` (compute such buffers in ``forward``, as the
             reference Llama does its rotary tables).
         shape: heads and layers, for the checks of :meth:`ParallelConfig.check` (optional).
+        loss_parallel: the TP plan leaves the logits sharded on the vocabulary (a ``Shard(-1)``
+            DTensor) and ``loss_fn`` runs, forward and backward, under torch's ``loss_parallel()``
+            (TorchTitan's loss parallelism: no rank ever holds the whole logits).
     """
 
     build: Callable[[], nn.Module]
@@ -92,6 +102,7 @@ class ModelRecipe:
     block_tp_plan: dict | None = None
     stage: Callable[[nn.Module, bool, bool], nn.Module] | None = None
     shape: ModelShape | None = None
+    loss_parallel: bool = False
 
     def full_state_dict(self, seed: int = 0) -> dict[str, torch.Tensor]:
         """The whole model's weights as ``torch.manual_seed(seed); build()`` makes them, on the CPU."""
@@ -146,8 +157,9 @@ def llama_tp_plans() -> tuple[dict, dict]:
 
     The residual stream between blocks is sharded on the sequence (``Shard(1)``), gathered before
     attention and the feed-forward (whose projections are column then row parallel) and
-    reduce-scattered back after them; the norms run on sequence shards. Logits are gathered
-    (``Replicate``) for the loss (no loss parallelism).
+    reduce-scattered back after them; the norms run on sequence shards. The head is column-parallel and
+    its logits stay sharded on the vocabulary for loss parallelism (the recipe's ``loss_parallel``).
+    Attention reshapes by ``-1`` heads, so a rank's attention runs its ``n_heads / tp`` heads unchanged.
     """
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
@@ -160,7 +172,7 @@ def llama_tp_plans() -> tuple[dict, dict]:
     model_plan = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "norm": SequenceParallel(),
-        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
     }
     block_plan = {
         "attention_norm": SequenceParallel(),
@@ -196,6 +208,7 @@ def llama_recipe(model: str = "tiny", **overrides) -> ModelRecipe:
         block_tp_plan=block_plan,
         stage=LlamaStage,
         shape=ModelShape(n_layers=config.n_layers, n_heads=config.n_heads, n_kv_heads=config.n_kv_heads),
+        loss_parallel=True,
     )
 
 
@@ -319,6 +332,14 @@ class ParallelModel:
             full = dict(full_state_dict) if dist.get_rank() == 0 and full_state_dict is not None else {}
             set_model_state_dict(part, full, options=options)
 
+    def loss_context(self):
+        """The context the loss runs in, forward and backward: ``loss_parallel()`` under TP when the recipe asks."""
+        if self.config.tp > 1 and self.recipe.loss_parallel:
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            return loss_parallel()
+        return contextlib.nullcontext()
+
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
         """Forward and backward of this rank's local batch; the mean loss where this rank computes it, else ``None``.
 
@@ -326,16 +347,18 @@ class ParallelModel:
         data-parallel ranks). With PP, the local batch is split into ``microbatches``.
         """
         if self.schedule is None:
-            loss = self.recipe.loss_fn(self.parts[0](inputs), targets)
-            loss.backward()
-            return loss.detach()
+            with self.loss_context():
+                loss = self.recipe.loss_fn(self.parts[0](inputs), targets)
+                loss.backward()
+            return _plain(loss.detach())
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.holds_first_stage else ()
         kwargs = {"target": targets, "losses": losses} if self.holds_last_stage else {}
-        self.schedule.step(*args, **kwargs)
+        with self.loss_context():
+            self.schedule.step(*args, **kwargs)
         if not self.holds_last_stage:
             return None
-        return torch.stack([x.detach().float() for x in losses]).mean()
+        return torch.stack([_plain(x.detach()).float() for x in losses]).mean()
 
     def global_loss(self, loss: torch.Tensor | None) -> float:
         """The step's mean loss over the global batch, on every rank (collective; for logging)."""
@@ -346,6 +369,13 @@ class ParallelModel:
         return float(pair[0] / pair[1])
 
 
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's full value (a replicated loss under loss parallelism); a tensor unchanged."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
 def parallelize(
     recipe: ModelRecipe,
     config: ParallelConfig,
@@ -353,21 +383,31 @@ def parallelize(
     device: torch.device | str = "cpu",
     mesh: DeviceMesh | None = None,
     recompute: Sequence[Recompute] | None = None,
+    stage_ids: Sequence[int] | None = None,
+    init: Callable[[], contextlib.AbstractContextManager] | None = None,
 ) -> ParallelModel:
     """Apply ``config`` to the model of ``recipe`` on this rank: meta init → PP → TP → AC → FSDP.
 
     Collective over the default process group (every rank calls it with the same arguments).
-    Parameters stay on ``meta`` until :meth:`ParallelModel.load_weights`.
+    Parameters stay on ``meta`` until :meth:`ParallelModel.load_weights`. This is the one place a
+    configuration is applied: ``memfit parallel run`` trains what it returns, and
+    :func:`memfit_parallel.predict` captures what it returns (one rank, under a fake process group).
 
     Args:
         recipe: the model (see :class:`ModelRecipe`).
         config: the parallel configuration; its degrees must multiply to the world size.
         device: where the local shards go (``cpu`` for gloo; ``cuda:<local rank>`` ...).
         mesh: a ready ``DeviceMesh`` with the dimension names of ``config.mesh_shape()`` (default: built).
-        recompute: with ``activation_checkpoint="sac"``, the selective-checkpointing plan to apply:
-            :class:`memfit.plan.Recompute` actions (e.g. a ``memfit plan --planner sac`` plan's),
-            module names relative to the whole model; each rank applies those of its stages
-            (with memfit-executor's ``apply_recompute``).
+        recompute: with ``activation_checkpoint="sac"``, a memfit selective-checkpointing plan to
+            apply instead of the op-level policy (:func:`checkpoint_policy`): :class:`memfit.plan.Recompute`
+            actions (e.g. a ``memfit plan --planner sac`` plan's), module names relative to the whole
+            model; each rank applies those of its stages (with memfit-executor's ``apply_recompute``).
+            Ignored by configurations without ``"sac"``.
+        stage_ids: the pipeline stages this rank holds, given instead of read from the mesh's ``pp``
+            coordinate; no pipeline schedule is built then (the caller drives the stages, as the
+            capture of :mod:`memfit_parallel.prediction` does).
+        init: the context the whole model is built in (default ``torch.device("meta")``); the
+            capture builds under its ``FakeTensorMode``, whose parts need no :meth:`~ParallelModel.load_weights`.
 
     Raises:
         MemfitError: a part of the configuration this function does not apply (context
@@ -382,17 +422,27 @@ def parallelize(
         mesh = build_mesh(config, device.type)
 
     # 1. meta init
-    with torch.device("meta"):
-        whole = recipe.build()
+    # without data parallelism there is no FSDP mixed precision: the model itself is built in param_dtype
+    build_dtype = getattr(torch, config.param_dtype) if config.dp == 1 else torch.float32
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(build_dtype)
+    try:
+        with init() if init is not None else torch.device("meta"):
+            whole = recipe.build()
+    finally:
+        torch.set_default_dtype(previous)
     actions = list(recompute or ()) if config.activation_checkpoint == "sac" else []
     _check_recompute_names(whole, actions)
     blocks = getattr(whole, recipe.blocks)
     block_names = list(blocks.keys()) if isinstance(blocks, nn.ModuleDict) else [str(i) for i in range(len(blocks))]
 
     # 2. PP: looped placement, stage s on pipeline rank s % pp
-    pp_rank = _coordinate(mesh, "pp")
+    given_stages = stage_ids is not None
     if config.pp > 1:
-        stage_ids = [pp_rank + k * config.pp for k in range(config.stages_per_rank)]
+        if not given_stages:
+            pp_rank = _coordinate(mesh, "pp")
+            stage_ids = [pp_rank + k * config.pp for k in range(config.stages_per_rank)]
+        stage_ids = list(stage_ids)
         ranges = split_blocks(len(block_names), config.stages)
     else:
         stage_ids, ranges = [0], [range(len(block_names))]
@@ -412,10 +462,10 @@ def parallelize(
         if config.tp > 1:
             _apply_tp(part, recipe, mesh["tp"])
         # 4. AC
-        if config.activation_checkpoint == "full":
-            _apply_full_ac(part, recipe.blocks)
-        elif config.activation_checkpoint == "sac":
-            handles.append(_apply_sac(part, actions))
+        if actions:
+            handles.append(_apply_sac_plan(part, actions))
+        else:
+            apply_ac(part, config, recipe.blocks)
         # 5. FSDP / HSDP / DDP
         if config.dp > 1:
             _apply_data_parallel(part, recipe.blocks, config, mesh)
@@ -424,7 +474,7 @@ def parallelize(
         config=config, recipe=recipe, mesh=mesh, device=device, parts=parts, stage_ids=stage_ids, recompute=handles,
         state_keys=state_keys,
     )  # fmt: skip
-    if config.pp > 1:
+    if config.pp > 1 and not given_stages:
         _build_pipeline(pm, mesh["pp"])
     return pm
 
@@ -440,18 +490,8 @@ def unapplied(config: ParallelConfig, recipe: ModelRecipe, recompute: Sequence[R
         problems.append("context parallelism (cp > 1) is simulated by `memfit parallel plan` but not applied yet")
     if config.swap:
         problems.append("swap=True is not applied by memfit-parallel yet (use memfit.swap per rank)")
-    if config.activation_checkpoint == "sac":
-        if importlib.util.find_spec("memfit_executor") is None:
-            problems.append('activation_checkpoint="sac" is applied by memfit-executor: pip install memfit-executor')
-        if not recompute:
-            problems.append(
-                'activation_checkpoint="sac" needs the SAC plan to apply (Recompute actions, e.g. from '
-                "`memfit plan --planner sac`; `memfit parallel run --sac-plan`)"
-            )
-    if config.param_dtype != "float32" and config.dp == 1:
-        problems.append(
-            f"param_dtype={config.param_dtype} is applied by FSDP's mixed precision: it needs data parallelism"
-        )
+    if recompute and config.activation_checkpoint == "sac" and importlib.util.find_spec("memfit_executor") is None:
+        problems.append("a SAC plan's recompute actions are applied by memfit-executor: pip install memfit-executor")
     if config.tp > 1 and recipe.block_tp_plan is None and recipe.tp_plan is None:
         problems.append("tp > 1 needs a TP plan in the model recipe (tp_plan / block_tp_plan)")
     if config.pp > 1 and recipe.stage is None:
@@ -482,12 +522,61 @@ def _apply_tp(part: nn.Module, recipe: ModelRecipe, tp_mesh) -> None:
     part._memfit_sequence_shards = tp_mesh.size()
 
 
-def _apply_full_ac(part: nn.Module, blocks_attr: str) -> None:
+AC_SAVE_ALWAYS = ("_scaled_dot_product", "reduce_scatter_tensor")
+"""Operators selective checkpointing always saves (attention and TP reduce-scatters, as TorchTitan's ``_save_list``)."""
+
+
+def checkpoint_policy(fraction: float) -> Callable[..., object]:
+    """TorchTitan's op-level selective-checkpoint policy (``activation_checkpoint="sac"``).
+
+    It saves attention, TP reduce-scatters and an evenly spaced ``fraction`` of the matmul outputs
+    (``0.5``: every other matmul) and recomputes the rest.
+    """
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    def policy(ctx, func, *args, **kwargs):
+        name = str(func)
+        if any(key in name for key in AC_SAVE_ALWAYS):
+            return CheckpointPolicy.MUST_SAVE
+        if func is torch.ops.aten.mm.default:
+            key = "recompute_mm_count" if ctx.is_recompute else "forward_mm_count"
+            count = policy.counts.get(key, 0)
+            policy.counts[key] = count + 1
+            # save matmul i when the running quota floor((i+1)·f) steps up: an evenly spaced fraction f
+            if int((count + 1) * fraction) > int(count * fraction):
+                return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    policy.counts = {}
+    return policy
+
+
+def apply_ac(model: nn.Module, config: ParallelConfig, blocks_attr: str = "layers") -> None:
+    """Wrap every block of ``model`` in non-reentrant activation checkpointing as ``config`` says.
+
+    ``full``: the whole block is recomputed in backward. ``sac`` (without a memfit SAC plan): the
+    block is checkpointed with :func:`checkpoint_policy` (``sac_memory_fraction`` of its matmul outputs
+    saved). ``none``: nothing.
+    """
+    if config.activation_checkpoint == "none":
+        return
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 
-    blocks = getattr(part, blocks_attr)
-    for name in list(blocks.keys()):
-        blocks[name] = checkpoint_wrapper(blocks[name], checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+    blocks = getattr(model, blocks_attr)
+    keys = list(blocks.keys()) if isinstance(blocks, nn.ModuleDict) else list(range(len(blocks)))
+    for key in keys:
+        if config.activation_checkpoint == "full":
+            blocks[key] = checkpoint_wrapper(blocks[key], checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+            continue
+        from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+        policy = checkpoint_policy(config.sac_memory_fraction)
+
+        def context(policy=policy):
+            policy.counts.clear()  # TorchTitan counts matmuls per block and pass
+            return create_selective_checkpoint_contexts(policy)
+
+        blocks[key] = checkpoint_wrapper(blocks[key], checkpoint_impl=CheckpointImpl.NO_REENTRANT, context_fn=context)
 
 
 def _check_recompute_names(whole: nn.Module, actions: list[Recompute]) -> None:
@@ -497,7 +586,7 @@ def _check_recompute_names(whole: nn.Module, actions: list[Recompute]) -> None:
         raise MemfitError(f"the SAC plan names modules the model does not have: {', '.join(unknown[:5])}")
 
 
-def _apply_sac(part: nn.Module, actions: list[Recompute]):
+def _apply_sac_plan(part: nn.Module, actions: list[Recompute]):
     """Apply memfit's selective checkpointing (memfit-executor) to the plan's modules that this stage holds."""
     from memfit_executor.recompute import apply_recompute
 

@@ -1,9 +1,10 @@
 """Capture one rank of a parallel training step: the real FSDP2 / TP / pipeline-stage code under fake tensors.
 
 What runs is what a job runs: the model (or the pipeline stage this rank holds) is built under
-:class:`~torch._subclasses.fake_tensor.FakeTensorMode`, parallelized with torch's own APIs
-(:mod:`memfit_parallel.parallelize`) outside it — DeviceMesh computes coordinates with real tensors —
-under torch's fake process group (:mod:`memfit_parallel.fakepg`), then one step runs under the mode.
+:class:`~torch._subclasses.fake_tensor.FakeTensorMode` and parallelized outside it by
+:func:`memfit_parallel.apply.parallelize` — the function ``memfit parallel run`` trains with;
+DeviceMesh computes coordinates with real tensors — under torch's fake process group
+(:mod:`memfit_parallel.fakepg`), then one step runs under the mode.
 Collectives return at once with the right shapes, so the rank's memory and every collective it
 issues come from the parallel code itself.
 
@@ -263,8 +264,7 @@ def _mark_recompute(model: torch.nn.Module, recorder: _ParallelRecorder) -> list
 
 
 def capture_parallel_step(
-    build: Callable[[], tuple[torch.nn.Module, Any]],
-    parallelize: Callable[[torch.nn.Module, Any], None],
+    setup: Callable[[Any, Any], tuple[torch.nn.Module, Any]],
     step: Callable[[torch.nn.Module, torch.optim.Optimizer, Any], Any],
     *,
     mesh_names: tuple[str, ...],
@@ -275,8 +275,9 @@ def capture_parallel_step(
     """Capture rank 0 of a ``prod(mesh_sizes)``-rank job (module docs).
 
     Args:
-        build: returns ``(model, batch)``; runs under fake tensors.
-        parallelize: ``parallelize(model, mesh)`` applies the parallelism (runs outside fake tensors).
+        setup: ``setup(mesh, fake_mode) -> (model, batch)``: builds the model and batch under ``fake_mode`` and
+            applies the parallelism outside it (:func:`memfit_parallel.apply.parallelize` with ``init``);
+            ``mesh`` is a 1-D mesh of one rank when ``mesh_sizes`` is empty.
         step: one iteration (forward, backward, optimizer step, ``zero_grad``); runs under fake tensors.
         mesh_names: the device mesh's dimension names, outer to inner (empty for one rank).
         mesh_sizes: the size of each dimension.
@@ -291,9 +292,12 @@ def capture_parallel_step(
     started = time.perf_counter()
     world = int(np.prod(mesh_sizes)) if mesh_sizes else 1
     with fake_process_group(world):
-        mesh = init_device_mesh("cpu", mesh_sizes, mesh_dim_names=mesh_names) if mesh_sizes else None
+        if mesh_sizes:
+            mesh = init_device_mesh("cpu", mesh_sizes, mesh_dim_names=mesh_names)
+        else:
+            mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp_shard",))
         groups: dict[str, str] = {}
-        if mesh is not None:
+        if mesh_sizes:
             for name in mesh_names:
                 groups[mesh[name].get_group().group_name] = name
             if len(mesh_names) > 1:
@@ -306,9 +310,7 @@ def capture_parallel_step(
                         except Exception:  # noqa: BLE001 - only names groups; an unnamed one says "world"
                             pass
         fake = FakeTensorMode(allow_non_fake_inputs=True)
-        with fake:
-            model, batch = build()
-        parallelize(model, mesh)
+        model, batch = setup(mesh, fake)
         recorder = _ParallelRecorder(groups)
         recorder.mesh = dict(zip(mesh_names, mesh_sizes, strict=True))
         try:

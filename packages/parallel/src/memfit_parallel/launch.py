@@ -46,7 +46,8 @@ class RunRequest:
     lr: float = 3e-3
     capacity: str = "4GiB"
     sac_plan: Path | None = None
-    """A memfit plan whose recompute actions ``activation_checkpoint="sac"`` applies."""
+    """A memfit plan whose recompute actions ``activation_checkpoint="sac"`` applies instead of the op-level policy
+    (``memfit_parallel.predict`` does not take a plan: a run with one is not what it predicts)."""
 
 
 def check_request(request: RunRequest) -> None:
@@ -176,7 +177,8 @@ def _kill_group(process: subprocess.Popen) -> None:
 @click.option(
     "--sac-plan",
     type=click.Path(path_type=Path),
-    help='A memfit SAC plan (memfit plan --planner sac): what activation_checkpoint="sac" applies.',
+    help='A memfit SAC plan (memfit plan --planner sac): activation_checkpoint="sac" applies it instead of '
+    "TorchTitan's op-level policy (which predict captures).",
 )
 @click.option("--timeout", "timeout_s", type=float, default=DEFAULT_TIMEOUT_S, show_default=True, help="Seconds.")
 def run(config_path, nproc, model, n_layers, batch, seq, steps, seed, lr, capacity, report, sac_plan, timeout_s):

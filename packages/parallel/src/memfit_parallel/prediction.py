@@ -6,9 +6,12 @@
   activations, temporaries...). A pipeline rank holds more than one microbatch's activations: under
   1F1B the first rank holds ``min(m, pp)``, under GPipe all ``m``, under interleaved 1F1B
   ``((v−1)·pp + 2·(pp−1) + 1)`` chunk-activations of ``1/v`` of its layers each (torch's
-  ``ScheduleInterleaved1F1B`` warm-up). Two microbatches are captured (so FSDP2's unsharded gradient
-  accumulation between them is real); further in-flight microbatches add the captured activation bytes
-  of one each.
+  ``ScheduleInterleaved1F1B`` warm-up). The rank is applied by :func:`memfit_parallel.apply.parallelize`,
+  the trainer's own path. Two microbatches are captured in the rank's schedule order
+  (:func:`capture_order`; so FSDP2's unsharded gradient accumulation between them is real), the stage
+  keeping its output and a receive buffer per microbatch as ``torch.distributed.pipelining`` does;
+  further in-flight microbatches add the captured activation bytes of one each, further receive
+  buffers (:func:`receive_buffers`) one microbatch of hidden states each.
 * **compute**: the simulator's time model per captured operator (calibrated on ``cpu``, roofline from
   the spec's figures on other devices); operators of activation-checkpoint recomputation are
   reported as recomputation.
@@ -38,7 +41,6 @@ overlapped with attention.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 from dataclasses import dataclass, field
@@ -214,99 +216,145 @@ def stage_layers(n_layers: int, config: ParallelConfig) -> int:
 _CACHE: dict[tuple, StageProfile] = {}
 
 
+def capture_config(config: ParallelConfig) -> ParallelConfig:
+    """What the capture applies: CP folded into FSDP (TorchTitan's ``dp_shard_cp``; the ring itself is modelled).
+
+    A pipeline rank is captured as the first or last stage of a pipeline of two; an interleaved rank as
+    one stage holding all its blocks (a real run applies ``stages_per_rank`` stages of a pipeline of
+    ``pp × stages_per_rank``; their activations and buffers are counted by :func:`in_flight` and
+    :func:`receive_buffers`). Not validated: it only shapes the capture.
+    """
+    update: dict[str, Any] = {"dp_shard": config.dp_shard * config.cp, "cp": 1}
+    if config.pp > 1:
+        # the first or the last stage of any pipeline is applied alike: two stages make both, and the
+        # capture builds (under fake tensors) a model of two stages' blocks, not of all of them
+        update |= {"pp": 2, "stages_per_rank": 1, "pp_schedule": "gpipe"}
+    return config.model_copy(update=update)
+
+
+def capture_mesh(config: ParallelConfig) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """The mesh one pipeline rank's SPMD program runs on: :meth:`ParallelConfig.mesh_shape` without ``pp``."""
+    names, sizes = capture_config(config).mesh_shape()
+    kept = [(n, d) for n, d in zip(names, sizes, strict=True) if n != "pp"]
+    return tuple(n for n, _ in kept), tuple(d for _, d in kept)
+
+
+def capture_order(config: ParallelConfig, kind: str) -> tuple[int, bool]:
+    """Microbatches captured and whether their forwards all run before their backwards (module docs).
+
+    A pipeline rank holding two or more microbatches in flight runs forward, forward, backward,
+    backward; one holding one (1F1B's last rank) runs forward, backward, forward, backward.
+    """
+    if config.pp == 1:
+        return 1, True
+    k = min(2, config.microbatches)
+    rank = 0 if kind == "first" else config.pp - 1
+    return k, in_flight(config, rank) >= 2
+
+
 def _profile_key(workload: Workload, config: ParallelConfig, spec: HardwareSpec, blocks: int, kind: str) -> tuple:
     return (
         workload.model, workload.seq_len, config.local_batch(workload) // max(config.microbatches, 1),
         config.dp_replicate, config.dp_shard, config.cp, config.tp, config.pp > 1, config.activation_checkpoint,
-        config.sac_memory_fraction, config.param_dtype, spec.name, blocks, kind,
+        config.sac_memory_fraction, config.param_dtype, spec.name, blocks, kind, capture_order(config, kind),
     )  # fmt: skip
 
 
 def capture_stage(
     workload: Workload, config: ParallelConfig, spec: HardwareSpec, blocks: int, kind: str
 ) -> StageProfile:
-    """Capture one rank of the stage ``kind`` (``whole``, ``first``, ``last``) with ``blocks`` blocks."""
+    """Capture one rank of the stage ``kind`` (``whole``, ``first``, ``last``) with ``blocks`` blocks.
+
+    The model is the reference Llama with ``blocks`` blocks per pipeline stage, applied by
+    :func:`memfit_parallel.apply.parallelize` (what ``memfit parallel run`` trains) with the stage of
+    the first or last pipeline rank; the step is the trainer's (:meth:`ParallelModel.train_step`
+    without a pipeline; the schedule's order of microbatches on that rank with one).
+    """
     key = _profile_key(workload, config, spec, blocks, kind)
     if key in _CACHE:
         return _CACHE[key]
-    from memfit.models import Llama
     from memfit_simulator.simulation import make_optimizer
 
+    from memfit_parallel.apply import llama_recipe, parallelize
     from memfit_parallel.capture import capture_parallel_step
-    from memfit_parallel.parallelize import LlamaStage, apply_ac, parallelize, stage_mesh
 
-    llama = dataclasses.replace(model_config(workload.model, workload.seq_len), n_layers=blocks)
+    applied = capture_config(config)
+    llama = model_config(workload.model, workload.seq_len)
+    recipe = llama_recipe(workload.model, n_layers=blocks * applied.stages, max_seq_len=llama.max_seq_len)
     micro = config.local_batch(workload) // config.microbatches
     seq = workload.seq_len // config.cp
-    with_fsdp = config.dp > 1 or config.cp > 1
-    build_dtype = torch.float32 if with_fsdp else getattr(torch, config.param_dtype)
     act_dtype = getattr(torch, config.param_dtype)
+    stage_ids = None if kind == "whole" else [0 if kind == "first" else applied.stages - 1]
+    k, forwards_first = capture_order(config, kind)
+    holder: dict[str, Any] = {}
 
-    def build():
-        previous = torch.get_default_dtype()
-        torch.set_default_dtype(build_dtype)
-        try:
-            if kind == "whole":
-                net = Llama(llama)
-            else:
-                net = LlamaStage(llama, blocks, first=kind == "first", last=kind == "last", seq_len=seq)
-        finally:
-            torch.set_default_dtype(previous)
-        tokens = torch.randint(0, llama.vocab_size, (micro, seq + 1))
-        if kind in ("whole", "first"):
-            inputs = tokens[:, :-1].contiguous()
-        else:
-            local_seq = seq // config.tp if config.tp > 1 else seq
-            inputs = torch.randn(micro, local_seq, llama.dim, dtype=act_dtype, requires_grad=True)
-        return net, (inputs, tokens[:, 1:].contiguous())
+    local_seq = seq // config.tp if config.tp > 1 else seq
 
-    # Under a pipeline two microbatches are captured (forward, forward, backward, backward): FSDP2 gathers once
-    # and keeps the unsharded gradients of the first to accumulate the second's (no reduce-scatter until the
-    # last microbatch), as torch.distributed.pipelining drives it. Per-microbatch figures divide by ``k``.
-    k = min(2, config.microbatches) if config.pp > 1 else 1
+    def setup(mesh, fake):
+        pm = parallelize(recipe, applied, device="cpu", mesh=mesh, stage_ids=stage_ids, init=lambda: fake)
+        holder["pm"] = pm
+        with fake:
+            tokens = torch.randint(0, llama.vocab_size, (micro, seq + 1))
+            if kind in ("whole", "first"):
+                inputs = [tokens[:, :-1].contiguous()]  # the schedule's microbatches are views of the batch
+            else:  # the previous stage's outputs (sequence shards under TP): a receive buffer per microbatch
+                shape = (micro, local_seq, llama.dim)
+                inputs = [torch.randn(shape, dtype=act_dtype, requires_grad=True) for _ in range(k)]
+            # the first stage's buffers for the gradients the next stage sends back, one per microbatch
+            n_grads = k if kind == "first" else 0
+            grads = [torch.ones(micro, local_seq, llama.dim, dtype=act_dtype) for _ in range(n_grads)]
+        return pm.parts[0], (inputs, tokens[:, 1:].contiguous(), grads)
 
     def step(net, opt, data):
-        from torch.distributed.tensor.parallel import loss_parallel
+        pm = holder["pm"]
+        inputs, targets, grads = data
+        fsdp = hasattr(net, "set_requires_gradient_sync")
 
-        inputs, targets = data
-        parallel_loss = loss_parallel if config.tp > 1 else contextlib.nullcontext
-        outputs = []
-        for _ in range(k):
-            if kind in ("whole", "last"):
-                with parallel_loss():
-                    outputs.append(net.loss(inputs, targets))
+        def forward(index):
+            x = inputs[min(index, len(inputs) - 1)]
+            if kind == "first":
+                return net(x), None
+            with pm.loss_context():
+                out = net(x)
+                loss = recipe.loss_fn(out, targets)
+            # a pipeline stage keeps its output until the microbatch's backward (the schedule's forward cache)
+            return loss, out if kind == "last" else None
+
+        def backward(result, index):
+            out, _ = result
+            if k > 1 and fsdp:  # as torch.distributed.pipelining drives FSDP2: reduce after the last microbatch
+                net.set_requires_gradient_sync(index == k - 1)
+                net.set_reshard_after_backward(index == k - 1)
+            if kind == "first":
+                out.backward(grads[index])
             else:
-                outputs.append(net(inputs))
-        for index, out in enumerate(outputs):
-            last = index == len(outputs) - 1
-            if k > 1 and hasattr(net, "set_requires_gradient_sync"):
-                net.set_requires_gradient_sync(last)
-                net.set_reshard_after_backward(last)
-            if kind in ("whole", "last"):
-                with parallel_loss():
+                with pm.loss_context():
                     out.backward()
-            else:
-                out.backward(torch.ones_like(out))  # the gradient the next stage sends back
-        del outputs
+
+        if forwards_first:
+            results = [forward(i) for i in range(k)]
+            for index in range(k):
+                backward(results[index], index)
+                results[index] = None
+        else:
+            for index in range(k):
+                result = forward(index)
+                backward(result, index)
+                del result
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    mesh = stage_mesh(config)
+    names, sizes = capture_mesh(config)
     captured = capture_parallel_step(
-        build,
-        # no mesh (one rank per stage: a pipeline alone, or one device): no TP or FSDP, but checkpointing still applies
-        lambda model, device_mesh: (
-            parallelize(model, device_mesh, config)
-            if device_mesh is not None
-            else apply_ac(model, config.activation_checkpoint, config.sac_memory_fraction)
-        ),
+        setup,
         step,
-        mesh_names=mesh.names,
-        mesh_sizes=mesh.sizes,
+        mesh_names=names,
+        mesh_sizes=sizes,
         make_optimizer=lambda params: make_optimizer("adamw", params),
         granularity=spec.allocation_granularity,
     )
-    profile = _profile(captured, config, spec, blocks, k)
+    # forward, backward, forward, backward: only the first microbatch's activations are counted as such
+    profile = _profile(captured, config, spec, blocks, k, activation_microbatches=k if forwards_first else 1)
     _CACHE[key] = profile
     return profile
 
@@ -352,7 +400,9 @@ def collective_seconds(kind: str, nbytes: float, group: int, dim: str, config: P
     return float(model(nbytes, group, tier))
 
 
-def _profile(captured: Any, config: ParallelConfig, spec: HardwareSpec, blocks: int, k: int = 1) -> StageProfile:
+def _profile(
+    captured: Any, config: ParallelConfig, spec: HardwareSpec, blocks: int, k: int = 1, activation_microbatches: int = 1
+) -> StageProfile:
     """Per-microbatch figures of a capture of ``k`` microbatches (per-step ones: optimizer, data-parallel comm)."""
     from memfit.types import Phase
 
@@ -385,7 +435,7 @@ def _profile(captured: Any, config: ParallelConfig, spec: HardwareSpec, blocks: 
     regions = peak_regions(captured)
     return StageProfile(
         peak_by_category={k: float(memory.peak_by_category.get(k, 0)) for k in CATEGORIES},
-        activation_bytes=float(memory.activation_bytes) / k,
+        activation_bytes=float(memory.activation_bytes) / activation_microbatches,
         forward_s=fwd / k,
         backward_s=bwd / k,
         recompute_s=rec / k,
@@ -461,6 +511,26 @@ def in_flight(config: ParallelConfig, rank: int) -> float:
         return float(min(m, pp - rank))
     chunks = min(m * v, (v - 1) * pp + 2 * (pp - 1 - rank) + 1)
     return chunks / v
+
+
+def m_total(config: ParallelConfig) -> int:
+    """Microbatches per step (1 without a pipeline)."""
+    return config.microbatches if config.pp > 1 else 1
+
+
+def receive_buffers(config: ParallelConfig, rank: int) -> int:
+    """Receive buffers pipeline rank ``rank`` holds through a step, each one microbatch of hidden states.
+
+    torch.distributed.pipelining allocates one per microbatch for each stage's input
+    (all stages but the first) and for its output's gradient (all but the last). The capture holds its
+    own stage's (the first stage's gradient buffers, the last stage's input buffers), one per captured
+    microbatch; an interleaved rank's further stages hold more.
+    """
+    if config.pp == 1:
+        return 0
+    stages = [rank + k * config.pp for k in range(config.stages_per_rank)]
+    last = config.stages - 1
+    return config.microbatches * sum((s > 0) + (s < last) for s in stages)
 
 
 def _dp_exposed(profile: StageProfile, config: ParallelConfig) -> float:
@@ -547,10 +617,16 @@ def assemble(
         notes.append(f"{spec.name} has no link figures: communication is not timed")
     # memory: the rank with the highest peak once its in-flight microbatches are counted
     peaks = {}
+    buffer_bytes = 0
+    if config.pp > 1:  # one microbatch of the activations between stages (sequence shards under TP)
+        itemsize = torch.empty(0, dtype=getattr(torch, config.param_dtype)).element_size()
+        local_seq = workload.seq_len // config.cp // config.tp
+        buffer_bytes = (config.local_batch(workload) // m_total(config)) * local_seq * llama.dim * itemsize
     for rank, p in stages.items():
         extra = max(in_flight(config, rank) - p.captured_microbatches, 0.0) * p.activation_bytes
         cats = dict(p.peak_by_category)
         cats["activation"] = cats["activation"] + extra
+        cats["input"] = cats["input"] + max(receive_buffers(config, rank) - p.captured_microbatches, 0) * buffer_bytes
         peaks[rank] = {k: int(round(v)) for k, v in cats.items()}
     worst = max(peaks, key=lambda r: sum(peaks[r].values()))
     # time

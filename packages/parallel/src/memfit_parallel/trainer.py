@@ -231,7 +231,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--capacity", default=DEFAULT_CAPACITY, help="cpu-sim capacity per rank (CPU only)")
     parser.add_argument("--report", help="write the JSON report here (rank 0)")
-    parser.add_argument("--sac-plan", help='memfit plan whose recompute actions activation_checkpoint="sac" applies')
+    parser.add_argument(
+        "--sac-plan",
+        help='memfit plan whose recompute actions activation_checkpoint="sac" applies instead of the op-level policy',
+    )
     args = parser.parse_args(argv)
 
     import torch
