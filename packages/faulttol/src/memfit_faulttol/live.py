@@ -90,7 +90,7 @@ class LiveOptions:
     failure_rate: float = 0.1054
     capacity_bytes: float = 4 * 2**30
     plugins: list[str] = field(default_factory=list)
-    """Extra plugins (module names or .py files) registered after the installed ones: their ``on_fault`` answers first."""
+    """Extra plugins (module names or .py files) registered after the installed ones (their ``on_fault`` goes first)."""
 
     @property
     def micro_batch_size(self) -> int:
@@ -122,9 +122,7 @@ class LiveOptions:
         if self.micro_batches < 1 or self.batch % max(self.micro_batches, 1):
             out.append(f"--micro-batches {self.micro_batches} must divide --batch {self.batch}")
         elif self.stages >= 1 and self.micro_batches < self.nproc // self.stages:
-            out.append(
-                f"--micro-batches {self.micro_batches} cannot keep {self.nproc // self.stages} pipelines busy"
-            )
+            out.append(f"--micro-batches {self.micro_batches} cannot keep {self.nproc // self.stages} pipelines busy")
         if self.steps < 1:
             out.append(f"--steps must be at least 1 (got {self.steps})")
         for uid, step in sorted(self.kills.items()):
@@ -147,12 +145,15 @@ class LiveOptions:
 
 def module_names(first: int, stop: int, layers: int) -> list[str]:
     """The modules a stage holding blocks ``first .. stop-1`` runs, in model order."""
-    return (["embed"] if first == 0 else []) + [f"layer{i}" for i in range(first, stop)] + (
-        ["head"] if stop == layers else []
+    return (
+        (["embed"] if first == 0 else [])
+        + [f"layer{i}" for i in range(first, stop)]
+        + (["head"] if stop == layers else [])
     )
 
 
 def all_module_names(layers: int) -> list[str]:
+    """Every module of the model, in model order."""
     return module_names(0, layers, layers)
 
 

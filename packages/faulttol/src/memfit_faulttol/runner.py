@@ -136,9 +136,7 @@ def launch_live(
                 for uid, code in bad.items()
             )
             raise MemfitError(f"the live run failed:\n{tails}")
-        reports = {
-            int(path.stem.split("-")[1]): json.loads(path.read_text()) for path in run_dir.glob("report-*.json")
-        }
+        reports = {int(path.stem.split("-")[1]): json.loads(path.read_text()) for path in run_dir.glob("report-*.json")}
         ledger = []
         for path in sorted(run_dir.glob("ledger-*.jsonl")):
             ledger += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
