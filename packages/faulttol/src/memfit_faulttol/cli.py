@@ -15,7 +15,7 @@ _PRESETS = ("tiny", "small", "medium", "llama2-7b", "llama3-8b")
 
 @click.group()
 def faulttol() -> None:
-    """Adaptive fault tolerance (Chameleon): simulate policies, plan recoveries."""
+    """Adaptive fault tolerance (Chameleon): simulate policies (simulate), recover a live run (run)."""
 
 
 @faulttol.command()
@@ -216,7 +216,23 @@ def run(
         "ledger": ledger_summary(result.ledger),
         "ledger_problems": problems,
         "recoveries": [
-            {k: r.get(k) for k in ("step", "failed", "strategy", "handler", "plan", "devices", "moves", "recovery_s")}
+            {
+                k: r.get(k)
+                for k in (
+                    "step",
+                    "failed",
+                    "strategy",
+                    "handler",
+                    "note",
+                    "plan",
+                    "devices",
+                    "failed_slots",
+                    "members",
+                    "candidates",
+                    "moves",
+                    "recovery_s",
+                )
+            }  # fmt: skip
             for r in result.recoveries
         ],
         "seconds": result.seconds,
@@ -229,9 +245,13 @@ def run(
         click.echo(f"\nfault-free plan: {out['initial_plan']}; {final}")
         for r in out["recoveries"]:
             moved = ", ".join(f"{name} {sender}->{receiver}" for name, receiver, sender in r["moves"]) or "nothing"
+            if r["failed_slots"]:
+                where = f"slots (pipeline, stage) {[tuple(x) for x in r['failed_slots']]} rerouted to their replicas"
+            else:
+                where = f"on devices {r['devices']}"
             click.echo(
                 f"step {r['step']}: lost rank(s) {r['failed']} -> {r['strategy']} by {r['handler']}: {r['plan']} "
-                f"on devices {r['devices']}; moved {moved}; recovery (kill -> first completed step) "
+                f"{where}; survivors {r['members']}; moved {moved}; recovery (kill -> first completed step) "
                 f"{r['recovery_s']:.2f} s"
             )
         click.echo(f"{'step':>4s} {'loss':>12s} {'oracle':>12s}  micro-batches committed / discarded")
