@@ -230,6 +230,8 @@ def run(
                     "members",
                     "candidates",
                     "moves",
+                    "detected_s",
+                    "decided_s",
                     "recovery_s",
                 )
             }  # fmt: skip
@@ -251,8 +253,11 @@ def run(
                 where = f"on devices {r['devices']}"
             click.echo(
                 f"step {r['step']}: lost rank(s) {r['failed']} -> {r['strategy']} by {r['handler']}: {r['plan']} "
-                f"{where}; survivors {r['members']}; moved {moved}; recovery (kill -> first completed step) "
-                f"{r['recovery_s']:.2f} s"
+                f"{where}; survivors {r['members']}; moved {moved}"
+            )
+            click.echo(
+                f"  kill -> detected {r['detected_s']:.2f} s -> decided and moved {r['decided_s']:.2f} s -> "
+                f"first completed step {r['recovery_s']:.2f} s (the recovery time)"
             )
         click.echo(f"{'step':>4s} {'loss':>12s} {'oracle':>12s}  micro-batches committed / discarded")
         for step, loss in enumerate(out["losses"]):

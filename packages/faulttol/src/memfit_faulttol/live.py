@@ -305,6 +305,9 @@ class Worker:
         )  # fmt: skip
         self.planner = Planner(self.profile, micro_batches=options.micro_batches)
         self.state = self.planner.initial_state(range(options.nproc), stages=options.stages)
+        # Algorithm 1's cache, filled before training as the paper does: a fault only looks plans up
+        self.planner.precompute(options.nproc, self.state.plan.dp, options.nproc - 1)
+        self.initial_plan = self.state.plan.describe()
         mine = held_modules(self.state, self.layers)[uid]
         self.modules = initial_modules(self.config, options.seed, mine)
         self.optimizers = {n: self._optimizer(m) for n, m in self.modules.items()}
@@ -328,7 +331,12 @@ class Worker:
 
     @staticmethod
     def _warm_up() -> None:
-        """The first AdamW step imports torch._dynamo (seconds on a busy machine): not inside a timed step."""
+        """Imports that take seconds on a busy machine, done before the clock matters.
+
+        The first AdamW step imports torch._dynamo; the restorer imports scipy.optimize.
+        """
+        import memfit_faulttol.restorer  # noqa: F401
+
         p = nn.Parameter(torch.zeros(1))
         p.grad = torch.zeros(1)
         torch.optim.AdamW([p], foreach=False).step()
@@ -647,6 +655,8 @@ class Worker:
                 kills = recovering.get("killed_at") or {}
                 since = min(kills.values()) if kills else recovering["detected_at"]
                 recovering["recovery_s"] = recovering["first_step_at"] - since
+                recovering["detected_s"] = recovering["detected_at"] - since
+                recovering["decided_s"] = recovering["decided_at"] - since
                 recovering = None
             if self.rank_of(self.uid) == 0:
                 print(f"[gen {self.generation}] step {self.step - 1}: loss {loss:.6f}", flush=True)
@@ -654,8 +664,7 @@ class Worker:
             "uid": self.uid, "losses": self.losses, "recoveries": self.recoveries, "seconds": time.time() - started,
             "final_plan": self.state.plan.describe(), "final_devices": list(self.state.plan.devices()),
             "final_failed_slots": sorted(self.state.failed_slots), "final_alive": self.members,
-            "initial_plan": self.planner.initial_state(range(self.options.nproc), stages=self.options.stages)
-            .plan.describe(),
+            "initial_plan": self.initial_plan,
         }  # fmt: skip
         (self.run_dir / f"report-{self.uid}.json").write_text(json.dumps(report, indent=1, default=str))
         dist.barrier()
