@@ -511,9 +511,12 @@ class Worker:
         record = {"generation": self.generation, "step": self.step, "failed": failed, "reason": reason,
                   "detected_at": detected, "members": self.members}  # fmt: skip
         if not failed:  # a slow peer, not a dead one: the same layout again
-            self.state = old if set(old.alive) == alive else self.state
+            self.state = old
             record["decision"] = None
             self.recoveries.append(record)
+            retries = [r for r in self.recoveries if r["step"] == self.step and r.get("decision", True) is None]
+            if len(retries) > 2:  # the step fails with every worker alive: not a fault this engine can recover
+                raise MemfitError(f"step {self.step} failed {len(retries)} times with every worker alive: {reason}")
             return
         payload = [None]
         if self.rank_of(self.uid) == 0:
@@ -631,6 +634,7 @@ class Worker:
 
     # -- the run ----------------------------------------------------------------------------
     def run(self) -> dict:
+        print(f"[uid {self.uid}] pid {os.getpid()}", flush=True)
         self.heartbeat.start()
         self.join()
         started = time.time()
