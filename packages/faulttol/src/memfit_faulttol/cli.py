@@ -233,6 +233,7 @@ def run(
                     "detected_s",
                     "decided_s",
                     "recovery_s",
+                    "timed_from",
                 )
             }  # fmt: skip
             for r in result.recoveries
@@ -255,10 +256,16 @@ def run(
                 f"step {r['step']}: lost rank(s) {r['failed']} -> {r['strategy']} by {r['handler']}: {r['plan']} "
                 f"{where}; survivors {r['members']}; moved {moved}"
             )
-            click.echo(
-                f"  kill -> detected {r['detected_s']:.2f} s -> decided and moved {r['decided_s']:.2f} s -> "
-                f"first completed step {r['recovery_s']:.2f} s (the recovery time)"
-            )
+            if r["timed_from"] == "kill":
+                click.echo(
+                    f"  kill -> detected {r['detected_s']:.2f} s -> decided and moved {r['decided_s']:.2f} s -> "
+                    f"first completed step {r['recovery_s']:.2f} s (the recovery time)"
+                )
+            else:
+                click.echo(
+                    f"  killed from outside (no kill time): detected -> decided and moved {r['decided_s']:.2f} s "
+                    f"-> first completed step {r['recovery_s']:.2f} s"
+                )
         click.echo(f"{'step':>4s} {'loss':>12s} {'oracle':>12s}  micro-batches committed / discarded")
         for step, loss in enumerate(out["losses"]):
             row = out["ledger"].get(step, {})

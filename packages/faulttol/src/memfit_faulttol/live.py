@@ -478,15 +478,18 @@ class Worker:
         for optimizer in self.optimizers.values():
             optimizer.zero_grad(set_to_none=True)
 
+    def _stored_time(self, key: str) -> float | None:
+        # check first: a store's get() waits for a missing key until the store's timeout (minutes)
+        if not self.store.check([key]):
+            return None
+        return float(self.store.get(key).decode())
+
     def alive_now(self) -> set[int]:
         now = time.time()
         alive = set()
         for u in self.members:
-            try:
-                beat = float(self.store.get(f"hb/{u}").decode())
-            except Exception:  # noqa: BLE001 - a missing key is a dead worker
-                continue
-            if now - beat < self.options.stale_s:
+            beat = self._stored_time(f"hb/{u}")
+            if beat is not None and now - beat < self.options.stale_s:
                 alive.add(u)
         return alive
 
@@ -541,13 +544,9 @@ class Worker:
             failed_slots=sorted(decision.state.failed_slots), candidates=decision.candidates,
             moves=[list(m) for m in moves], decided_at=time.time(),
         )  # fmt: skip
-        kills = {}
-        for u in failed:
-            try:
-                kills[u] = float(self.store.get(f"kill/{u}").decode())
-            except Exception:  # noqa: BLE001 - killed from outside: no time recorded
-                pass
-        record["killed_at"] = kills
+        # a worker killed from outside left no time: the recovery is then timed from the detection
+        kills = {u: self._stored_time(f"kill/{u}") for u in failed}
+        record["killed_at"] = {u: t for u, t in kills.items() if t is not None}
         self.recoveries.append(record)
 
     def _executable(self, response, old: ClusterState, failed: list[int]) -> dict:
@@ -658,6 +657,7 @@ class Worker:
                 recovering["first_step_at"] = time.time()
                 kills = recovering.get("killed_at") or {}
                 since = min(kills.values()) if kills else recovering["detected_at"]
+                recovering["timed_from"] = "kill" if kills else "detection (killed from outside: no kill time)"
                 recovering["recovery_s"] = recovering["first_step_at"] - since
                 recovering["detected_s"] = recovering["detected_at"] - since
                 recovering["decided_s"] = recovering["decided_at"] - since
