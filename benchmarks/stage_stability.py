@@ -184,8 +184,11 @@ def main() -> None:
                 "stable_fraction_min": min(r["stable_fraction"] for r in runs),
                 "detailed_fraction": statistics.mean(r["detailed_fraction"] for r in runs),
                 "plans": statistics.mean(r["plans"] for r in runs),
-                "replan_iterations": max((r["replan_iterations"] for r in runs if "replan_iterations" in r),
-                                         default=None, key=lambda x: -1 if x is None else x),  # fmt: skip
+                "replan_iterations": max(
+                    (r["replan_iterations"] for r in runs if "replan_iterations" in r),
+                    default=None,
+                    key=lambda x: -1 if x is None else x,
+                ),  # fmt: skip
             }
             results.append(row)
             replan = "-" if row["replan_iterations"] is None else str(row["replan_iterations"])

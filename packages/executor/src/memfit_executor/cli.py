@@ -74,9 +74,7 @@ def run(backend, budget, report_path, matcher, release_mode, planner, adapt, ver
     if verbose:
         logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
-        session = SwapSession(
-            budget, backend, matcher=matcher, release_mode=release_mode, planner=planner, adapt=adapt
-        )
+        session = SwapSession(budget, backend, matcher=matcher, release_mode=release_mode, planner=planner, adapt=adapt)
     except MemfitError as exc:  # an unknown planner: before the script runs
         raise click.ClickException(str(exc)) from exc
     failure: MemfitError | None = None

@@ -100,9 +100,7 @@ def _grams(tokens: np.ndarray) -> np.ndarray:
     buckets = np.uint64(NGRAM_BUCKETS)
     counts = np.zeros(2 * NGRAM_BUCKETS)
     counts[:NGRAM_BUCKETS] = np.bincount(((two >> np.uint64(17)) % buckets).astype(np.int64), minlength=NGRAM_BUCKETS)
-    counts[NGRAM_BUCKETS:] = np.bincount(
-        ((three >> np.uint64(17)) % buckets).astype(np.int64), minlength=NGRAM_BUCKETS
-    )
+    counts[NGRAM_BUCKETS:] = np.bincount(((three >> np.uint64(17)) % buckets).astype(np.int64), minlength=NGRAM_BUCKETS)
     return counts
 
 
