@@ -28,6 +28,11 @@ EXPECTED_OUTPUT = {
         "decision: reparallelize",
         "adaptive vs always-reconfigure",
     ],
+    "recover_a_live_run.py": [
+        "ledger: every sample trained exactly once: True",
+        "losses match the one-process oracle: True",
+        "decision at step 2: reparallelize by memfit-faulttol",
+    ],
     "simulate_your_model.py": ["prediction off by", "does NOT fit in 80 GiB", "1436 of 1436 operators attributed"],
 }
 

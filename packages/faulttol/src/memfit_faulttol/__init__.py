@@ -8,9 +8,12 @@
 * :mod:`memfit_faulttol.restorer` — Kuhn–Munkres weight transfer, optimizer-state sources,
   graph-coloured asymmetric gradient synchronisation;
 * :mod:`memfit_faulttol.cluster` — the event-driven cluster simulator and the four policies;
-* ``memfit faulttol simulate``.
+* :mod:`memfit_faulttol.live` / :mod:`memfit_faulttol.runner` — a live pipeline × data-parallel
+  run whose survivors recover from killed workers without a restart, and its checks;
+* ``memfit faulttol simulate`` and ``memfit faulttol run``.
 
-Nothing here imports torch except :func:`memfit_faulttol.profile.profile_from_simulator`.
+Nothing imported here imports torch; :func:`memfit_faulttol.profile.profile_from_simulator`,
+:mod:`memfit_faulttol.live` and :mod:`memfit_faulttol.runner` need it.
 """
 
 from memfit_faulttol.__about__ import __version__

@@ -346,6 +346,7 @@ class Planner:
         allow_reroute: bool = True,
         allow_reparallelize: bool = True,
         optimal_mapping: bool = True,
+        live_copies_only: bool = False,
     ) -> Decision:
         """The decision function: on the failure of ``failed``, choose rerouting or re-parallelisation by Eq. 8.
 
@@ -356,6 +357,10 @@ class Planner:
         interval to the next fault is ``1 / (λ̂ · N_alive)`` where λ̂ is the observed rate
         (``failures_seen / device_hours``) once an hour of device time is observed, else
         ``rate_per_device_hour``.
+
+        ``live_copies_only``: the job has no checkpoint to read lost layers from (a live run,
+        :mod:`memfit_faulttol.live`), so a re-parallelisation is a candidate only when every layer
+        it moves has a surviving copy (no :class:`~memfit_faulttol.restorer.Transfer` without a sender).
 
         Raises:
             MemfitError: neither strategy is possible (no plan fits the alive devices and some stage
@@ -388,6 +393,8 @@ class Planner:
                 options.append((score, Decision(Strategy.REROUTE, rerouted, step, 0.0, score)))
         if allow_reparallelize:
             found = self.reparallelize(state, alive, optimal_mapping=optimal_mapping)
+            if found is not None and live_copies_only and any(t.sender is None for t in found[1]):
+                found = None
             if found is not None:
                 plan, transfers, trans_s = found
                 new = ClusterState(alive, plan, frozenset(), Strategy.REPARALLELIZE, seen, state.device_hours)
@@ -398,8 +405,9 @@ class Planner:
                     (score, Decision(Strategy.REPARALLELIZE, new, step, trans_s, score, transfers=tuple(transfers)))
                 )
         if not options:
+            lost = "; no survivor holds some layer (they need a checkpoint)" if live_copies_only else ""
             raise MemfitError(
-                f"no recovery for {len(alive)} alive devices: rerouting lost a whole stage and no plan fits; "
+                f"no recovery for {len(alive)} alive devices: rerouting lost a whole stage and no plan fits{lost}; "
                 "restart from a checkpoint with more devices"
             )
         # ties favour rerouting (listed first): no transition for the same objective
@@ -417,8 +425,11 @@ class FaultContext:
         planner: the job's planner (its profile, global batch and plan cache).
         state: the cluster state before the fault.
         rate_per_device_hour: the prior failure rate λ (per device-hour) for the time to the next fault.
+        live_copies_only: no checkpoint to read lost layers from: only recoveries whose weights all
+            come from survivors are candidates (``Planner.decide(live_copies_only=True)``).
     """
 
     planner: Planner
     state: ClusterState
     rate_per_device_hour: float = 0.1054
+    live_copies_only: bool = False

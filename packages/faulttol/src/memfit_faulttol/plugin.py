@@ -28,7 +28,12 @@ def on_fault(event):
         return None
     from memfit.types import FaultResponse
 
-    decision = context.planner.decide(context.state, event.ranks, rate_per_device_hour=context.rate_per_device_hour)
+    decision = context.planner.decide(
+        context.state,
+        event.ranks,
+        rate_per_device_hour=context.rate_per_device_hour,
+        live_copies_only=context.live_copies_only,
+    )
     note = (
         f"{decision.strategy.value}: step {decision.step_s:.3f} s, transition {decision.transition_s:.2f} s, "
         f"plan {decision.plan.describe()}"

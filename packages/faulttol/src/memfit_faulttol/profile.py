@@ -189,3 +189,51 @@ def profile_from_simulator(
         devices_per_server=spec.devices_per_node,
         source=f"memfit-simulator: {model}, seq {seq}, {dtype}, {optimizer}, micro-batch 1, on {spec.name}",
     )
+
+
+def profile_from_config(
+    config,
+    *,
+    seq: int,
+    samples_per_micro_batch: int,
+    capacity_bytes: float,
+    flops_per_s: float = 1e10,
+    bytes_per_element: int = 4,
+) -> LayerProfile:
+    """A per-block profile of the reference Llama ``config`` from its shapes, in microseconds of arithmetic.
+
+    What a live run (:mod:`memfit_faulttol.live`) plans with: deterministic, so every survivor
+    and a test recomputing a decision get the same one. Forward time is ``2 · parameters · tokens
+    + 4 · tokens · seq · dim`` FLOPs (matmuls and attention) at ``flops_per_s`` (an assumed CPU
+    rate, not a measurement), backward twice that; parameters in ``bytes_per_element``, AdamW's
+    two states, activations of one micro-batch per block ``(10·dim + 3·ffn)`` values per token
+    plus the attention scores. The embedding and the norm + LM head (with their gradients and
+    AdamW states, and the logits) are the first and last stages' extra bytes.
+    """
+    if seq < 1 or samples_per_micro_batch < 1:
+        raise MemfitError("seq and samples_per_micro_batch must be at least 1")
+    dim, ffn = config.dim, config.ffn_dim
+    kv = config.n_kv_heads * config.head_dim
+    block_params = dim * dim * 2 + dim * kv * 2 + 3 * dim * ffn + 2 * dim
+    tokens = seq * samples_per_micro_batch
+    forward_flops = 2 * block_params * tokens + 4 * tokens * seq * dim
+    activations = tokens * (10 * dim + 3 * ffn) + samples_per_micro_batch * config.n_heads * seq * seq
+    embed = config.vocab_size * dim
+    head = config.vocab_size * dim + dim
+    item = bytes_per_element
+    return LayerProfile.uniform(
+        config.n_layers,
+        forward_s=forward_flops / flops_per_s,
+        backward_s=2 * forward_flops / flops_per_s,
+        param_bytes=block_params * item,
+        optimizer_bytes=2 * block_params * item,
+        activation_bytes=activations * item,
+        capacity_bytes=capacity_bytes,
+        first_stage_bytes=embed * item * 4,
+        last_stage_bytes=head * item * 4 + 2 * tokens * config.vocab_size * item,
+        boundary_bytes=tokens * dim * item,
+        samples_per_micro_batch=samples_per_micro_batch,
+        tokens_per_sample=seq,
+        devices_per_server=1 << 20,
+        source=f"shapes of the reference Llama ({config.n_layers} blocks, dim {dim}), {flops_per_s:.0e} FLOP/s assumed",
+    )
