@@ -42,7 +42,8 @@ def faulttol() -> None:
 )
 @click.option(
     "--reroute-model", type=click.Choice(["pipeline", "eq13"]), default="pipeline", show_default=True,
-    help="How the planner estimates rerouted states: the pipeline recurrence (within 7% of the event simulation) or Eq. 13 (the paper's).",
+    help="How the planner estimates rerouted states: the pipeline recurrence (within 7% of the event "
+    "simulation) or Eq. 13 (the paper's).",
 )  # fmt: skip
 @click.option(
     "--plot", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Throughput over time (PNG)."
