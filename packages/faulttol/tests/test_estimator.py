@@ -82,7 +82,7 @@ def test_state_estimate_uses_eq13_for_symmetric_plans(unit_profile):
     profile = unit_profile(8)
     plan = _symmetric(4, 4, 2, 8)
     state = ClusterState(frozenset(range(16)) - {5}, plan, frozenset({(1, 1)}))
-    est = estimate_state(profile, state)
+    est = estimate_state(profile, state, reroute_model="eq13")
     assert est.compute_s == pytest.approx(reroute_step_seconds(4, 8, 4, {1: 1}, 2.0, 4.0))
     assert est.sync_s == estimate_plan(profile, plan).sync_s
 
@@ -100,7 +100,7 @@ def test_pipeline_reroute_model_inflates_the_replicas(unit_profile):
     f = [2 * c for c in factors[0]]
     assert est.compute_s == pytest.approx(pipeline_seconds(f, [2 * x for x in f], 8))
     # Eq. 13 adds the two stages' extra work; the pipeline overlaps it, so it is never slower
-    assert est.compute_s <= estimate_state(profile, state).compute_s
+    assert est.compute_s <= estimate_state(profile, state, reroute_model="eq13").compute_s
     with pytest.raises(MemfitError, match="unknown reroute model"):
         estimate_state(profile, state, reroute_model="magic")
 

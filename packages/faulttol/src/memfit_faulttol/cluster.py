@@ -514,7 +514,7 @@ def simulate_cluster(
     stages: int | None = 4,
     repair_hours: float | None = None,
     restart_s: float = 1.93,
-    reroute_model: str = "eq13",
+    reroute_model: str = "pipeline",
     policies: tuple[str, ...] = POLICIES,
     progress: Callable[[str], None] | None = None,
 ) -> SimulationSummary:

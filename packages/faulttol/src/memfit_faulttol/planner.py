@@ -193,8 +193,9 @@ class Planner:
         restart_s: fixed restart cost of a re-parallelisation (communicators, runtime), seconds;
             the default, 1.93 s, is what the paper's Fig. 10 leaves of an 11.2 s recovery once its
             weight transfer (3.0 s saved = 32.35 % of it, so 9.27 s) is taken out.
-        reroute_model: how rerouted states are estimated (``"eq13"``, the paper; or ``"pipeline"``;
-            see :func:`memfit_faulttol.estimator.estimate_state`).
+        reroute_model: how rerouted states are estimated (``"pipeline"``, the default, within 7% of
+            the event simulation; or ``"eq13"``, the paper's, up to 139% above it when several
+            stages lost a replica; see :func:`memfit_faulttol.estimator.estimate_state`).
     """
 
     def __init__(
@@ -206,7 +207,7 @@ class Planner:
         dp_radius: int = 1,
         max_spread: int = 2,
         restart_s: float = 1.93,
-        reroute_model: str = "eq13",
+        reroute_model: str = "pipeline",
     ) -> None:
         if micro_batches < 1:
             raise MemfitError(f"the global batch needs at least one micro-batch, got {micro_batches}")
