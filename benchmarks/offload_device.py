@@ -89,7 +89,7 @@ def main() -> None:
     results: dict[str, dict] = {}
     eager_losses: list[float] = []
     eager_params: list = []
-    with device_backend.activate() if hasattr(device_backend, "activate") else _nothing():
+    with device_backend.activate():
         # one run at a time, each freed before the next, so each peak is that run's alone
         for mode in (None, *MODES):
             torch._dynamo.reset()
@@ -157,14 +157,6 @@ def main() -> None:
 def _device_name(device_backend) -> str:
     module = getattr(device_backend, "module", None)
     return module.get_device_name(device_backend.device) if module is not None else "cpu-sim"
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 if __name__ == "__main__":

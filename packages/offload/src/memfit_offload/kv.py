@@ -298,7 +298,7 @@ class KVOffload(KVCacheHooks):
             return
         self._grow(cache, state, layer_state, full)
         backend = self.backend
-        stream = self._copy_stream_after_compute()  # the blocks have been written
+        stream = copy_stream_after_compute(self.backend)  # the blocks have been written
         blocks = cache.blocks(layer)
         reading: list[torch.Tensor] = []
         event = None
@@ -365,7 +365,7 @@ class KVOffload(KVCacheHooks):
             return
         buffer = torch.empty((blocks, 2, *cache.block_shape), dtype=cache.dtype, device=cache.device)
         # the buffer may reuse memory the compute stream has just freed: copy after its pending work
-        stream = self._copy_stream_after_compute()
+        stream = copy_stream_after_compute(self.backend)
         event = None
         for segment in layer.segments:
             count = min(segment.capacity, blocks - segment.start)
@@ -376,9 +376,6 @@ class KVOffload(KVCacheHooks):
         layer.prefetch = _Prefetch(buffer, event)
         self._prefetches += 1
         self._prefetched_bytes += buffer.numel() * buffer.element_size()
-
-    def _copy_stream_after_compute(self) -> Any:
-        return copy_stream_after_compute(self.backend)
 
     def _release_stored(self) -> None:
         """Drop the device blocks of every completed store (in order: one copy stream completes in order)."""

@@ -205,15 +205,15 @@ class OffloadRuntime:
         return returned
 
     def release(self, x: torch.Tensor, host: torch.Tensor) -> None:
-        with self._lock:
-            event = self._stored.get(_storage_key(host))
-        if event is not None and not event.query() and self.wait_for_stores:
-            start = time.perf_counter()
-            event.synchronize()
-            self.stats.exposed_seconds += time.perf_counter() - start
-        with self._lock:
+        # the store holds x until its copy is done; waiting here frees it at the release itself
+        if self.wait_for_stores:
+            with self._lock:
+                event = self._stored.get(_storage_key(host))
             if event is not None and not event.query():
-                self._held.append((event, x))  # freed once the store has read it
+                start = time.perf_counter()
+                event.synchronize()
+                self.stats.exposed_seconds += time.perf_counter() - start
+        with self._lock:
             self._prune()
         if self.debug:
             self.released[_storage_key(x)] = (x, _storage_key(host))

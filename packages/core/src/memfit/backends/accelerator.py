@@ -244,7 +244,6 @@ class AcceleratorBackend(Backend):
             device.copy_(host, non_blocking=True)
         self.synchronize()
         measured = 5 * nbytes / (time.perf_counter() - start)
-        del device
         if nbytes == full:
             known[key] = measured
             cache.parent.mkdir(parents=True, exist_ok=True)
