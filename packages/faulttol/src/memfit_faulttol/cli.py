@@ -181,7 +181,8 @@ def run(
     options = LiveOptions(
         nproc=nproc, stages=stages, model=model, n_layers=n_layers, batch=batch, micro_batches=micro_batches,
         seq=seq, steps=steps, seed=seed, lr=lr, kills=_parse_kills(kills), pg_timeout_s=pg_timeout,
-        heartbeat_s=heartbeat, stale_s=stale, failure_rate=failure_rate, plugins=[str(p) for p in plugins],
+        heartbeat_s=heartbeat, stale_s=stale, failure_rate=failure_rate,
+        plugins=[str(Path(p).resolve()) if p.endswith(".py") else p for p in plugins],
     )  # fmt: skip
     problems = options.problems()
     if failure_rate <= 0:
@@ -191,7 +192,6 @@ def run(
             problems.append(f"--plugin {plugin}: no such file")
     if problems:
         raise click.UsageError("; ".join(problems))
-    options.plugins = [str(Path(p).resolve()) if p.endswith(".py") else p for p in options.plugins]
     say = (lambda line: None) if as_json else click.echo
     say(
         f"launching {nproc} workers; kills: "

@@ -50,7 +50,7 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -172,23 +172,27 @@ def routes(state: ClusterState) -> list[tuple[int, list[tuple[int, int, int]]]]:
     out = []
     for k, p in enumerate(plan.pipelines):
         turns = {}
+        peers = {}  # a failed stage's live replicas, the same for each of its micro-batches
+        for s, (a, b) in enumerate(p.ranges()):
+            if (k, s) not in failed:
+                continue
+            peers[s] = [
+                q.devices[t]
+                for j, q in enumerate(plan.pipelines)
+                for t, r in enumerate(q.ranges())
+                if r == (a, b) and (j, t) not in failed and q.devices[t] in state.alive
+            ]
+            if not peers[s]:
+                raise MemfitError(f"stage {s} of pipeline {k} has no live replica to reroute to")
         for _ in range(p.micro_batches):
             hops = []
             for s, (a, b) in enumerate(p.ranges()):
                 if (k, s) not in failed:
                     hops.append((p.devices[s], a, b))
                     continue
-                peers = [
-                    q.devices[t]
-                    for j, q in enumerate(plan.pipelines)
-                    for t, r in enumerate(q.ranges())
-                    if r == (a, b) and (j, t) not in failed and q.devices[t] in state.alive
-                ]
-                if not peers:
-                    raise MemfitError(f"stage {s} of pipeline {k} has no live replica to reroute to")
                 turn = turns.get(s, 0)
                 turns[s] = turn + 1
-                hops.append((peers[turn % len(peers)], a, b))
+                hops.append((peers[s][turn % len(peers[s])], a, b))
             out.append((k, hops))
     return out
 
@@ -299,11 +303,11 @@ class Worker:
         self.config = options.model_config()
         self.layers = self.config.n_layers
         self.store = dist.FileStore(str(run_dir / "store"), -1)
-        self.profile = profile_from_config(
+        profile = profile_from_config(
             self.config, seq=options.seq, samples_per_micro_batch=options.micro_batch_size,
             capacity_bytes=options.capacity_bytes,
         )  # fmt: skip
-        self.planner = Planner(self.profile, micro_batches=options.micro_batches)
+        self.planner = Planner(profile, micro_batches=options.micro_batches)
         self.state = self.planner.initial_state(range(options.nproc), stages=options.stages)
         # Algorithm 1's cache, filled before training as the paper does: a fault only looks plans up
         self.planner.precompute(options.nproc, self.state.plan.dp, options.nproc - 1)
@@ -370,7 +374,7 @@ class Worker:
         """One step of the global batch over the current state; raises :class:`StepFailed` on a peer's failure."""
         try:
             return self._train_step()
-        except (RuntimeError, dist.DistBackendError) as exc:
+        except RuntimeError as exc:  # gloo's errors, DistBackendError included
             raise StepFailed(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from exc
 
     def _train_step(self) -> float:
@@ -400,11 +404,12 @@ class Worker:
                     y = targets[mb * mbs : (mb + 1) * mbs]
                     loss = F.cross_entropy(out.flatten(0, 1).float(), y.flatten())
                     out = loss / count
-                    loss_sum += float(loss.detach())
+                    value = float(loss.detach())
+                    loss_sum += value
                     self.pending.append(
                         {"step": step, "mb": mb, "samples": [mb * mbs, (mb + 1) * mbs], "device": me,
                          "pipeline": pipeline, "route": [h[0] for h in hops], "generation": self.generation,
-                         "loss": float(loss.detach())}
+                         "loss": value}
                     )  # fmt: skip
                 saved[(mb, s)] = (x, out)
         for mb in reversed(range(len(plan))):
@@ -508,7 +513,7 @@ class Worker:
         failed = sorted(set(self.members) - alive)
         old = self.state
         self.generation += 1
-        self.state = ClusterState(frozenset(alive), old.plan, old.failed_slots, old.strategy, old.failures_seen)
+        self.state = replace(old, alive=frozenset(alive))
         self.join()
         self._check_agreement()
         record = {"generation": self.generation, "step": self.step, "failed": failed, "reason": reason,
