@@ -286,6 +286,80 @@ def test_weights_missing_from_the_full_state_dict_are_named_not_left_uninitialis
         model.load_weights(full)
 
 
+class _Rotary(nn.Module):
+    """A rotary-like table kept as a non-persistent buffer (computed at build, in no state dict)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(dim) / dim), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.cos(self.inv_freq)
+
+
+class _Nested(nn.Module):
+    """Blocks nested one level down (``body.blocks``) and sliced in forward, as transformers models do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Module()
+        self.body.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+        self.rotary = _Rotary(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.body.blocks[:3]:
+            x = torch.tanh(block(self.rotary(x)))
+        return x
+
+
+def test_a_nested_model_with_non_persistent_buffers_computes_what_it_computes_alone(world_of_one):
+    from memfit_parallel.apply import ModelRecipe
+
+    recipe = ModelRecipe(build=_Nested, blocks="body.blocks", loss_fn=nn.functional.mse_loss)
+    x = torch.randn(4, 8)
+    torch.manual_seed(SEED)
+    want = _Nested()(x)  # the oracle: the model built and run without memfit
+    for config in (ParallelConfig(), ParallelConfig(activation_checkpoint="full")):
+        model = parallelize(recipe, config, device="cpu")
+        model.load_weights(recipe.full_state_dict(SEED))
+        assert torch.equal(model.parts[0](x), want), config.describe()
+    # a dict without the buffer (a checkpoint never holds one) is refused, not loaded half
+    full = recipe.full_state_dict(SEED)
+    del full["rotary.inv_freq"]
+    model = parallelize(recipe, ParallelConfig(), device="cpu")
+    with pytest.raises(MemfitError, match=r"non-persistent buffers \(rotary.inv_freq\)"):
+        model.load_weights(full)
+
+
+def test_a_blocks_path_that_names_no_container_says_which_exist(world_of_one):
+    from memfit_parallel.apply import ModelRecipe
+
+    with pytest.raises(MemfitError, match="does not name an nn.ModuleList.*body.blocks"):
+        parallelize(ModelRecipe(build=_Nested, blocks="blocks"), ParallelConfig(), device="cpu")
+
+
+def test_a_transformers_llama_built_from_its_config_computes_what_it_computes_alone(world_of_one):
+    """The model a transformers user has (rotary ``inv_freq`` non-persistent, blocks at ``model.layers``)."""
+    transformers = pytest.importorskip("transformers")
+    from memfit_parallel.apply import ModelRecipe
+
+    config = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32,
+    )  # fmt: skip
+    recipe = ModelRecipe(
+        build=lambda: transformers.LlamaForCausalLM(config),
+        blocks="model.layers",
+        loss_fn=lambda out, targets: nn.functional.cross_entropy(out.logits.flatten(0, 1), targets.flatten()),
+    )
+    tokens = torch.randint(0, 128, (2, 16))
+    torch.manual_seed(SEED)
+    want = transformers.LlamaForCausalLM(config)(tokens).logits
+    model = parallelize(recipe, ParallelConfig(activation_checkpoint="full"), device="cpu")
+    model.load_weights(recipe.full_state_dict(SEED))
+    assert torch.equal(model.parts[0](tokens).logits, want)
+
+
 def test_stages_split_the_blocks_evenly_first_stages_taking_the_rest():
     assert split_blocks(4, 2) == [range(0, 2), range(2, 4)]
     assert split_blocks(5, 3) == [range(0, 2), range(2, 4), range(4, 5)]

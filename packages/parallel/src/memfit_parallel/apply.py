@@ -52,6 +52,7 @@ import copy
 import importlib.util
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -74,8 +75,8 @@ class ModelRecipe:
         build: builds the whole model (deterministic given ``torch.manual_seed``). Called once under
             ``torch.device("meta")`` on every rank, and once for real on rank 0 for the weights.
         blocks: attribute of the model holding its repeated blocks (an ``nn.ModuleList`` or
-            ``nn.ModuleDict``): the units of the pipeline split, activation checkpointing and FSDP
-            wrapping.
+            ``nn.ModuleDict``), dotted when nested (``model.layers`` in a transformers causal LM):
+            the units of the pipeline split, activation checkpointing and FSDP wrapping.
         loss_fn: ``loss_fn(output, targets)``, the mean loss of a batch (or microbatch).
         tp_plan: ``parallelize_module`` plan for the modules outside the blocks (FQNs relative to
             the model; entries whose module a pipeline stage lacks are skipped).
@@ -86,9 +87,9 @@ class ModelRecipe:
             the stage's input to its output (the first stage gets the inputs, the last returns what
             ``loss_fn`` takes). It must keep parameter names as in the whole model (so the full
             state dict loads). ``None``: the model itself, which then cannot be pipelined.
-            Weights come from the state dict: a non-persistent buffer is left uninitialised by
-            :meth:`ParallelModel.load_weights` (compute such buffers in ``forward``, as the
-            reference Llama does its rotary tables).
+            Weights come from the state dict; non-persistent buffers (a rotary ``inv_freq``) too, as
+            :meth:`full_state_dict` includes them (:meth:`ParallelModel.load_weights` refuses a dict
+            without them rather than leave them uninitialised).
         shape: heads and layers, for the checks of :meth:`ParallelConfig.check` (optional).
         loss_parallel: the TP plan leaves the logits sharded on the vocabulary (a ``Shard(-1)``
             DTensor) and ``loss_fn`` runs, forward and backward, under torch's ``loss_parallel()``
@@ -105,10 +106,18 @@ class ModelRecipe:
     loss_parallel: bool = False
 
     def full_state_dict(self, seed: int = 0) -> dict[str, torch.Tensor]:
-        """The whole model's weights as ``torch.manual_seed(seed); build()`` makes them, on the CPU."""
+        """The whole model's weights as ``torch.manual_seed(seed); build()`` makes them, on the CPU.
+
+        Non-persistent buffers (a rotary embedding's ``inv_freq``) are included: a model built on
+        ``meta`` has no values for them, and :meth:`ParallelModel.load_weights` fills them from here.
+        """
         torch.manual_seed(seed)
         with torch.device("cpu"):
-            return self.build().state_dict()
+            model = self.build()
+        state = model.state_dict()
+        for name, buffer in model.named_buffers():
+            state.setdefault(name, buffer)
+        return state
 
 
 # -- the reference Llama ----------------------------------------------------------------------
@@ -267,6 +276,8 @@ class ParallelModel:
     recompute: list = field(default_factory=list)
     """With SAC: memfit-executor's handles of the recomputation applied to each part."""
     state_keys: set[str] = field(default_factory=set)
+    buffers: dict[str, tuple[nn.Module, str]] = field(default_factory=dict)
+    """This rank's non-persistent buffers: whole-model name -> (owning module, attribute)."""
     """The state-dict names this rank's parts hold (the whole model's names), for the load check."""
 
     @property
@@ -331,6 +342,29 @@ class ParallelModel:
             # a copy per part: loading replaces the dict's values by this part's (sharded) tensors
             full = dict(full_state_dict) if dist.get_rank() == 0 and full_state_dict is not None else {}
             set_model_state_dict(part, full, options=options)
+        self._load_buffers(full_state_dict)
+
+    def _load_buffers(self, full_state_dict: dict[str, torch.Tensor] | None) -> None:
+        """Fill the non-persistent buffers (no state dict loads them; ``to_empty`` left them empty) from rank 0."""
+        wanted: list[list[str] | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(wanted, sorted(self.buffers))
+        names = sorted({name for names in wanted for name in names or ()})
+        if not names:
+            return
+        values: list[Any] = [None]
+        if dist.get_rank() == 0:
+            lacking = [name for name in names if name not in full_state_dict]
+            values = [{name: full_state_dict[name].detach().cpu() for name in names if name in full_state_dict}]
+            values[0]["__lacking__"] = lacking
+        dist.broadcast_object_list(values, src=0)
+        if values[0]["__lacking__"]:
+            listed = ", ".join(values[0]["__lacking__"][:5])
+            raise MemfitError(
+                f"the full state dict lacks the model's non-persistent buffers ({listed}): a checkpoint never holds "
+                "them; make the dict with ModelRecipe.full_state_dict(), or add them from a model built on the CPU"
+            )
+        for name, (module, attr) in self.buffers.items():
+            module._buffers[attr] = values[0][name].to(self.device)
 
     def loss_context(self):
         """The context the loss runs in, forward and backward: ``loss_parallel()`` under TP when the recipe asks."""
@@ -433,7 +467,7 @@ def parallelize(
         torch.set_default_dtype(previous)
     actions = list(recompute or ()) if config.activation_checkpoint == "sac" else []
     _check_recompute_names(whole, actions)
-    blocks = getattr(whole, recipe.blocks)
+    blocks = get_blocks(whole, recipe.blocks)
     block_names = list(blocks.keys()) if isinstance(blocks, nn.ModuleDict) else [str(i) for i in range(len(blocks))]
 
     # 2. PP: looped placement, stage s on pipeline rank s % pp
@@ -449,12 +483,16 @@ def parallelize(
     parts = []
     for stage in stage_ids:
         model = copy.deepcopy(whole) if len(stage_ids) > 1 else whole
-        all_blocks = getattr(model, recipe.blocks)
+        if recipe.stage is None:  # no pipeline: the model keeps its own container (its forward may slice it)
+            parts.append(model)
+            continue
+        all_blocks = get_blocks(model, recipe.blocks)
         kept = nn.ModuleDict({block_names[i]: _block(all_blocks, block_names[i]) for i in ranges[stage]})
-        setattr(model, recipe.blocks, kept)
-        part = recipe.stage(model, stage == 0, stage == config.stages - 1) if recipe.stage else model
-        parts.append(part)
+        owner, _, attr = recipe.blocks.rpartition(".")
+        setattr(model.get_submodule(owner), attr, kept)
+        parts.append(recipe.stage(model, stage == 0, stage == config.stages - 1))
     state_keys = {name for part in parts for name in part.state_dict()}
+    buffers = {name: owner for part in parts for name, owner in _non_persistent_buffers(part).items()}
 
     handles = []
     for part in parts:
@@ -472,11 +510,43 @@ def parallelize(
 
     pm = ParallelModel(
         config=config, recipe=recipe, mesh=mesh, device=device, parts=parts, stage_ids=stage_ids, recompute=handles,
-        state_keys=state_keys,
+        state_keys=state_keys, buffers=buffers,
     )  # fmt: skip
     if config.pp > 1 and not given_stages:
         _build_pipeline(pm, mesh["pp"])
     return pm
+
+
+def get_blocks(model: nn.Module, path: str) -> nn.Module:
+    """The container of repeated blocks at ``path``: ``layers``, or dotted as in transformers (``model.layers``)."""
+    try:
+        blocks = model.get_submodule(path)
+    except AttributeError:
+        blocks = None
+    if not isinstance(blocks, (nn.ModuleList, nn.ModuleDict)):
+        found = [n for n, m in model.named_modules() if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and len(m)]
+        raise MemfitError(
+            f"ModelRecipe.blocks={path!r} does not name an nn.ModuleList or nn.ModuleDict of "
+            f"{type(model).__name__}; its block containers: {', '.join(found[:5]) or 'none'} "
+            "(a dotted path reaches nested ones, e.g. 'model.layers' for a transformers causal LM)"
+        )
+    return blocks
+
+
+def _non_persistent_buffers(part: nn.Module) -> dict[str, tuple[nn.Module, str]]:
+    """``part``'s non-persistent buffers by name (before wrapping, so names are the whole model's)."""
+    found = {}
+    for prefix, module in part.named_modules():
+        for attr in module._non_persistent_buffers_set:
+            if module._buffers.get(attr) is not None:
+                found[f"{prefix}.{attr}" if prefix else attr] = (module, attr)
+    return found
+
+
+def block_modules(model: nn.Module, path: str) -> list[nn.Module]:
+    """The blocks at ``path``, in order (a ModuleList's or a ModuleDict's)."""
+    blocks = get_blocks(model, path)
+    return list(blocks.values()) if isinstance(blocks, nn.ModuleDict) else list(blocks)
 
 
 def _block(blocks: nn.Module, name: str) -> nn.Module:
@@ -514,7 +584,7 @@ def _apply_tp(part: nn.Module, recipe: ModelRecipe, tp_mesh) -> None:
 
     if recipe.tp_plan:
         parallelize_module(part, tp_mesh, present(part, recipe.tp_plan))
-    for block in getattr(part, recipe.blocks).values():
+    for block in block_modules(part, recipe.blocks):
         if recipe.block_tp_plan:
             parallelize_module(block, tp_mesh, present(block, recipe.block_tp_plan))
     # activations between pipeline stages are sequence shards: a stage without the embeddings
@@ -562,7 +632,7 @@ def apply_ac(model: nn.Module, config: ParallelConfig, blocks_attr: str = "layer
         return
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 
-    blocks = getattr(model, blocks_attr)
+    blocks = get_blocks(model, blocks_attr)
     keys = list(blocks.keys()) if isinstance(blocks, nn.ModuleDict) else list(range(len(blocks)))
     for key in keys:
         if config.activation_checkpoint == "full":
@@ -599,7 +669,7 @@ def _apply_data_parallel(part: nn.Module, blocks_attr: str, config: ParallelConf
 
     dtype = getattr(torch, config.param_dtype)
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-    blocks = list(getattr(part, blocks_attr).values())
+    blocks = block_modules(part, blocks_attr)
     if config.dp_shard == 1:
         # plain DDP: FSDP2's replicate (whole parameters on every rank, gradients all-reduced per block)
         from torch.distributed._composable.replicate_with_fsdp import replicate
