@@ -42,10 +42,14 @@ MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 class Workload(MemfitModel):
-    """What is trained: a model (registry name or ``module:function``), the global batch and sequence length."""
+    """What is trained: a reference Llama preset, the global batch and sequence length."""
 
     model: str
-    """A model of the simulator's registry (``llama3-8b``, ``tiny``, ...) or ``package.module:function``."""
+    """A reference Llama preset (``llama3-8b``, ``tiny``, ...): what ``predict`` and the search capture.
+
+    A user's own model is parallelised with :func:`memfit_parallel.apply.parallelize` and a
+    ``ModelRecipe``; predicting it needs a capture of its forward, which the search does not take yet.
+    """
     global_batch: int = Field(ge=1)
     """Sequences per optimizer step over all data-parallel ranks."""
     seq_len: int = Field(ge=1)
