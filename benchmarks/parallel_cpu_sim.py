@@ -47,6 +47,7 @@ FOUR = [
     {"cp": 2, "tp": 2},
     {"cp": 2, "pp": 2, "microbatches": 2},
     {"dp_replicate": 2, "cp": 2},
+    {"cp": 2, "tp": 2, "activation_checkpoint": "sac", "sac_memory_fraction": 0.5},
 ]
 
 
