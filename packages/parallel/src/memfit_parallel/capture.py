@@ -153,7 +153,10 @@ class _ParallelRecorder(_Recorder):
             import torch.distributed as dist
             from torch.distributed.distributed_c10d import _resolve_process_group
 
-            group_size = dist.get_world_size(_resolve_process_group(group_name))
+            group = _resolve_process_group(group_name)
+            group_size = dist.get_world_size(group)
+            if group_name not in self.groups:  # e.g. a flattened mesh's: name it by the dimensions its ranks span
+                self.groups[group_name] = self.dims_of_ranks(dist.get_process_group_ranks(group))
         nbytes = [t.numel() * t.element_size() for t in tensors]
         if group_size == 1 and kind in ("all_gather", "reduce_scatter") and len(nbytes) >= 2 and min(nbytes):
             group_size = max(nbytes) // min(nbytes)  # c10d ops: output and input sizes say the group's
@@ -171,6 +174,15 @@ class _ParallelRecorder(_Recorder):
         self.collectives.append(
             Collective(kind, int(size), group_size, dim, self._phase(), len(self.names), self._op_module or "")
         )
+
+    def dims_of_ranks(self, ranks: list[int]) -> str:
+        """The mesh dimension(s) along which a group's ranks differ (``init_device_mesh`` numbers ranks row-major)."""
+        if not self.mesh or not ranks:
+            return "world"
+        sizes = tuple(self.mesh.values())
+        coords = np.array(np.unravel_index(np.asarray(ranks), sizes)).T
+        spanned = [name for i, name in enumerate(self.mesh) if len(set(coords[:, i].tolist())) > 1]
+        return "+".join(spanned) or "world"
 
     def dim_of_size(self, size: int) -> str:
         """The mesh dimension(s) a group of ``size`` ranks spans when its name is not known (outer to inner)."""
@@ -327,11 +339,6 @@ def capture_parallel_step(
                             pass
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         model, batch = setup(mesh, fake)
-        if "cp" in mesh_names:  # FSDP's flattened dp_shard × cp mesh, made by parallelize
-            try:
-                groups.setdefault(mesh["dp_shard_cp"].get_group().group_name, "dp_shard_cp")
-            except (KeyError, RuntimeError):  # noqa: PERF203 - no flattened mesh: FSDP is not over CP
-                pass
         recorder = _ParallelRecorder(groups)
         recorder.mesh = dict(zip(mesh_names, mesh_sizes, strict=True))
         try:
