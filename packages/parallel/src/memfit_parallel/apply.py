@@ -50,6 +50,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import importlib.util
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -668,7 +669,13 @@ def _fsdp_mesh(config: ParallelConfig, mesh):
         return mesh["dp_replicate", "dp_shard"] if config.dp_replicate > 1 else mesh["dp_shard"]
     names = ("dp_shard", "cp") if config.dp_shard > 1 else ("cp",)
     shard = mesh[names]._flatten("dp_shard_cp")
-    return mesh["dp_replicate", "dp_shard_cp"] if config.dp_replicate > 1 else shard
+    if config.dp_replicate == 1:
+        return shard
+    with warnings.catch_warnings():
+        # torch >= 2.11 warns that slicing a flattened dimension from the root mesh will go; it is the way every
+        # torch from the packages' floor (2.6) has, and TorchTitan's
+        warnings.filterwarnings("ignore", message="Slicing a flattened dim")
+        return mesh["dp_replicate", "dp_shard_cp"]
 
 
 def _build_pipeline(pm: ParallelModel, pp_mesh) -> None:
