@@ -22,11 +22,14 @@ TorchTitan uses. All-gather CP is simpler and runs everywhere; its cost differs 
   included: ``1/cp`` of the full ``S×S`` attention per rank, twice the causal work a flash kernel's
   ring step does.
 
-Example (two CP ranks; the oracle is attention over the whole sequence):
+Example (the zig-zag split of two CP ranks, and back):
     ```python
+    import torch
     from memfit_parallel.context import shard_sequence, unshard_sequence
 
+    tokens = torch.arange(16).reshape(2, 8)
     shards = [shard_sequence(tokens, cp=2, rank=r) for r in range(2)]
+    shards[0][0].tolist()   # [0, 1, 6, 7]: chunks 0 and 3 of 4
     assert torch.equal(unshard_sequence(shards), tokens)
     ```
 """
