@@ -34,6 +34,8 @@ TWO = [
     {"dp_shard": 2, "activation_checkpoint": "full"},
     {"dp_shard": 2, "activation_checkpoint": "sac", "sac_memory_fraction": 0.5},
     {"dp_shard": 2, "param_dtype": "bfloat16"},
+    {"cp": 2},
+    {"cp": 2, "activation_checkpoint": "full"},
 ]
 FOUR = [
     {"dp_shard": 2, "tp": 2},
@@ -41,6 +43,11 @@ FOUR = [
     {"pp": 4, "microbatches": 4},
     {"dp_shard": 2, "pp": 2, "microbatches": 2},
     {"dp_replicate": 2, "dp_shard": 2},
+    {"dp_shard": 2, "cp": 2},
+    {"cp": 2, "tp": 2},
+    {"cp": 2, "pp": 2, "microbatches": 2},
+    {"dp_replicate": 2, "cp": 2},
+    {"cp": 2, "tp": 2, "activation_checkpoint": "sac", "sac_memory_fraction": 0.5},
 ]
 
 

@@ -50,6 +50,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import importlib.util
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -94,6 +95,9 @@ class ModelRecipe:
         loss_parallel: the TP plan leaves the logits sharded on the vocabulary (a ``Shard(-1)``
             DTensor) and ``loss_fn`` runs, forward and backward, under torch's ``loss_parallel()``
             (TorchTitan's loss parallelism: no rank ever holds the whole logits).
+        context_parallel: ``context_parallel(stage, cp_mesh)`` makes a stage attend over the whole
+            sequence while holding a CP rank's part of it (:mod:`memfit_parallel.context`: global
+            rotary positions, K/V all-gathered); ``None``: the model cannot be context-parallel.
     """
 
     build: Callable[[], nn.Module]
@@ -104,6 +108,7 @@ class ModelRecipe:
     stage: Callable[[nn.Module, bool, bool], nn.Module] | None = None
     shape: ModelShape | None = None
     loss_parallel: bool = False
+    context_parallel: Callable[[nn.Module, DeviceMesh], object] | None = None
 
     def full_state_dict(self, seed: int = 0) -> dict[str, torch.Tensor]:
         """The whole model's weights as ``torch.manual_seed(seed); build()`` makes them, on the CPU.
@@ -149,7 +154,13 @@ class LlamaStage(nn.Module):
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
         # the sequence length of the tokens; under sequence parallelism the local activations hold a slice of it
         seq = x.shape[1] * (1 if self.tok_embeddings is not None else _sequence_shards(self))
-        cos, sin = rotary_tables(self.config, seq, device=h.device)
+        context = getattr(self, "_memfit_context", None)
+        if context is None:
+            cos, sin = rotary_tables(self.config, seq, device=h.device)
+        else:  # a CP rank holds a zig-zag part of the sequence: its rows of the whole sequence's tables
+            cos, sin = rotary_tables(self.config, seq * context.size, device=h.device)
+            positions = context.positions(seq * context.size, device=h.device)
+            cos, sin = cos[positions], sin[positions]
         for layer in self.layers.values():
             h = layer(h, cos, sin)
         if self.norm is None:
@@ -218,7 +229,14 @@ def llama_recipe(model: str = "tiny", **overrides) -> ModelRecipe:
         stage=LlamaStage,
         shape=ModelShape(n_layers=config.n_layers, n_heads=config.n_heads, n_kv_heads=config.n_kv_heads),
         loss_parallel=True,
+        context_parallel=_llama_context_parallel,
     )
+
+
+def _llama_context_parallel(stage: nn.Module, cp_mesh: DeviceMesh) -> object:
+    from memfit_parallel.context import apply_context_parallel
+
+    return apply_context_parallel(stage, cp_mesh, "layers")
 
 
 # -- mesh -------------------------------------------------------------------------------------
@@ -288,6 +306,22 @@ class ParallelModel:
     def dp_rank(self) -> int:
         """This rank's index among the ``dp_replicate × dp_shard`` data-parallel ranks."""
         return _coordinate(self.mesh, "dp_replicate") * self.config.dp_shard + _coordinate(self.mesh, "dp_shard")
+
+    @property
+    def cp_rank(self) -> int:
+        """This rank's index in its context-parallel group (0 without CP)."""
+        return _coordinate(self.mesh, "cp")
+
+    def sequence_shard(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a batch's tokens or targets ``(batch, seq)`` along the sequence (all of it without CP).
+
+        With CP the zig-zag load balance of :mod:`memfit_parallel.context`: each rank holds ``seq / cp`` tokens of
+        every sequence, so every rank's mean loss is over as many tokens, and FSDP's average of the gradients over
+        ``dp_shard × cp`` ranks is the gradient of the global batch's mean loss.
+        """
+        from memfit_parallel.context import shard_sequence
+
+        return shard_sequence(x, self.config.cp, self.cp_rank, dim=1)
 
     @property
     def holds_first_stage(self) -> bool:
@@ -457,7 +491,7 @@ def parallelize(
 
     # 1. meta init
     # without data parallelism there is no FSDP mixed precision: the model itself is built in param_dtype
-    build_dtype = getattr(torch, config.param_dtype) if config.dp == 1 else torch.float32
+    build_dtype = getattr(torch, config.param_dtype) if not _data_parallel(config) else torch.float32
     previous = torch.get_default_dtype()
     torch.set_default_dtype(build_dtype)
     try:
@@ -499,13 +533,16 @@ def parallelize(
         # 3. TP (+ sequence parallelism)
         if config.tp > 1:
             _apply_tp(part, recipe, mesh["tp"])
+        # 3b. CP: attention over the whole sequence from a rank's part of it (independent of the TP plan's layouts)
+        if config.cp > 1:
+            recipe.context_parallel(part, mesh["cp"])
         # 4. AC
         if actions:
             handles.append(_apply_sac_plan(part, actions))
         else:
             apply_ac(part, config, recipe.blocks)
         # 5. FSDP / HSDP / DDP
-        if config.dp > 1:
+        if _data_parallel(config):
             _apply_data_parallel(part, recipe.blocks, config, mesh)
 
     pm = ParallelModel(
@@ -549,6 +586,11 @@ def block_modules(model: nn.Module, path: str) -> list[nn.Module]:
     return list(blocks.values()) if isinstance(blocks, nn.ModuleDict) else list(blocks)
 
 
+def _data_parallel(config: ParallelConfig) -> bool:
+    """Whether FSDP (or DDP) wraps the model: data parallelism, or CP, whose ranks share the weights as FSDP ranks."""
+    return config.dp > 1 or config.cp > 1
+
+
 def _block(blocks: nn.Module, name: str) -> nn.Module:
     return blocks[name] if isinstance(blocks, nn.ModuleDict) else blocks[int(name)]
 
@@ -556,8 +598,8 @@ def _block(blocks: nn.Module, name: str) -> nn.Module:
 def unapplied(config: ParallelConfig, recipe: ModelRecipe, recompute: Sequence[Recompute] | None = None) -> list[str]:
     """What of ``config`` :func:`parallelize` cannot apply to the recipe's model (empty when it can apply all)."""
     problems = []
-    if config.cp > 1:
-        problems.append("context parallelism (cp > 1) is simulated by `memfit parallel plan` but not applied yet")
+    if config.cp > 1 and recipe.context_parallel is None:
+        problems.append("cp > 1 needs a `context_parallel` function in the model recipe")
     if config.swap:
         problems.append("swap=True is not applied by memfit-parallel yet (use memfit.swap per rank)")
     if recompute and config.activation_checkpoint == "sac" and importlib.util.find_spec("memfit_executor") is None:
@@ -670,7 +712,7 @@ def _apply_data_parallel(part: nn.Module, blocks_attr: str, config: ParallelConf
     dtype = getattr(torch, config.param_dtype)
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     blocks = block_modules(part, blocks_attr)
-    if config.dp_shard == 1:
+    if config.dp_shard * config.cp == 1:
         # plain DDP: FSDP2's replicate (whole parameters on every rank, gradients all-reduced per block)
         from torch.distributed._composable.replicate_with_fsdp import replicate
 
@@ -678,13 +720,32 @@ def _apply_data_parallel(part: nn.Module, blocks_attr: str, config: ParallelConf
             replicate(block, mesh=mesh["dp_replicate"], mp_policy=policy)
         replicate(part, mesh=mesh["dp_replicate"], mp_policy=policy)
         return
-    dp_mesh = mesh["dp_replicate", "dp_shard"] if config.dp_replicate > 1 else mesh["dp_shard"]
+    dp_mesh = _fsdp_mesh(config, mesh)
     for index, block in enumerate(blocks):
         # the last block is gathered again right at the start of backward: keep it; with PP keep all
         # (one all-gather per step instead of one per microbatch)
         reshard = config.pp == 1 and index < len(blocks) - 1
         fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard)
     fully_shard(part, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=config.pp == 1)
+
+
+def _fsdp_mesh(config: ParallelConfig, mesh):
+    """The mesh FSDP shards over: ``dp_shard``, or with CP the flattened ``dp_shard × cp``.
+
+    That is TorchTitan's ``dp_shard_cp``: CP ranks hold the same weights, so they shard them too. With
+    replicas it is HSDP over ``(dp_replicate, dp_shard_cp)``.
+    """
+    if config.cp == 1:
+        return mesh["dp_replicate", "dp_shard"] if config.dp_replicate > 1 else mesh["dp_shard"]
+    names = ("dp_shard", "cp") if config.dp_shard > 1 else ("cp",)
+    shard = mesh[names]._flatten("dp_shard_cp")
+    if config.dp_replicate == 1:
+        return shard
+    with warnings.catch_warnings():
+        # torch >= 2.11 warns that slicing a flattened dimension from the root mesh will go; it is the way every
+        # torch from the packages' floor (2.6) has, and TorchTitan's
+        warnings.filterwarnings("ignore", message="Slicing a flattened dim")
+        return mesh["dp_replicate", "dp_shard_cp"]
 
 
 def _build_pipeline(pm: ParallelModel, pp_mesh) -> None:

@@ -53,6 +53,7 @@ COLLECTIVE_KINDS = {
     "alltoall_base_": "all_to_all", "broadcast_": "broadcast", "broadcast": "broadcast",
 }  # fmt: skip
 """Collective operators (``c10d::`` and ``_c10d_functional::`` names without namespace) by kind."""
+COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd")
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +97,17 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if hasattr(t, "_local_tensor") else t
 
 
+def _unboxed_group_name(boxed: Any) -> str:
+    """The name of the process group a ``c10d::`` operator received as a ``ScriptObject`` ("" when unknown)."""
+    import torch.distributed as dist
+
+    unbox = getattr(dist.ProcessGroup, "unbox", None)
+    try:
+        return str(unbox(boxed).group_name) if unbox is not None else ""
+    except (RuntimeError, TypeError):  # not a process group
+        return ""
+
+
 class _ParallelRecorder(_Recorder):
     """The simulator's recorder, seeing through DTensor, storage resizes and collectives (module docs)."""
 
@@ -119,7 +131,7 @@ class _ParallelRecorder(_Recorder):
         if self.suspended:  # DTensor's sharding propagation: global-shape fake operators, not the rank's work
             return func(*args, **kwargs)
         name = func._schema.name.split("::")[-1]
-        kind = COLLECTIVE_KINDS.get(name) if func.namespace in ("c10d", "_c10d_functional") else None
+        kind = COLLECTIVE_KINDS.get(name) if func.namespace in COLLECTIVE_NAMESPACES else None
         if kind is not None:
             self._collective(kind, func, args, kwargs)
         communication = kind is not None or name in ("wait_tensor", "wait")
@@ -134,14 +146,17 @@ class _ParallelRecorder(_Recorder):
         for x in _leaves((args, kwargs)):
             if isinstance(x, str) and x in self.groups:
                 group_name = x
-            elif isinstance(x, torch.ScriptObject) and hasattr(x, "size"):
-                group_size = int(x.size())
-                group_name = str(getattr(x, "group_name", ""))
+            elif isinstance(x, torch.ScriptObject):
+                # c10d operators take the group boxed: unbox it for its name (the boxed object has no attributes)
+                group_name = _unboxed_group_name(x) or group_name
         if group_name:
             import torch.distributed as dist
             from torch.distributed.distributed_c10d import _resolve_process_group
 
-            group_size = dist.get_world_size(_resolve_process_group(group_name))
+            group = _resolve_process_group(group_name)
+            group_size = dist.get_world_size(group)
+            if group_name not in self.groups:  # e.g. a flattened mesh's: name it by the dimensions its ranks span
+                self.groups[group_name] = self.dims_of_ranks(dist.get_process_group_ranks(group))
         nbytes = [t.numel() * t.element_size() for t in tensors]
         if group_size == 1 and kind in ("all_gather", "reduce_scatter") and len(nbytes) >= 2 and min(nbytes):
             group_size = max(nbytes) // min(nbytes)  # c10d ops: output and input sizes say the group's
@@ -151,10 +166,23 @@ class _ParallelRecorder(_Recorder):
             size = sum(nbytes)
         else:  # c10d all-gather: (output, input); reduce-scatter: the input, the larger
             size = max(nbytes, default=0)
+        dim = self.groups.get(group_name) or self.dim_of_size(group_size)
+        if dim == "dp_shard+cp" or (dim == "cp" and func.namespace == "c10d"):
+            # FSDP's flattened dp_shard × cp group; over CP alone it is the cp group itself (a flattened 1-D mesh is
+            # the same group), on which CP's own K/V collectives are the functional ones
+            dim = "dp_shard_cp"
         self.collectives.append(
-            Collective(kind, int(size), group_size, self.groups.get(group_name) or self.dim_of_size(group_size),
-                       self._phase(), len(self.names), self._op_module or "")
-        )  # fmt: skip
+            Collective(kind, int(size), group_size, dim, self._phase(), len(self.names), self._op_module or "")
+        )
+
+    def dims_of_ranks(self, ranks: list[int]) -> str:
+        """The mesh dimension(s) along which a group's ranks differ (``init_device_mesh`` numbers ranks row-major)."""
+        if not self.mesh or not ranks:
+            return "world"
+        sizes = tuple(self.mesh.values())
+        coords = np.array(np.unravel_index(np.asarray(ranks), sizes)).T
+        spanned = [name for i, name in enumerate(self.mesh) if len(set(coords[:, i].tolist())) > 1]
+        return "+".join(spanned) or "world"
 
     def dim_of_size(self, size: int) -> str:
         """The mesh dimension(s) a group of ``size`` ranks spans when its name is not known (outer to inner)."""

@@ -76,7 +76,7 @@ class ParallelConfig(MemfitModel):
     pp: int = Field(default=1, ge=1)
     """Pipeline-parallel degree: ranks holding consecutive layers."""
     cp: int = Field(default=1, ge=1)
-    """Context-parallel degree: the sequence split over this many ranks (ring attention)."""
+    """Context-parallel degree: the sequence split over this many ranks, K/V all-gathered (memfit_parallel.context)."""
     pp_schedule: PipelineSchedule = "1f1b"
     """Pipeline schedule; ``interleaved_1f1b`` needs ``stages_per_rank >= 2``."""
     microbatches: int = Field(default=1, ge=1)
@@ -174,7 +174,7 @@ class ParallelConfig(MemfitModel):
                 f"local batch {workload.global_batch // self.dp} does not split into {self.microbatches} microbatches"
             )
         if workload.seq_len % (2 * self.cp) and self.cp > 1:
-            # load-balanced ring attention cuts the sequence into 2 × cp chunks
+            # the zig-zag load balance cuts the sequence into 2 × cp chunks (memfit_parallel.context)
             found.append(f"sequence length {workload.seq_len} is not divisible by 2 × cp = {2 * self.cp}")
         if self.tp > 1 and workload.seq_len % self.tp:
             found.append(f"sequence length {workload.seq_len} is not divisible by tp={self.tp} (sequence parallelism)")

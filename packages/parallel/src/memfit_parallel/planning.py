@@ -11,7 +11,8 @@ proposed (1F1B has its step time with fewer microbatches in flight); swapping is
 1. **Screen** every candidate with a model scaled from a few real captures: the whole model with 1
    and 2 blocks, one sequence, no TP/CP, FSDP over 2 ranks, per checkpointing mode
    (:func:`memfit_parallel.prediction.capture_stage`). A block's activations, temporaries and compute
-   divide by ``tp·cp`` and multiply by the microbatch size; parameters, gradients and optimizer
+   divide by ``tp·cp`` (CP's attention is costed as the ring's ``1/cp`` share here; the confirming
+   capture costs the all-gather CP that runs) and multiply by the microbatch size; parameters, gradients and optimizer
    states are counted from the shapes and sharded by ``tp·dp_shard·cp``; FSDP, TP and pipeline
    communication come from the comm model. Candidates screened over ``SCREEN_MARGIN ×`` the
    capacity are dropped.
@@ -230,10 +231,18 @@ def screen(workload: Workload, config: ParallelConfig, spec: HardwareSpec, ref: 
             )
             one = collective_seconds("all_gather", token_bytes, tp, "tp", config, spec)
             blocking = n * passes * one + (2 * one if last else 0)
+        if cp > 1:  # all-gather CP (memfit_parallel.context): K and V gathered per block, their gradients scattered
+            kv = mb * workload.seq_len * (c.n_kv_heads * c.head_dim // tp) * low
+            gathers = 2 if config.activation_checkpoint == "none" else 4  # again in recomputation
+            blocking += n * (
+                gathers * collective_seconds("all_gather", kv, cp, "cp", config, spec)
+                + 2 * collective_seconds("reduce_scatter", kv, cp, "cp", config, spec)
+            )
         comm = {"ag_fwd": 0.0, "ag_bwd": 0.0, "rs": 0.0, "ar": 0.0}
         if fsdp and shard > 1:
-            ag = collective_seconds("all_gather", low * block_params / tp, shard, "dp_shard", config, spec)
-            rs = collective_seconds("reduce_scatter", 4 * block_params / tp, shard, "dp_shard", config, spec)
+            fsdp_dim = "dp_shard_cp" if cp > 1 else "dp_shard"  # FSDP shards over the flattened dp_shard × cp
+            ag = collective_seconds("all_gather", low * block_params / tp, shard, fsdp_dim, config, spec)
+            rs = collective_seconds("reduce_scatter", 4 * block_params / tp, shard, fsdp_dim, config, spec)
             comm["ag_fwd"], comm["rs"] = n * ag, n * rs
             comm["ag_bwd"] = 0.0 if config.pp > 1 else (n - 1) * ag
         if config.dp_replicate > 1:

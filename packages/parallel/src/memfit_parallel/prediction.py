@@ -16,10 +16,11 @@
   the spec's figures on other devices); operators of activation-checkpoint recomputation are
   reported as recomputation.
 * **communication**: every captured collective timed by the simulator's comm model on the tiers its
-  group spans (mesh order ``pp, dp_replicate, dp_shard·cp, tp``: a group of a dimension whose inner
-  dimensions multiply to ``k`` has ``devices_per_node // k`` ranks per node). TP collectives block the
-  compute stream; FSDP all-gathers are prefetched one block ahead and reduce-scatters follow each block's
-  backward on their own streams (:class:`memfit_simulator.streams.StreamTimeline`), so only what compute
+  group spans (mesh order ``pp, dp_replicate, dp_shard, cp, tp``; FSDP's group is the flattened
+  ``dp_shard·cp``: a group of a dimension whose inner dimensions multiply to ``k`` has
+  ``devices_per_node // k`` ranks per node). TP and CP collectives block the compute stream; FSDP
+  all-gathers are prefetched one block ahead and reduce-scatters follow each block's backward on their
+  own streams (:class:`memfit_simulator.streams.StreamTimeline`), so only what compute
   does not hide is exposed.
 * **pipeline**: 1F1B and GPipe by the simulator's pipeline recurrence
   (:func:`memfit_simulator.streams.pipeline_seconds`) over the stages' microbatch times with
@@ -32,11 +33,16 @@ sequence, and every quantity (operator times, collective counts, bytes and times
 linearly to its block count: one block's difference times the remaining blocks. Memory is
 extrapolated region by region (:func:`peak_regions`: each phase before, in its first block, in its
 last block, after the blocks) and the largest region is the peak, since which region peaks may change
-with depth. Context parallelism is
-modelled, not captured: the rank is captured with ``seq / cp`` tokens, its attention operators cost
-``cp`` times their local causal work (load-balanced ring attention does ``1/cp`` of the full causal
-attention) and the ring passes ``cp − 1`` K/V chunks per block forward and twice that backward,
-overlapped with attention.
+with depth.
+
+**Context parallelism** is captured as applied (:mod:`memfit_parallel.context`): the rank holds
+``seq / cp`` tokens, all-gathers each block's K and V over the CP group (recorded by the fake process
+group, timed by the comm model, on the compute stream: attention waits for them) and reduce-scatters
+their gradients in backward. Its attention is SDPA with an explicit mask over ``seq / cp`` queries and
+all ``seq`` keys, which computes the masked scores too: it is costed as the full ``(seq / cp) × seq``
+product, with no causal skipping (plain causal attention, ``cp == 1``, is costed at half of its square,
+as flash kernels skip the masked half). This is memfit's all-gather CP, not TorchTitan's ring attention,
+whose per-rank attention is the causal ``1/cp`` share and whose K/V passes overlap it.
 """
 
 from __future__ import annotations
@@ -142,7 +148,7 @@ class Prediction:
     compute_s: float
     """Forward, backward and optimizer compute of the slowest rank (no recomputation)."""
     exposed_comm_s: float
-    """Communication that compute does not hide (TP collectives, exposed FSDP, pipeline transfers, CP ring)."""
+    """Communication that compute does not hide (TP and CP collectives, exposed FSDP, pipeline transfers)."""
     bubble_s: float
     """Pipeline idle time of the slowest rank."""
     recompute_s: float
@@ -217,14 +223,14 @@ _CACHE: dict[tuple, StageProfile] = {}
 
 
 def capture_config(config: ParallelConfig) -> ParallelConfig:
-    """What the capture applies: CP folded into FSDP (TorchTitan's ``dp_shard_cp``; the ring itself is modelled).
+    """What the capture applies: ``config`` itself (CP included), a pipeline made of two stages.
 
     A pipeline rank is captured as the first or last stage of a pipeline of two; an interleaved rank as
     one stage holding all its blocks (a real run applies ``stages_per_rank`` stages of a pipeline of
     ``pp × stages_per_rank``; their activations and buffers are counted by :func:`in_flight` and
     :func:`receive_buffers`). Not validated: it only shapes the capture.
     """
-    update: dict[str, Any] = {"dp_shard": config.dp_shard * config.cp, "cp": 1}
+    update: dict[str, Any] = {}
     if config.pp > 1:
         # the first or the last stage of any pipeline is applied alike: two stages make both, and the
         # capture builds (under fake tensors) a model of two stages' blocks, not of all of them
@@ -368,11 +374,9 @@ def _op_seconds(captured: Any, config: ParallelConfig, spec: HardwareSpec) -> np
         if c.category == "attention" and c.flops == 0:
             backward = "backward" in c.name
             (heads, sq, skv, dim), _ = grid_features(c)
-            # causal: flash kernels skip the masked half; CP: the ring does cp × the local causal work
-            flops = attention_flops(heads, sq, skv, dim, backward=backward) / 2 * config.cp
+            # causal: flash kernels skip the masked half; CP's explicit mask computes every score (module docs)
+            flops = attention_flops(heads, sq, skv, dim, backward=backward) / (2 if config.cp == 1 else 1)
             costs[i] = dataclasses.replace(c, flops=flops)
-        elif c.category == "attention" and config.cp > 1:
-            costs[i] = dataclasses.replace(c, flops=c.flops * config.cp)
     seconds = np.asarray(time_model(spec).predict(costs), dtype=float)
     seconds[captured.communication] = 0.0
     return seconds
@@ -380,7 +384,9 @@ def _op_seconds(captured: Any, config: ParallelConfig, spec: HardwareSpec) -> np
 
 def _tier_spec(spec: HardwareSpec, config: ParallelConfig, dim: str) -> HardwareSpec:
     """``spec`` with the ranks per node a group of mesh dimension(s) ``dim`` has (module docs)."""
-    inner = {"tp": 1, "dp_shard": config.tp, "dp_replicate": config.tp * config.dp_shard * config.cp}
+    # FSDP's flattened dp_shard × cp group is contiguous in the mesh: its stride is TP's
+    inner = {"tp": 1, "cp": config.tp, "dp_shard_cp": config.tp, "dp_shard": config.tp * config.cp,
+             "dp_replicate": config.tp * config.dp_shard * config.cp}  # fmt: skip
     first = dim.split("+")[0]
     stride = inner.get(first, config.world_size // config.pp)
     per_node = max(1, spec.devices_per_node // stride)
@@ -612,7 +618,10 @@ def assemble(
     notes = list(notes or [])
     llama = model_config(workload.model, workload.seq_len)
     if config.cp > 1:
-        notes.append("context parallelism modelled (ring attention), not captured: see memfit_parallel.prediction")
+        notes.append(
+            "context parallelism captured as applied: K/V all-gathered per block, attention over local queries × "
+            "all keys with an explicit mask (no causal skipping): see memfit_parallel.prediction"
+        )
     if spec.intra_node is None:
         notes.append(f"{spec.name} has no link figures: communication is not timed")
     # memory: the rank with the highest peak once its in-flight microbatches are counted
@@ -633,22 +642,10 @@ def assemble(
     m = config.microbatches
     micro_f = {r: p.forward_s + p.blocking_comm_s / 3 for r, p in stages.items()}
     micro_b = {r: p.backward_s + p.recompute_s + p.blocking_comm_s * 2 / 3 for r, p in stages.items()}
-    cp_ring = 0.0
-    if config.cp > 1 and spec.intra_node is not None:
-        kv_bytes = (
-            (config.local_batch(workload) // m) * (workload.seq_len // config.cp)
-            * (llama.n_kv_heads * llama.head_dim // config.tp) * 2 * 2
-        )  # fmt: skip  # K and V, bf16
-        one = collective_seconds("all_gather", kv_bytes, 2, "dp_shard", config, spec) * (config.cp - 1)
-        attention_share = 0.25  # attention's part of a block's compute at long context; the ring overlaps it
-        p0 = stages[0]
-        hidden = attention_share * (p0.forward_s + p0.backward_s) / max(p0.blocks, 1)
-        cp_ring = max(0.0, 3 * one - hidden) * p0.blocks
-        notes.append("CP ring exposure: K/V passes beyond the attention compute they overlap")
     if config.pp == 1:
         p = stages[0]
         compute = p.forward_s + p.backward_s + p.optimizer_s
-        exposed = p.blocking_comm_s + _dp_exposed(p, config) + cp_ring
+        exposed = p.blocking_comm_s + _dp_exposed(p, config)
         bubble = 0.0
         recompute = p.recompute_s
     else:
@@ -676,7 +673,7 @@ def assemble(
         bubble = max(pipeline - busy, 0.0)
         compute = m * (p.forward_s + p.backward_s) + p.optimizer_s
         recompute = m * p.recompute_s
-        exposed = m * p.blocking_comm_s + _pp_dp_exposed(p, micro_f[slowest], micro_b[slowest]) + m * cp_ring
+        exposed = m * p.blocking_comm_s + _pp_dp_exposed(p, micro_f[slowest], micro_b[slowest])
     step = compute + recompute + exposed + bubble
     collectives = [dict(c, rank=rank) for rank, p in stages.items() for c in p.collectives]
     return Prediction(

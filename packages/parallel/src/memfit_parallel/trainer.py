@@ -5,7 +5,8 @@ Run it with ``python -m torch.distributed.run --standalone --nproc-per-node N -m
 the ``--config`` file (one configuration, a plan file with a ``"config"`` key, or a JSON list of
 them) is applied in turn (:func:`memfit_parallel.apply.parallelize`) and trained for ``--steps``
 steps of AdamW on synthetic tokens whose batch is a function of the step
-(:class:`memfit.models.SyntheticTokens`, the global batch; each data-parallel rank takes its slice).
+(:class:`memfit.models.SyntheticTokens`, the global batch; each data-parallel rank takes its slice, and
+with context parallelism each CP rank its load-balanced part of those sequences).
 The initial weights are those of ``torch.manual_seed(seed); Llama(config)``, so the losses are
 those of :func:`memfit.models.build_training` with the same seed, global batch and learning rate.
 
@@ -157,7 +158,9 @@ def train_configs(
                 memory.reset_peak_memory_stats()
                 with _uncounted(memory):
                     inputs, targets = data.batch(step)
-                inputs, targets = inputs[rows].to(device, copy=True), targets[rows].to(device, copy=True)
+                # this rank's rows, and with CP its zig-zag part of their sequence (ParallelModel.sequence_shard)
+                inputs, targets = pm.sequence_shard(inputs[rows]), pm.sequence_shard(targets[rows])
+                inputs, targets = inputs.to(device, copy=True), targets.to(device, copy=True)
                 loss = pm.train_step(inputs, targets)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -131,7 +132,16 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class Attention(nn.Module):
-    """Causal grouped-query self-attention with rotary embeddings."""
+    """Causal grouped-query self-attention with rotary embeddings.
+
+    ``gather_context`` (default ``None``: plain causal attention) is the hook of memfit-parallel's context
+    parallelism: in training (no KV cache) it takes this rank's keys and values and returns those of the
+    whole sequence with the boolean mask of what each local query may see (``True``: attend), and
+    attention runs with that mask instead of ``is_causal``.
+    """
+
+    gather_context: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None
+    gather_context = None
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
@@ -158,7 +168,11 @@ class Attention(nn.Module):
         k = self.wk(x).view(batch, seq, -1, c.head_dim).transpose(1, 2)
         v = self.wv(x).view(batch, seq, -1, c.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        is_causal = True
+        is_causal, mask = True, None
+        if cache is None and self.gather_context is not None:
+            # context parallelism: q holds this rank's positions only, so the causal mask comes from global positions
+            k, v, mask = self.gather_context(k, v)
+            is_causal = False
         if cache is not None:
             k, v = cache.update(layer, k, v)
             if seq > 1 and k.shape[2] != seq:
@@ -172,7 +186,7 @@ class Attention(nn.Module):
         if groups > 1:
             k = k.repeat_interleave(groups, dim=1)
             v = v.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
