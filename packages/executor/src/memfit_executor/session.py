@@ -161,11 +161,12 @@ class _SequencePlans:
 
         A candidate's first trial runs right after a plan change (the Detailed iteration that
         planned, or another candidate's plan), and pays for it: swap buffers allocated, modules
-        wrapped for recomputation, caches cold. Measured on cpu-sim: first trials 20-60% above the
-        same plan's Stable steps, unevenly between candidates, so one trial each ranked them by
-        those costs. Further GenPolicy iterations therefore go round the candidates that held as
-        well as the best (within the budget, as few passive swaps), giving each a second trial,
-        instead of repeating the first trial's winner.
+        wrapped for recomputation, caches cold. Measured on cpu-sim (a joint session at 60% of the
+        reference Llama's peak): both first trials 233-242 ms, the Stable steps 150-157 ms, so one
+        trial each ranks candidates by those costs and the machine's noise. Further GenPolicy
+        iterations therefore go round the candidates that held as well as the best (within the
+        budget, as few passive swaps), giving each a second trial, instead of repeating the first
+        trial's winner.
         """
         tried: dict[int, int] = {}
         for t in self.trials:
