@@ -23,7 +23,10 @@ alone does not remove it. What does: running the ways side by side, in small ste
 * **lock-step**: the five processes of one budget start together and take turns, one training
   step each, the order rotated every iteration (:func:`lockstep`); a process waiting for its
   turn is blocked on a pipe and uses no CPU. So every step of one way has a step of each other
-  way less than a second before or after it, under the same load;
+  way less than a second before or after it, under the same load. A session's iteration clock
+  restarts when its turn comes (the profiler would otherwise count the wait, and GenPolicy
+  compare its candidates by it); a swap whose copy is still running at the end of a step gets
+  the other ways' steps to finish in (about none are: the exposed waits stay near 0);
 * **paired ratios**: each way's step divided by ``full_ac``'s step of the same iteration, the
   median over the measured iterations, then over the rounds: the comparison the targets are
   read on, beside the medians of the step times;
