@@ -21,6 +21,7 @@ from memfit_policies.joint import JointPlannerConfig, generate_joint_plan, trace
 from memfit_policies.sac import (
     ModuleStats,
     SacPlannerConfig,
+    _local_solution,
     generate_sac_plan,
     greedy_order,
     greedy_policy,
@@ -417,3 +418,38 @@ def test_a_selective_policy_that_costs_more_than_it_saves_becomes_full_checkpoin
     assert costly.keep and all(not k.any() for k in costly.keep.values())
     assert costly.curve.max() <= limit and costly.policy_seconds == 0.0
     assert costly.recompute_seconds == pytest.approx(sum(stats[n].total_seconds for n in costly.keep))
+
+
+def test_the_ilp_weighs_the_policy_cost_and_checkpoints_fewer_modules_whole():
+    # With a per-operator policy cost, selective checkpointing is not free: at this limit the
+    # cost-blind ILP spreads selective discards over three modules, which the per-module repair
+    # then checkpoints fully (all three recomputed whole); checkpointing the first block whole
+    # fits as well and recomputes less. Oracle: every set of modules checkpointed fully (no
+    # module inside another) that fits, on the planner's own memory curve.
+    trace = Trace.load(DATA / "tiny_llama_simulated.npz")
+    stats = module_stats(trace)
+    limit = int(trace.no_swap_memory_curve().max() * 0.75)
+    overhead = 20e-6
+    solution = solve_sac(trace, limit, policy_overhead=overhead)
+    assert solution.curve.max() <= limit
+    cost = solution.recompute_seconds + solution.policy_seconds
+    names = list(stats)
+    best_full = math.inf
+    for subset in itertools.product([False, True], repeat=len(names)):
+        chosen = [n for n, on in zip(names, subset, strict=True) if on]
+        if any(b.startswith(f"{a}.") for a in chosen for b in chosen):
+            continue
+        full = {n: np.zeros(len(stats[n].names), dtype=bool) for n in chosen}
+        if predicted_curve(trace, stats, full).max() <= limit:
+            best_full = min(best_full, sum(stats[n].total_seconds for n in chosen))
+    assert cost <= best_full + 1e-12
+    assert set(solution.keep) == {"layers.0"} and not solution.keep["layers.0"].any()
+    # the cost-blind ILP alone (what the planner did before) recomputes more
+    blind = solve_module_budgets(list(stats.values()), trace.no_swap_memory_curve(), limit)
+    before = _local_solution(trace, stats, list(stats.values()), blind, "greedy", overhead, limit)
+    assert before.recompute_seconds + before.policy_seconds > best_full + 1e-9
+    # a policy cost of zero gives the ILP nothing to weigh: the plan is the cost-blind one
+    assert (
+        solve_sac(trace, limit).budgets.discard
+        == solve_module_budgets(list(stats.values()), trace.no_swap_memory_curve(), limit).discard
+    )

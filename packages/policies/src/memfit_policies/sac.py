@@ -825,6 +825,7 @@ def solve_module_budgets(
     *,
     time_limit: float = 30.0,
     gap: float = 0.01,
+    policy_seconds: Sequence[float] | None = None,
 ) -> ModuleBudgets:
     """The global ILP (thesis §5.4), with the peak constrained in every piece of the step.
 
@@ -833,6 +834,13 @@ def solve_module_budgets(
     Freed bytes ``d = IA - ACM (1 - r)`` when ``y``, 0 otherwise. In every piece of the step the
     curve's highest point minus the freed bytes of the modules waiting for backward, plus the
     transient of a recomputation falling in the piece, stays under ``limit_bytes``.
+
+    ``policy_seconds`` (per module, what its operator-level policy costs a step): a binary ``s``
+    per module says whether it is checkpointed *selectively*, at that cost; otherwise ``r = 1``,
+    full checkpointing, which runs no policy. Without it the ILP sees selective checkpointing as
+    free and, on a host-bound step, spreads partial discards over every module where checkpointing
+    fewer modules whole would be faster (the thesis's ILP has no such term: on a GPU the policy's
+    Python runs ahead of the kernels and is hidden).
     """
     import pulp
 
@@ -843,7 +851,7 @@ def solve_module_budgets(
     r = [problem.add_variable(f"r{i}", 0, 1) for i in range(len(stats))]
     rcp = [problem.add_variable(f"rcp{i}", 0) for i in range(len(stats))]
     rct = [problem.add_variable(f"rct{i}", 0) for i in range(len(stats))]
-    problem += pulp.lpSum(rct)
+    policy: list = []  # the selective policies' cost, milliseconds (the objective's second part)
     freed = []
     scale = 2.0**20  # MiB: keeps CBC's coefficients in a comfortable range
     for i, s in enumerate(stats):
@@ -853,7 +861,13 @@ def solve_module_budgets(
         for k, b in zip(fit.slopes, fit.intercepts, strict=True):
             problem += rcp[i] >= float(k) * r[i] + float(b)
         problem += rct[i] >= seconds * rcp[i] - seconds * (1 - y[i])
+        if policy_seconds is not None and policy_seconds[i] > 0:
+            selective = problem.add_variable(f"s{i}", cat="Binary")
+            problem += selective <= y[i]
+            problem += r[i] >= y[i] - selective  # not selective: every byte discarded
+            policy.append(policy_seconds[i] * 1e3 * selective)
         freed.append((s.total_bytes * r[i] - (s.total_bytes - s.saved_bytes) * y[i]) / scale)
+    problem += pulp.lpSum(rct) + pulp.lpSum(policy)
     for i, j in _nested(stats):
         problem += y[i] + y[j] <= 1
     for p in range(segments.peak.size):
@@ -873,7 +887,8 @@ def solve_module_budgets(
         for i, s in enumerate(stats)
         if (y[i].value() or 0) > 0.5
     }
-    return ModuleBudgets(discard, float(pulp.value(problem.objective) or 0.0) / 1e3, name, solved)
+    recompute = sum(float(v.value() or 0.0) for v in rct) / 1e3
+    return ModuleBudgets(discard, recompute, name, solved)
 
 
 # -- the plan ---------------------------------------------------------------------------------
@@ -921,10 +936,12 @@ def solve_sac(
 ) -> SacSolution:
     """Both levels: module budgets from the global ILP, then each chosen module's operators.
 
-    With ``policy_overhead`` (seconds per forward operator of a selective policy), a module whose
-    selective plan saves less recomputation than its policy costs is checkpointed fully instead
-    (it then frees more memory, so the plan still fits). ``stats``: :func:`module_stats` of the
-    trace, when the caller solves several limits on one trace (computed here otherwise).
+    With ``policy_overhead`` (seconds per forward operator of a selective policy), the global ILP
+    weighs that cost against recomputation (full checkpointing of a module runs no policy), and a
+    module whose selective plan still saves less recomputation than its policy costs is
+    checkpointed fully instead (it then frees more memory, so the plan still fits). ``stats``:
+    :func:`module_stats` of the trace, when the caller solves several limits on one trace
+    (computed here otherwise).
     """
     all_stats = stats if stats is not None else module_stats(trace, seconds)
     if modules is not None:
@@ -937,7 +954,40 @@ def solve_sac(
         all_stats = {name: all_stats[name] for name in modules}
     chosen_stats = list(all_stats.values())
     curve = trace.no_swap_memory_curve()
-    budgets = solve_module_budgets(chosen_stats, curve, limit_bytes, time_limit=time_limit, gap=gap)
+    solutions = []
+    # With a policy cost, the ILP is solved twice: once weighing it (it may then checkpoint fewer
+    # modules whole where the cost-blind ILP spreads selective discards over many), once blind to
+    # it; both are re-checked on the operators the local policies keep, and the cheaper one that
+    # fits wins. The ILP decides on the trade-off fit, an upper bound, so the blind solution is
+    # sometimes cheaper once re-checked: solving both keeps every plan as good as before.
+    costs = [[policy_overhead * len(s.names) for s in chosen_stats], None] if policy_overhead > 0 else [None]
+    for policies in costs:
+        budgets = solve_module_budgets(
+            chosen_stats, curve, limit_bytes, time_limit=time_limit, gap=gap, policy_seconds=policies
+        )
+        solutions.append(_local_solution(trace, all_stats, chosen_stats, budgets, local, policy_overhead, limit_bytes))
+    return min(solutions, key=lambda s: _solution_preference(s, limit_bytes))
+
+
+def _solution_preference(solution: SacSolution, limit_bytes: int) -> tuple[int, float]:
+    """Fits the limit, then the least predicted cost (recomputation and policies); otherwise the lowest peak."""
+    peak = int(solution.curve.max(initial=0))
+    if peak <= limit_bytes:
+        return (0, solution.recompute_seconds + solution.policy_seconds)
+    return (1, float(peak))
+
+
+def _local_solution(
+    trace: Trace,
+    all_stats: dict[str, ModuleStats],
+    chosen_stats: list[ModuleStats],
+    budgets: ModuleBudgets,
+    local: LocalPolicy,
+    policy_overhead: float,
+    limit_bytes: int,
+) -> SacSolution:
+    """The local policies' operators for the ILP's module budgets, re-checked (:func:`solve_sac`)."""
+    curve = trace.no_swap_memory_curve()
     if not budgets.discard:
         too_high = int(curve.max(initial=0)) > limit_bytes
         budgets.discard = _fallback(trace, {s.module: s for s in chosen_stats}) if too_high else {}
