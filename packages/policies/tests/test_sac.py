@@ -445,8 +445,9 @@ def test_the_ilp_weighs_the_policy_cost_and_checkpoints_fewer_modules_whole():
     assert cost <= best_full + 1e-12
     assert set(solution.keep) == {"layers.0"} and not solution.keep["layers.0"].any()
     # the cost-blind ILP alone (what the planner did before) recomputes more
-    blind = solve_module_budgets(list(stats.values()), trace.no_swap_memory_curve(), limit)
-    before = _local_solution(trace, stats, list(stats.values()), blind, "greedy", overhead, limit)
+    curve = trace.no_swap_memory_curve()
+    blind = solve_module_budgets(list(stats.values()), curve, limit)
+    before = _local_solution(trace, stats, list(stats.values()), blind, "greedy", overhead, limit, curve)
     assert before.recompute_seconds + before.policy_seconds > best_full + 1e-9
     # a policy cost of zero gives the ILP nothing to weigh: the plan is the cost-blind one
     assert (

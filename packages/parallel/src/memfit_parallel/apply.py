@@ -294,9 +294,9 @@ class ParallelModel:
     recompute: list = field(default_factory=list)
     """With SAC: memfit-executor's handles of the recomputation applied to each part."""
     state_keys: set[str] = field(default_factory=set)
+    """The state-dict names this rank's parts hold (the whole model's names), for the load check."""
     buffers: dict[str, tuple[nn.Module, str]] = field(default_factory=dict)
     """This rank's non-persistent buffers: whole-model name -> (owning module, attribute)."""
-    """The state-dict names this rank's parts hold (the whole model's names), for the load check."""
 
     @property
     def rank(self) -> int:
@@ -385,20 +385,20 @@ class ParallelModel:
         names = sorted({name for names in wanted for name in names or ()})
         if not names:
             return
-        values: list[Any] = [None]
+        payload: list[Any] = [None]  # (values by name, names rank 0's dict lacks)
         if dist.get_rank() == 0:
-            lacking = [name for name in names if name not in full_state_dict]
-            values = [{name: full_state_dict[name].detach().cpu() for name in names if name in full_state_dict}]
-            values[0]["__lacking__"] = lacking
-        dist.broadcast_object_list(values, src=0)
-        if values[0]["__lacking__"]:
-            listed = ", ".join(values[0]["__lacking__"][:5])
+            found = {name: full_state_dict[name].detach().cpu() for name in names if name in full_state_dict}
+            payload = [(found, [name for name in names if name not in found])]
+        dist.broadcast_object_list(payload, src=0)
+        values, lacking = payload[0]
+        if lacking:
             raise MemfitError(
-                f"the full state dict lacks the model's non-persistent buffers ({listed}): a checkpoint never holds "
-                "them; make the dict with ModelRecipe.full_state_dict(), or add them from a model built on the CPU"
+                f"the full state dict lacks the model's non-persistent buffers ({', '.join(lacking[:5])}): "
+                "a checkpoint never holds them; make the dict with ModelRecipe.full_state_dict(), or add them "
+                "from a model built on the CPU"
             )
         for name, (module, attr) in self.buffers.items():
-            module._buffers[attr] = values[0][name].to(self.device)
+            module._buffers[attr] = values[name].to(self.device)
 
     def loss_context(self):
         """The context the loss runs in, forward and backward: ``loss_parallel()`` under TP when the recipe asks."""
@@ -646,9 +646,12 @@ def checkpoint_policy(fraction: float) -> Callable[..., object]:
     """
     from torch.utils.checkpoint import CheckpointPolicy
 
+    always = {}  # operator -> saved whatever the count: decided once per operator, not on every call
+
     def policy(ctx, func, *args, **kwargs):
-        name = str(func)
-        if any(key in name for key in AC_SAVE_ALWAYS):
+        if func not in always:
+            always[func] = any(key in str(func) for key in AC_SAVE_ALWAYS)
+        if always[func]:
             return CheckpointPolicy.MUST_SAVE
         if func is torch.ops.aten.mm.default:
             key = "recompute_mm_count" if ctx.is_recompute else "forward_mm_count"
@@ -673,6 +676,7 @@ def apply_ac(model: nn.Module, config: ParallelConfig, blocks_attr: str = "layer
     if config.activation_checkpoint == "none":
         return
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
     blocks = get_blocks(model, blocks_attr)
     keys = list(blocks.keys()) if isinstance(blocks, nn.ModuleDict) else list(range(len(blocks)))
@@ -680,8 +684,6 @@ def apply_ac(model: nn.Module, config: ParallelConfig, blocks_attr: str = "layer
         if config.activation_checkpoint == "full":
             blocks[key] = checkpoint_wrapper(blocks[key], checkpoint_impl=CheckpointImpl.NO_REENTRANT)
             continue
-        from torch.utils.checkpoint import create_selective_checkpoint_contexts
-
         policy = checkpoint_policy(config.sac_memory_fraction)
 
         def context(policy=policy):

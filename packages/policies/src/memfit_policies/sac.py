@@ -965,7 +965,9 @@ def solve_sac(
         budgets = solve_module_budgets(
             chosen_stats, curve, limit_bytes, time_limit=time_limit, gap=gap, policy_seconds=policies
         )
-        solutions.append(_local_solution(trace, all_stats, chosen_stats, budgets, local, policy_overhead, limit_bytes))
+        solutions.append(
+            _local_solution(trace, all_stats, chosen_stats, budgets, local, policy_overhead, limit_bytes, curve)
+        )
     return min(solutions, key=lambda s: _solution_preference(s, limit_bytes))
 
 
@@ -985,9 +987,12 @@ def _local_solution(
     local: LocalPolicy,
     policy_overhead: float,
     limit_bytes: int,
+    curve: np.ndarray,
 ) -> SacSolution:
-    """The local policies' operators for the ILP's module budgets, re-checked (:func:`solve_sac`)."""
-    curve = trace.no_swap_memory_curve()
+    """The local policies' operators for the ILP's module budgets, re-checked (:func:`solve_sac`).
+
+    ``curve``: the trace's memory curve without swaps or recomputation.
+    """
     if not budgets.discard:
         too_high = int(curve.max(initial=0)) > limit_bytes
         budgets.discard = _fallback(trace, {s.module: s for s in chosen_stats}) if too_high else {}
