@@ -393,3 +393,29 @@ def test_a_plan_from_another_iteration_binds_by_ordinal_even_where_storage_addre
     assert [e.op_index for e in elsewhere.entries] == [1]  # the second tensor saved, as in the plan's trace
     here = bind(plan, trace, log, (3, 5, 0), traced_here=True)  # the trace's own iteration: its storages
     assert [e.op_index for e in here.entries] == [0]
+
+
+@pytest.mark.parametrize("min_swap_bytes", [KiB, 1024 * KiB], ids=["tracked", "untracked"])
+def test_a_forward_pass_never_followed_by_backward_frees_what_it_saved(min_swap_bytes):
+    """exp saves its output: a handle holding that tensor itself would tie it to its own grad_fn,
+    a cycle the collector cannot see through, and every evaluation left under grad would leak."""
+    import gc
+    import weakref
+
+    sim = CpuSimBackend(capacity="64MiB")
+    runtime = SwapRuntime(sim, clock=Counter(), min_swap_bytes=min_swap_bytes)
+    with sim.activate():
+        x = torch.randn(128, 128, requires_grad=True)
+        runtime.install(Hooks(build_plugin_manager()))
+        try:
+            before = sim.memory_allocated()
+            y = torch.exp(x)
+            assert runtime._live or min_swap_bytes > y.untyped_storage().nbytes()
+            gone = weakref.ref(y)
+            del y
+            gc.collect()
+            assert gone() is None
+            assert sim.memory_allocated() == before  # the device bytes are back too
+        finally:
+            runtime.uninstall()
+    sim.close()

@@ -82,7 +82,7 @@ from typing import Any
 import torch
 from memfit.config import format_size
 from memfit.errors import MemfitError
-from memfit.native import hidden_from_profilers, record_function_switch
+from memfit.native import hidden_from_profilers
 from memfit.tensors import sole_owner, storage_key
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -123,12 +123,15 @@ class Stored:
 
     __slots__ = (
         "__weakref__", "entry", "key", "nbytes", "out_at", "passive", "state", "storage", "swap_in", "swap_out",
+        "views",
     )  # fmt: skip
 
     def __init__(self, storage: torch.UntypedStorage, key: int, nbytes: int) -> None:
         self.storage = storage
         self.key = key
         self.nbytes = nbytes
+        self.views: list[torch.Tensor] = []
+        """The detached aliases the handles hand back (:class:`SavedRef`): each holds the storage once."""
         self.state = RESIDENT
         self.swap_out: SwapOut | None = None
         self.swap_in: SwapIn | None = None
@@ -138,16 +141,23 @@ class Stored:
 
 
 class SavedRef:
-    """What autograd holds instead of a saved tensor: the storage record and the view's geometry."""
+    """What autograd holds instead of a saved tensor: the storage record and a detached alias of the tensor.
 
-    __slots__ = ("dtype", "offset", "size", "stored", "stride")
+    The alias (``t.data``: the same storage, geometry and conj/neg bits, no ``grad_fn``, no
+    dispatched operator) is what unpack returns once the bytes are resident; autograd wraps it
+    anew. Holding ``t`` itself would tie a saved output to its own ``grad_fn`` (a reference cycle
+    the garbage collector cannot see through). The alias lives in :attr:`Stored.views` too, so
+    the storage's holders are known exactly (:meth:`SwapRuntime._sole_owner`); a freed block
+    (``resize_(0)``) and its swap-in (``resize_(n)``) keep the storage object, so the alias
+    reads the swapped-in bytes.
+    """
+
+    __slots__ = ("stored", "view")
 
     def __init__(self, stored: Stored, t: torch.Tensor) -> None:
         self.stored = stored
-        self.dtype = t.dtype
-        self.size = t.size()
-        self.stride = t.stride()
-        self.offset = t.storage_offset()
+        self.view = t.data
+        stored.views.append(self.view)
 
 
 @dataclass
@@ -267,7 +277,6 @@ class SwapRuntime:
         self._allocator_retry = False
         self._oom_hooks: Any = None
         self._iteration = RuntimeStats()
-        self._rf = record_function_switch()  # called directly on the hot path
         self.oom_enabled = True
         """Whether Algorithm 3 answers OOM (a session turns it off in Stable for the Capuchin-style baseline)."""
 
@@ -439,7 +448,9 @@ class SwapRuntime:
             or self._is_static(key)
             or not storage.resizable()  # from_blob / DLPack memory cannot be freed in place
         ):
-            return t
+            # untracked, but not ``t`` itself: a saved output would hold its own grad_fn, and a
+            # forward pass never followed by backward (an evaluation left under grad) would leak
+            return t.data
         position = op_index - self._base
         self._tick(position)
         stored = self._live.get(key)
@@ -469,13 +480,7 @@ class SwapRuntime:
                 self.matcher.observe_backward(stored.entry, position)
             self._tick(position, backward=True)
             self._ensure_resident(stored)
-        previous = self._rf.set_record_function_enabled(False)  # the view is memfit's, not the program's
-        try:
-            return torch.empty(0, dtype=ref.dtype, device=self.device).set_(
-                stored.storage, ref.offset, ref.size, ref.stride
-            )
-        finally:
-            self._rf.set_record_function_enabled(previous)
+        return ref.view
 
     # -- the plan --------------------------------------------------------------------------
     def _new_forward(self, op_index: int) -> None:
@@ -547,7 +552,7 @@ class SwapRuntime:
             stream_ordered = passive or self.swapper.release_mode == "event"
         if stream_ordered:
             swap.wait_on_compute()  # a device-side wait (cpu-sim: the host's); the copy's references are gone after
-        if not self._sole_owner(stored.storage, swap):
+        if not self._sole_owner(stored, swap):
             if not passive and not self._in_backward:  # the program still holds it: try again later
                 self._held.append(weakref.ref(stored))
             else:
@@ -591,14 +596,14 @@ class SwapRuntime:
                 still.append(stored)
         self._awaiting_free = still
 
-    def _sole_owner(self, storage: torch.UntypedStorage, swap: SwapOut) -> bool:
-        """Whether only the record (and the swap's ``record_stream`` keepalive) holds ``storage``.
+    def _sole_owner(self, stored: Stored, swap: SwapOut | None = None) -> bool:
+        """Whether only the record, its handles' aliases (and the swap's ``record_stream`` keepalive) hold the storage.
 
         A copy still queued on cpu-sim's worker holds a reference too, so such a storage reads as
         held until the copy has run: on a device a queued copy holds none, and stream-ordered
         release waits for the copy before asking — never a wrong "sole" answer, at worst a later one.
         """
-        return sole_owner(storage, len(swap._keepalive))
+        return sole_owner(stored.storage, len(stored.views) + (len(swap._keepalive) if swap is not None else 0))
 
     def _start_swap_in(self, stored: Stored) -> None:
         if stored.state != OUT or stored.swap_out is None:
@@ -711,7 +716,7 @@ class SwapRuntime:
             if stored.state == INFLIGHT and stored.swap_in is not None:
                 stored.swap_in.wait()  # a prefetch not yet read: it may go out again
                 stored.state = RESIDENT
-            if stored.state != RESIDENT or not sole_owner(stored.storage):
+            if stored.state != RESIDENT or not self._sole_owner(stored):
                 continue
             if stored.nbytes >= request:
                 if above is None or stored.nbytes < above.nbytes:
