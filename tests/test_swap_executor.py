@@ -178,26 +178,42 @@ def test_changing_sequences_for_300_iterations_and_the_capuchin_baseline():
 SEQ_CONFIG = dataclasses.replace(LlamaConfig.preset("tiny"), n_layers=4)
 
 
-def train_lengths(lengths):
-    """One training step per entry of ``lengths`` (the sequence length of that step's batch)."""
+def train_lengths(lengths, module_calls=None):
+    """One training step per entry of ``lengths`` (the sequence length of that step's batch).
+
+    ``module_calls``: a list to append each step's count of module forward calls to (a module
+    recomputed in backward is called twice: the test's own oracle of recomputation).
+    """
     run = build_training(SEQ_CONFIG, batch_size=8, seq_len=max(lengths))
+    calls = [0]
+    if module_calls is not None:
+        for module in run.model.modules():
+            module.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
     losses = []
     for i, length in enumerate(lengths):
+        calls[0] = 0
         inputs, targets = run.data.batch(i)
         loss = run.model.loss(inputs[:, :length], targets[:, :length])
         loss.backward()
         run.optimizer.step()
         run.optimizer.zero_grad(set_to_none=True)
         losses.append(float(loss.detach()))
+        if module_calls is not None:
+            module_calls.append(calls[0])
     return losses, params_of(run.model)
 
 
-def swap_exactly_at_half_the_peak(lengths):
-    """Train ``lengths`` under half the unswapped peak; check exactness and the budget; return the session."""
+def swap_exactly_at_half_the_peak(lengths, planner="swap", module_calls=None):
+    """Train ``lengths`` under half the unswapped peak (swap plans by default); check exactness and budget.
+
+    Swap plans of several sequences are in place at once; recomputation is one per model, so a
+    sequence whose plan recomputes is planned again swap-only when another recurs
+    (:func:`test_a_recomputing_plan_gives_way_to_swaps_when_a_second_sequence_recurs`).
+    """
     (losses, params), peak = native_run(train_lengths, lengths)
     budget = int(peak * 0.5)
-    with memfit.swap(budget=budget, backend="cpu-sim", adapt=False) as session:
-        got_losses, got_params = train_lengths(lengths)
+    with memfit.swap(budget=budget, backend="cpu-sim", adapt=False, planner=planner) as session:
+        got_losses, got_params = train_lengths(lengths, module_calls)
     assert got_losses == losses and all((a == b).all() for a, b in zip(got_params, params, strict=True))
     assert session.report()["peak_device_bytes"] <= budget
     return session
@@ -214,6 +230,21 @@ def test_a_persistent_change_of_sequence_length_is_planned_for_and_the_old_plan_
         ["WarmUp"] * (m + 1) + ["GenPolicy"] * (n + 1) + ["Stable"]
     )
     assert its[-1]["sequence"] == its[change - 1]["sequence"] and its[-1]["stage"] == "Stable"  # the old plan
+
+
+def test_a_recomputing_plan_gives_way_to_swaps_when_a_second_sequence_recurs():
+    lengths = [64] * 14 + [96] * 14 + [64] * 3
+    plain_calls, calls = [], []
+    native_run(train_lengths, lengths, plain_calls)
+    session = swap_exactly_at_half_the_peak(lengths, planner="sac", module_calls=calls)
+    recomputed = [c > p for c, p in zip(calls, plain_calls, strict=True)]  # modules called again in backward
+    its = session.report()["per_iteration"]
+    assert its[13]["stage"] == "Stable" and recomputed[13]  # one sequence: its plan checkpoints modules
+    replanned = [r for r in session.replans if r["reason"].startswith("another sequence recurs")]
+    assert [r["sequence"] for r in replanned] == [its[13]["sequence"]]
+    # from then on nothing recomputes; `sac` has no swap plan to offer, so passive swaps keep the budget
+    assert not any(recomputed[replanned[0]["iteration"] + 1 :])
+    assert all(it["passive_swaps"] for it in its[replanned[0]["iteration"] + 1 :])
 
 
 def test_sequence_lengths_that_take_turns_each_get_a_plan():

@@ -626,19 +626,15 @@ class SwapSession:
         self.plans_generated += len(proposed)
         # A plan that recomputes must keep its margin: inside a checkpointed module the tensors are
         # checkpoint's, and the OOM handler cannot swap them out when the prediction falls short.
-        # For the same reason `auto` tries one only when no swap-only plan keeps its margin.
+        # One that keeps it is a candidate like any other (under `auto` too): GenPolicy times it
+        # beside the swap plans, and on a host-bound step recomputing is often the faster way.
         usable = [p for p in proposed if p.keeps_margin() or not _recomputes(p)]
-        swap_keeps_margin = any(p.keeps_margin() and not _recomputes(p) for p in proposed)
-        if self.options.planner == "auto" and swap_keeps_margin:
-            usable = [p for p in usable if not _recomputes(p)]
         if plans.swap_only:  # see _one_sequence_recomputes
             usable = [p for p in usable if not _recomputes(p)]
         if len(usable) < len(proposed):
             left_out = sorted({p.planner for p in proposed if p not in usable})
             if plans.swap_only:
                 why = "several sequences recur and checkpointing applies to the whole model"
-            elif self.options.planner == "auto" and swap_keeps_margin:
-                why = "a swap plan keeps its margin, and a recomputing plan the prediction misses cannot be rescued"
             else:
                 why = (
                     "they do not keep their margin, and memory held by checkpointed modules cannot be swapped "
