@@ -11,8 +11,9 @@ proposed (1F1B has its step time with fewer microbatches in flight); swapping is
 1. **Screen** every candidate with a model scaled from a few real captures: the whole model with 1
    and 2 blocks, one sequence, no TP/CP, FSDP over 2 ranks, per checkpointing mode
    (:func:`memfit_parallel.prediction.capture_stage`). A block's activations, temporaries and compute
-   divide by ``tp·cp`` (CP's attention is costed as the ring's ``1/cp`` share here; the confirming
-   capture costs the all-gather CP that runs) and multiply by the microbatch size; parameters, gradients and optimizer
+   divide by ``tp·cp`` (CP's attention twice that: all-gather CP's masked SDPA computes the masked
+   half of its ``(S/cp)×S`` scores too, as the confirming capture costs it) and multiply by the
+   microbatch size; parameters, gradients and optimizer
    states are counted from the shapes and sharded by ``tp·dp_shard·cp``; FSDP, TP and pipeline
    communication come from the comm model. Candidates screened over ``SCREEN_MARGIN ×`` the
    capacity are dropped.
@@ -166,6 +167,7 @@ def _reference(workload: Workload, spec: HardwareSpec, ac: str, fraction: float 
             blocking_comm_s=0.0,
             fsdp={},
             blocks=0,
+            attention_s=tuple(x - factor * (y - x) for x, y in zip(a.attention_s, b.attention_s, strict=True)),
         )
 
     per_block = StageProfile(
@@ -173,6 +175,7 @@ def _reference(workload: Workload, spec: HardwareSpec, ac: str, fraction: float 
         forward_s=two.forward_s - one.forward_s, backward_s=two.backward_s - one.backward_s,
         recompute_s=two.recompute_s - one.recompute_s, optimizer_s=two.optimizer_s - one.optimizer_s,
         blocking_comm_s=0.0, fsdp={}, blocks=1,
+        attention_s=tuple(y - x for x, y in zip(one.attention_s, two.attention_s, strict=True)),
     )  # fmt: skip
     return _Reference(block=per_block, rest=minus(one, two))
 
@@ -223,6 +226,10 @@ def screen(workload: Workload, config: ParallelConfig, spec: HardwareSpec, ref: 
         fwd = mb * (n * blk.forward_s + head_share * rest.forward_s) / split
         bwd = mb * (n * blk.backward_s + head_share * rest.backward_s) / split
         rec = mb * n * blk.recompute_s / split
+        if cp > 1:
+            # The reference's causal attention (a flash kernel's half of S×S) shared by cp is the ring's
+            # cost; all-gather CP's masked SDPA computes the whole (S/cp)×S, the masked half too: twice it.
+            fwd, bwd, rec = (t + mb * n * a / split for t, a in zip((fwd, bwd, rec), blk.attention_s, strict=True))
         opt = (n * blk.optimizer_s + rest.optimizer_s) * 2 / (tp * shard if fsdp else tp / 2)
         blocking = 0.0
         if tp > 1:

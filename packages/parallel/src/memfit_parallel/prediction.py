@@ -88,6 +88,9 @@ class StageProfile:
     """Microbatches in flight in the capture (their activations are in ``peak_by_category``)."""
     regions: dict[str, dict[str, float]] = field(default_factory=dict)
     """The peak by category of each region of the step (:func:`peak_regions`), for extrapolation in depth."""
+    attention_s: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    """Of ``forward_s``, ``backward_s`` and ``recompute_s``, the seconds of attention kernels (the
+    search's screening scales them for context parallelism: :func:`memfit_parallel.planning.screen`)."""
 
     @property
     def peak_bytes(self) -> float:
@@ -132,6 +135,7 @@ class StageProfile:
             captured_blocks=self.captured_blocks + other.captured_blocks,
             captured_microbatches=self.captured_microbatches,
             regions=regions,
+            attention_s=tuple(mix(a, b) for a, b in zip(self.attention_s, other.attention_s, strict=True)),
         )
 
 
@@ -419,6 +423,11 @@ def _profile(
     bwd = float(seconds[(phases == int(Phase.BWD)) & ~recompute].sum())
     rec = float(seconds[recompute].sum())
     opt = float(seconds[phases == int(Phase.OPT)].sum())
+    attention = _attention_ops(captured)
+    attention_s = tuple(
+        float(seconds[attention & where].sum()) / k
+        for where in ((phases == int(Phase.FWD)) & ~recompute, (phases == int(Phase.BWD)) & ~recompute, recompute)
+    )
     fsdp = {"ag_fwd": 0.0, "ag_bwd": 0.0, "rs": 0.0, "ar": 0.0}
     blocking = 0.0
     summary: dict[tuple[str, str], dict[str, Any]] = {}
@@ -453,7 +462,16 @@ def _profile(
         collectives=sorted(summary.values(), key=lambda c: (c["dim"], c["kind"])),
         captured_blocks=(blocks,),
         regions=regions,
+        attention_s=attention_s,
     )
+
+
+def _attention_ops(captured: Any) -> np.ndarray:
+    """Which of the captured step's operators are attention kernels (the simulator's ``attention`` category)."""
+    from memfit_simulator.timing import category
+
+    names = captured.step.op_names
+    return np.asarray([category(n) == "attention" for n in names], dtype=bool)
 
 
 def peak_regions(captured: Any) -> dict[str, dict[str, float]]:
