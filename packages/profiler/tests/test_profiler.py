@@ -197,3 +197,44 @@ def test_step_outside_a_running_profiler_is_a_clear_error():
         OnlineProfiler().step()
     with pytest.raises(MemfitError, match="mode must be"):
         OnlineProfiler(mode="verbose")
+
+
+def test_detailed_operators_carry_their_self_time_on_the_cpu(backend):
+    """Each operator's time less its recorded children's: nested operators are not counted twice.
+
+    The oracle is ``time.sleep``'s lower bound: ``inner`` sleeps 50 ms inside ``middle`` inside
+    ``outer``, so ``inner`` took at least 50 ms, and counting an operator's children as its own
+    would put the three above 150 ms, more than the iteration took. (No upper bound on any time:
+    only what holds on a loaded machine too.)
+    """
+    import time
+
+    lib = "memfit_profiler_test"
+
+    @torch.library.custom_op(f"{lib}::inner", mutates_args=())
+    def inner(x: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.05)
+        return x.clone()
+
+    @torch.library.custom_op(f"{lib}::middle", mutates_args=())
+    def middle(x: torch.Tensor) -> torch.Tensor:
+        return inner(x)
+
+    @torch.library.custom_op(f"{lib}::outer", mutates_args=())
+    def outer(x: torch.Tensor) -> torch.Tensor:
+        return middle(x)
+
+    weight = torch.nn.Parameter(torch.ones(4))
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    with OnlineProfiler(backend, mode="detailed") as prof:
+        for _ in range(2):
+            (outer(weight.detach()) * weight).sum().backward()
+            optimizer.step()
+    trace = prof.traces[-1]
+    seconds = trace.ops.duration_s
+    assert np.isfinite(seconds).all() and (seconds >= 0).all()
+    names = [trace.op_name(i) for i in range(trace.n_ops)]
+    of = {name: float(seconds[names.index(f"{lib}::{name}")]) for name in ("outer", "middle", "inner")}
+    assert of["inner"] >= 0.05
+    # self times are disjoint slices of the iteration: counted twice, the three alone pass 150 ms
+    assert sum(of.values()) <= seconds.sum() <= trace.step_seconds

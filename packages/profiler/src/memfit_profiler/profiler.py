@@ -384,6 +384,18 @@ class OnlineProfiler:
             self._traces.append(pending)
         del self._traces[: max(0, len(self._traces) - self.keep_traces)]
 
+    def _durations(self, detail: dict[str, np.ndarray], n_ops: int) -> np.ndarray:
+        """Each operator's self time (s), where the host's time is the operator's: on the CPU (cpu-sim too).
+
+        On an accelerator the host only launches kernels, so the times would be launch costs:
+        NaN there, and the planners estimate (``source.op_times`` in a plan says which they used).
+        """
+        self_ns = detail.get("self_ns")
+        device = getattr(self.backend, "device", None)
+        if self_ns is None or device is None or torch.device(device).type != "cpu":
+            return np.full(n_ops, np.nan)
+        return np.where(self_ns >= 0, self_ns / 1e9, np.nan)
+
     def _build_trace(
         self,
         raw: RawIteration,
@@ -403,7 +415,7 @@ class OnlineProfiler:
             token=tokens,
             phase=phases,
             device_bytes=d["device_bytes"],
-            duration_s=np.full(n_ops, np.nan),
+            duration_s=self._durations(d, n_ops),
             inputs_offsets=d["inputs_offsets"],
             inputs_values=d["inputs_values"],
             outputs_offsets=d["outputs_offsets"],

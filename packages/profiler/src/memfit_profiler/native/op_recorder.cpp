@@ -2,8 +2,10 @@
 //
 // Lightweight mode appends one integer token (and a phase) per operator: no Python, no
 // allocation beyond amortised vector growth. Detailed mode also records each operator's input
-// and output storages, their size, dtype and shape, and the device bytes in use after the
-// operator. Python drains the buffers once per iteration (take()).
+// and output storages, their size, dtype and shape, the device bytes in use after the operator,
+// and its self time on the host (its interval less its recorded children's and the callbacks'
+// own cost; the device's time on a synchronous device). Python drains the buffers once per
+// iteration (take()).
 //
 // Phases: an operator is BWD while its thread runs an autograd graph task (the engine's
 // thread-local graph task id, which also covers gradient accumulation between nodes), OPT while
@@ -23,6 +25,7 @@
 
 #include <atomic>
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <cstdint>
 #include <mutex>
@@ -61,6 +64,7 @@ int8_t g_last_phase = FWD;
 // Detailed columns, flat (no allocation per operator). Slot = op index - g_detail_base.
 int64_t g_detail_base = -1;
 std::vector<int64_t> g_device_bytes;                    // per slot, filled when the operator ends
+std::vector<int64_t> g_self_ns;                         // per slot, filled when the operator ends (-1: not timed)
 std::vector<int64_t> g_in_offsets{0}, g_in_rows;        // inputs: recorded in slot order at start
 std::vector<std::pair<int64_t, int64_t>> g_out;         // (slot, row): ends arrive innermost first
 std::vector<Row> g_rows;
@@ -73,10 +77,22 @@ std::atomic<const std::atomic<int64_t>*> g_counter{nullptr};
 c10::DeviceIndex g_mem_device_index = -1;
 int g_track_device_type = -1;  // record only tensors on this device type (-1: all)
 
-thread_local bool t_draining = false;
+thread_local bool t_draining = false;  // take() builds tensors: its own operators are not the program's
 thread_local std::string t_last_op_in_mode;  // the latest operator seen while a Python dispatch mode was on
 thread_local std::string t_redispatch_of;    // set by a "PythonDispatchMode" range: the operator it re-dispatches
-thread_local std::vector<int64_t> t_open_slots;  // detailed operators running on this thread (LIFO)  // take() builds tensors: its own operators are not the program's
+// Detailed operators running on this thread (LIFO), recorded (slot >= 0) or not (-1), with their times.
+struct Open {
+  int64_t slot;
+  int64_t entered_ns;   // the enter callback began
+  int64_t started_ns;   // the enter callback ended: the operator runs from here
+  int64_t children_ns;  // recorded operators inside it, callbacks included
+};
+thread_local std::vector<Open> t_open;
+
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
 
 int64_t device_bytes_now() {
   if (auto* counter = g_counter.load(std::memory_order_relaxed)) {
@@ -207,35 +223,52 @@ std::unique_ptr<at::ObserverContext> on_enter_lightweight(const at::RecordFuncti
 }
 
 std::unique_ptr<at::ObserverContext> on_enter_detailed(const at::RecordFunction& fn) {
+  const int64_t entered = now_ns();
   std::lock_guard<std::mutex> guard(g_lock);
   const int64_t index = record_operator(fn);
   if (index < 0) {
-    t_open_slots.push_back(-1);
+    t_open.push_back({-1, entered, now_ns(), 0});
     return nullptr;
   }
   if (g_detail_base < 0) g_detail_base = index;
   const int64_t slot = index - g_detail_base;
   g_device_bytes.resize(static_cast<size_t>(slot + 1), -1);
+  g_self_ns.resize(static_cast<size_t>(slot + 1), -1);
   while (static_cast<int64_t>(g_in_offsets.size()) <= slot) g_in_offsets.push_back(g_in_offsets.back());
   for (const c10::IValue& v : fn.inputs()) collect(v, g_in_rows);
   g_in_offsets.push_back(static_cast<int64_t>(g_in_rows.size()));
-  t_open_slots.push_back(slot);
+  t_open.push_back({slot, entered, now_ns(), 0});
   return nullptr;
 }
 
 void on_exit_detailed(const at::RecordFunction& fn, at::ObserverContext*) {
-  if (t_open_slots.empty()) return;  // started before this callback was installed
-  const int64_t slot = t_open_slots.back();
-  t_open_slots.pop_back();
-  if (slot < 0) return;
+  const int64_t ended = now_ns();
+  if (t_open.empty()) return;  // started before this callback was installed
+  const Open open = t_open.back();
+  t_open.pop_back();
+  // What the enclosing operator must not count as its own: a recorded operator's whole interval,
+  // callbacks included; an unrecorded range (detach, the engine's wrappers) is transparent: only
+  // the recorded operators inside it.
+  auto give_parent = [&open](int64_t ns) {
+    if (!t_open.empty()) t_open.back().children_ns += ns;
+  };
+  if (open.slot < 0) {
+    give_parent(open.children_ns);
+    return;
+  }
   const int64_t bytes = device_bytes_now();
-  std::lock_guard<std::mutex> guard(g_lock);
-  if (slot >= static_cast<int64_t>(g_device_bytes.size())) return;  // drained while it ran
-  thread_local std::vector<int64_t> rows;
-  rows.clear();
-  for (const c10::IValue& v : fn.outputs()) collect(v, rows);
-  for (int64_t row : rows) g_out.emplace_back(slot, row);
-  g_device_bytes[static_cast<size_t>(slot)] = bytes;
+  {
+    std::lock_guard<std::mutex> guard(g_lock);
+    if (open.slot < static_cast<int64_t>(g_device_bytes.size())) {  // else drained while it ran
+      thread_local std::vector<int64_t> rows;
+      rows.clear();
+      for (const c10::IValue& v : fn.outputs()) collect(v, rows);
+      for (int64_t row : rows) g_out.emplace_back(open.slot, row);
+      g_device_bytes[static_cast<size_t>(open.slot)] = bytes;
+      g_self_ns[static_cast<size_t>(open.slot)] = std::max<int64_t>(ended - open.started_ns - open.children_ns, 0);
+    }
+  }
+  give_parent(now_ns() - open.entered_ns);
 }
 
 std::optional<at::CallbackHandle> g_handle;
@@ -272,7 +305,7 @@ struct Drained {
   std::vector<int8_t> phases;
   std::vector<int64_t> boundaries;
   int64_t detail_base = -1;
-  std::vector<int64_t> device_bytes, in_offsets, in_rows;
+  std::vector<int64_t> device_bytes, self_ns, in_offsets, in_rows;
   std::vector<std::pair<int64_t, int64_t>> out;
   std::vector<Row> rows;
   std::vector<int64_t> swap_op, swap_row;
@@ -291,6 +324,7 @@ py::dict take() {
     d.detail_base = g_detail_base;
     g_detail_base = -1;
     d.device_bytes.swap(g_device_bytes);
+    d.self_ns.swap(g_self_ns);
     d.in_offsets.swap(g_in_offsets);
     g_in_offsets.assign(1, 0);
     d.in_rows.swap(g_in_rows);
@@ -335,6 +369,8 @@ py::dict take() {
       shape_off.push_back(static_cast<int64_t>(shape_val.size()));
     }
     out["device_bytes"] = to_tensor_i64(bytes);
+    d.self_ns.resize(bytes.size(), -1);
+    out["self_ns"] = to_tensor_i64(d.self_ns);
     out["inputs_offsets"] = to_tensor_i64(in_off);
     out["inputs_values"] = to_tensor_i64(in_val);
     out["outputs_offsets"] = to_tensor_i64(out_off);
