@@ -66,13 +66,7 @@ class EmulatedGather(ContextParallel):
 
 
 @pytest.mark.parametrize("cp", [2, 4])
-def test_a_cp_ranks_stage_computes_its_part_of_the_models_logits(cp, monkeypatch):
-    import memfit_parallel.context
-
-    built = []
-    monkeypatch.setattr(
-        memfit_parallel.context, "context_mask", lambda *a, **k: built.append(a) or context_mask(*a, **k)
-    )
+def test_a_cp_ranks_stage_computes_its_part_of_the_models_logits(cp):
     config = LlamaConfig.preset("tiny")
     torch.manual_seed(0)
     model = Llama(config)
@@ -97,8 +91,6 @@ def test_a_cp_ranks_stage_computes_its_part_of_the_models_logits(cp, monkeypatch
         stage._memfit_context = context
         got = stage(shard_sequence(tokens, cp, rank))
         torch.testing.assert_close(got, shard_sequence(want, cp, rank), rtol=1e-5, atol=1e-5)
-    assert built == [(32, cp, rank) for rank in range(cp)]  # one mask per rank, shared by its layers
-    assert config.n_layers > 1
 
 
 def test_without_the_hook_attention_is_plain_causal_attention():

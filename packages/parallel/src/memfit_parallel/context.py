@@ -16,8 +16,8 @@ TorchTitan uses. All-gather CP is simpler and runs everywhere; its cost differs 
 * communication: one all-gather of K and V per layer forward (and one reduce-scatter of their
   gradients backward), on the critical path before attention, instead of ``cp − 1`` ring passes
   overlapped with the attention of the previous chunk;
-* memory: the whole sequence's K and V (before GQA's repetition) per layer in forward, and one
-  ``(local, whole)`` boolean mask per sequence length, built once and shared by the layers and steps;
+* memory: the whole sequence's K and V (before GQA's repetition) and a ``(local, whole)`` mask live
+  per layer in forward;
 * compute: SDPA with an explicit mask computes every local query against every key, masked ones
   included: ``1/cp`` of the full ``S×S`` attention per rank, twice the causal work a flash kernel's
   ring step does.
@@ -36,7 +36,7 @@ Example (the zig-zag split of two CP ranks, and back):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from memfit.errors import MemfitError
@@ -88,8 +88,6 @@ class ContextParallel:
     """The CP process group (``mesh["cp"].get_group()``)."""
     size: int
     rank: int
-    _masks: dict[tuple[int, torch.device], torch.Tensor] = field(default_factory=dict, repr=False)
-    """The causal mask per sequence length and device: built once, shared by every layer and step."""
 
     def positions(self, seq_len: int, device=None) -> torch.Tensor:
         """This rank's global positions in a sequence of ``seq_len`` tokens."""
@@ -107,12 +105,7 @@ class ContextParallel:
         positions (:func:`context_mask`), so nothing is reordered.
         """
         whole = k.shape[2] * self.size
-        mask = self._masks.get((whole, k.device))
-        if mask is None:
-            # Built once: it depends on the length only. One per layer would also be one per layer
-            # saved for backward (SDPA keeps its mask), n_layers (local × whole) tensors at the peak.
-            mask = self._masks[whole, k.device] = context_mask(whole, self.size, self.rank, device=k.device)
-        return self.gather(k), self.gather(v), mask
+        return self.gather(k), self.gather(v), context_mask(whole, self.size, self.rank, device=k.device)
 
 
 def context_mask(seq_len: int, cp: int, rank: int, device=None) -> torch.Tensor:
