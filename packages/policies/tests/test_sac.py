@@ -454,3 +454,33 @@ def test_the_ilp_weighs_the_policy_cost_and_checkpoints_fewer_modules_whole():
         solve_sac(trace, limit).budgets.discard
         == solve_module_budgets(list(stats.values()), trace.no_swap_memory_curve(), limit).discard
     )
+
+
+def test_the_ilp_weighs_what_checkpointing_a_module_costs_and_checkpoints_fewer():
+    # Each checkpointed module costs torch's checkpoint machinery beyond its recomputation; with
+    # that cost the ILP prefers few large modules over many small ones. Oracle: every set of
+    # modules checkpointed fully (none inside another) that fits, on the planner's own memory
+    # curve, at its recomputation plus that cost per module.
+    trace = Trace.load(DATA / "tiny_llama_simulated.npz")
+    stats = module_stats(trace)
+    limit = int(trace.no_swap_memory_curve().max() * 0.75)
+    names = list(stats)
+    fitting = []
+    for subset in itertools.product([False, True], repeat=len(names)):
+        chosen = [n for n, on in zip(names, subset, strict=True) if on]
+        if any(b.startswith(f"{a}.") for a in chosen for b in chosen):
+            continue
+        full = {n: np.zeros(len(stats[n].names), dtype=bool) for n in chosen}
+        if predicted_curve(trace, stats, full).max() <= limit:
+            fitting.append(chosen)
+    fewest = min(len(c) for c in fitting)
+    region = 10 * max(s.total_seconds for s in stats.values())  # dominates any recomputation
+    solution = solve_sac(trace, limit, region_overhead=region)
+    assert solution.curve.max() <= limit
+    assert len(solution.keep) == fewest
+    assert solution.region_seconds == pytest.approx(region * fewest)
+    best = min(sum(stats[n].total_seconds for n in c) + region * len(c) for c in fitting)
+    assert solution.overhead_seconds <= best + 1e-9
+    # without the cost the ILP spreads the discards over more, smaller modules
+    blind = solve_sac(trace, limit)
+    assert blind.region_seconds == 0.0 and len(blind.keep) > fewest

@@ -41,7 +41,15 @@ from memfit.trace import Trace
 from pydantic import Field
 
 from memfit_policies.plugin import FINER_LAYERS_PER_PHASE
-from memfit_policies.sac import LocalPolicy, SacSolution, module_stats, op_seconds, recompute_actions, solve_sac
+from memfit_policies.sac import (
+    REGION_OVERHEAD_S,
+    LocalPolicy,
+    SacSolution,
+    module_stats,
+    op_seconds,
+    recompute_actions,
+    solve_sac,
+)
 from memfit_policies.swap import CannotFit, SwapPlannerConfig, generate_swap_plan, planner_margin
 
 
@@ -58,6 +66,8 @@ class JointPlannerConfig(MemfitModel):
     """Seconds CBC may spend on each global ILP."""
     policy_overhead: float = Field(default=20e-6, ge=0)
     """As the SAC planner's: seconds a selective policy costs per forward operator."""
+    region_overhead: float = Field(default=REGION_OVERHEAD_S, ge=0)
+    """As the SAC planner's: seconds a checkpointed module costs a step beyond its recomputation."""
     swap: SwapPlannerConfig = Field(default_factory=SwapPlannerConfig)
     """Options of the swap part (its margin is this planner's)."""
 
@@ -109,7 +119,7 @@ def generate_joint_plan(
         target = limit + int((1.0 - share) * max(0, peak - limit))
         solution = solve_sac(
             trace, target, local=config.local, time_limit=config.time_limit, seconds=seconds,
-            policy_overhead=config.policy_overhead, stats=stats,
+            policy_overhead=config.policy_overhead, stats=stats, region_overhead=config.region_overhead,
         )  # fmt: skip
         if share > 0 and not solution.keep and (tried or share != shares[-1]):
             # recomputation cannot help here (or was not needed): the swap-only mix covers it. When
@@ -119,7 +129,7 @@ def generate_joint_plan(
         under = trace_under_recompute(trace, solution, seconds)
         swapped = _swap_the_rest(under, budget_bytes, swap_config, bandwidth_bytes_per_s)
         recompute = solution.recompute_seconds
-        policy = solution.policy_seconds
+        policy = solution.policy_seconds + solution.region_seconds
         tried.append(
             swapped.model_copy(
                 update={

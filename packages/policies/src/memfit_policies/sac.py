@@ -99,6 +99,14 @@ _FLOPS, _BYTES_PER_S, _LAUNCH_S = 1e11, 1e10, 5e-6
 LocalPolicy = Literal["greedy", "knapsack", "ilp"]
 
 
+REGION_OVERHEAD_S = 200e-6
+"""Default ``region_overhead``: a fully checkpointed module beyond its recomputation, measured on a
+CPU (``python benchmarks/sac_policy_overhead.py``, 2026-11-26: 193 and 210 µs with the machine
+otherwise idle, 374 µs beside another job). Host time: on a device it overlaps the kernels when
+the step is device-bound, so the default overstates it there (it then only breaks near-ties
+towards fewer modules)."""
+
+
 class SacPlannerConfig(MemfitModel):
     """Options of the ``sac`` planner (``PlanningProblem.options["sac"]``)."""
 
@@ -118,6 +126,11 @@ class SacPlannerConfig(MemfitModel):
     and memfit's policy run in Python for each): a module whose selective plan does not save more
     recomputation than this costs is checkpointed fully instead (measured ~20 µs on a CPU; 0 to
     ignore)."""
+    region_overhead: float = Field(default=REGION_OVERHEAD_S, ge=0)
+    """Seconds a checkpointed module costs a step beyond recomputing its operators (torch's
+    checkpoint machinery and memfit's wrapper, forward and backward; measured by
+    ``benchmarks/sac_policy_overhead.py``): the ILP weighs it, so it checkpoints fewer, larger
+    modules where many small ones would recompute about as much. 0 to ignore."""
 
 
 # -- per-module statistics --------------------------------------------------------------------
@@ -826,6 +839,7 @@ def solve_module_budgets(
     time_limit: float = 30.0,
     gap: float = 0.01,
     policy_seconds: Sequence[float] | None = None,
+    region_seconds: float = 0.0,
 ) -> ModuleBudgets:
     """The global ILP (thesis §5.4), with the peak constrained in every piece of the step.
 
@@ -841,6 +855,9 @@ def solve_module_budgets(
     free and, on a host-bound step, spreads partial discards over every module where checkpointing
     fewer modules whole would be faster (the thesis's ILP has no such term: on a GPU the policy's
     Python runs ahead of the kernels and is hidden).
+
+    ``region_seconds``: what checkpointing any one module costs a step beyond its recomputation
+    (``y`` at that cost in the objective).
     """
     import pulp
 
@@ -867,7 +884,8 @@ def solve_module_budgets(
             problem += r[i] >= y[i] - selective  # not selective: every byte discarded
             policy.append(policy_seconds[i] * 1e3 * selective)
         freed.append((s.total_bytes * r[i] - (s.total_bytes - s.saved_bytes) * y[i]) / scale)
-    problem += pulp.lpSum(rct) + pulp.lpSum(policy)
+    regions = [region_seconds * 1e3 * v for v in y] if region_seconds > 0 else []
+    problem += pulp.lpSum(rct) + pulp.lpSum(policy) + pulp.lpSum(regions)
     for i, j in _nested(stats):
         problem += y[i] + y[j] <= 1
     for p in range(segments.peak.size):
@@ -906,6 +924,13 @@ class SacSolution:
     """Time the local policies took, all modules together."""
     policy_seconds: float = 0.0
     """Predicted cost of the selective policies themselves per step (``policy_overhead`` per operator)."""
+    region_seconds: float = 0.0
+    """Predicted cost of checkpointing itself per step (``region_overhead`` per checkpointed module)."""
+
+    @property
+    def overhead_seconds(self) -> float:
+        """Everything the plan adds to a step: recomputation, policies, checkpointing."""
+        return self.recompute_seconds + self.policy_seconds + self.region_seconds
 
 
 def predicted_curve(trace: Trace, stats: dict[str, ModuleStats], keep: dict[str, np.ndarray]) -> np.ndarray:
@@ -933,6 +958,7 @@ def solve_sac(
     seconds: np.ndarray | None = None,
     policy_overhead: float = 0.0,
     stats: dict[str, ModuleStats] | None = None,
+    region_overhead: float = 0.0,
 ) -> SacSolution:
     """Both levels: module budgets from the global ILP, then each chosen module's operators.
 
@@ -941,7 +967,8 @@ def solve_sac(
     module whose selective plan still saves less recomputation than its policy costs is
     checkpointed fully instead (it then frees more memory, so the plan still fits). ``stats``:
     :func:`module_stats` of the trace, when the caller solves several limits on one trace
-    (computed here otherwise).
+    (computed here otherwise). ``region_overhead``: seconds any checkpointed module costs a step
+    beyond its recomputation, weighed by the ILP as well.
     """
     all_stats = stats if stats is not None else module_stats(trace, seconds)
     if modules is not None:
@@ -963,11 +990,12 @@ def solve_sac(
     costs = [[policy_overhead * len(s.names) for s in chosen_stats], None] if policy_overhead > 0 else [None]
     for policies in costs:
         budgets = solve_module_budgets(
-            chosen_stats, curve, limit_bytes, time_limit=time_limit, gap=gap, policy_seconds=policies
-        )
-        solutions.append(
-            _local_solution(trace, all_stats, chosen_stats, budgets, local, policy_overhead, limit_bytes, curve)
-        )
+            chosen_stats, curve, limit_bytes, time_limit=time_limit, gap=gap, policy_seconds=policies,
+            region_seconds=region_overhead,
+        )  # fmt: skip
+        solution = _local_solution(trace, all_stats, chosen_stats, budgets, local, policy_overhead, limit_bytes, curve)
+        solution.region_seconds = region_overhead * len(solution.keep)
+        solutions.append(solution)
     return min(solutions, key=lambda s: _solution_preference(s, limit_bytes))
 
 
@@ -975,7 +1003,7 @@ def _solution_preference(solution: SacSolution, limit_bytes: int) -> tuple[int, 
     """Fits the limit, then the least predicted cost (recomputation and policies); otherwise the lowest peak."""
     peak = int(solution.curve.max(initial=0))
     if peak <= limit_bytes:
-        return (0, solution.recompute_seconds + solution.policy_seconds)
+        return (0, solution.overhead_seconds)
     return (1, float(peak))
 
 
@@ -1054,6 +1082,7 @@ def generate_sac_plan(
         gap=config.gap,
         seconds=seconds,
         policy_overhead=config.policy_overhead,
+        region_overhead=config.region_overhead,
     )
     return sac_plan(trace, budget_bytes, margin, solution, source_of_times, planner=planner)
 
@@ -1106,7 +1135,7 @@ def sac_plan(
             peak_bytes=peak,
             margin_bytes=margin,
             shortfall=shortfall,
-            overhead_seconds=solution.recompute_seconds + solution.policy_seconds,
+            overhead_seconds=solution.overhead_seconds,
             recompute_seconds=solution.recompute_seconds,
             memory_curve=tuple(int(v) for v in solution.curve),
         ),
