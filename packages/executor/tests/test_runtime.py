@@ -1,5 +1,7 @@
 """The swap runtime with only core installed: passive swaps (Algorithm 3), planned swaps, views, safety."""
 
+import contextlib
+
 import pytest
 import torch
 from memfit.backends.cpu_sim import CpuSimBackend
@@ -109,23 +111,30 @@ def test_a_planned_swap_frees_the_activation_and_restores_views_bit_identically(
     assert stored.state == RESIDENT
 
 
-def test_a_tensor_the_program_still_holds_is_never_freed():
+@contextlib.contextmanager
+def runtime_on_cpu_sim(min_swap_bytes: int = KiB):
+    """A 64 MiB cpu-sim device, active, and a swap runtime installed on it: ``(sim, runtime)``."""
     sim = CpuSimBackend(capacity="64MiB")
-    runtime = SwapRuntime(sim, clock=Counter(), min_swap_bytes=KiB)
+    runtime = SwapRuntime(sim, clock=Counter(), min_swap_bytes=min_swap_bytes)
     with sim.activate():
-        x = torch.randn(128, 128, requires_grad=True)
         runtime.install(Hooks(build_plugin_manager()))
         try:
-            runtime.apply([binding_for([entry(128 * 128 * 4, position=0, release=0, swap_in=50, shape=(128, 128))])])
-            a = torch.exp(x)  # saves its output; the program keeps `a`
-            (a * 3).sum()  # ticks the clock past the release point
-            loss = a.sum()
-            stored = next(iter(runtime._live.values()))
-            assert stored.state != OUT and a.untyped_storage().nbytes() == 128 * 128 * 4
-            loss.backward()
+            yield sim, runtime
         finally:
             runtime.uninstall()
     sim.close()
+
+
+def test_a_tensor_the_program_still_holds_is_never_freed():
+    x = torch.randn(128, 128, requires_grad=True)
+    with runtime_on_cpu_sim() as (_, runtime):
+        runtime.apply([binding_for([entry(128 * 128 * 4, position=0, release=0, swap_in=50, shape=(128, 128))])])
+        a = torch.exp(x)  # saves its output; the program keeps `a`
+        (a * 3).sum()  # ticks the clock past the release point
+        loss = a.sum()
+        stored = next(iter(runtime._live.values()))
+        assert stored.state != OUT and a.untyped_storage().nbytes() == 128 * 128 * 4
+        loss.backward()
     assert torch.equal(x.grad, torch.exp(x.detach()))
 
 
@@ -402,20 +411,13 @@ def test_a_forward_pass_never_followed_by_backward_frees_what_it_saved(min_swap_
     import gc
     import weakref
 
-    sim = CpuSimBackend(capacity="64MiB")
-    runtime = SwapRuntime(sim, clock=Counter(), min_swap_bytes=min_swap_bytes)
-    with sim.activate():
-        x = torch.randn(128, 128, requires_grad=True)
-        runtime.install(Hooks(build_plugin_manager()))
-        try:
-            before = sim.memory_allocated()
-            y = torch.exp(x)
-            assert runtime._live or min_swap_bytes > y.untyped_storage().nbytes()
-            gone = weakref.ref(y)
-            del y
-            gc.collect()
-            assert gone() is None
-            assert sim.memory_allocated() == before  # the device bytes are back too
-        finally:
-            runtime.uninstall()
-    sim.close()
+    x = torch.randn(128, 128, requires_grad=True)
+    with runtime_on_cpu_sim(min_swap_bytes) as (sim, runtime):
+        before = sim.memory_allocated()
+        y = torch.exp(x)
+        assert runtime._live or min_swap_bytes > y.untyped_storage().nbytes()
+        gone = weakref.ref(y)
+        del y
+        gc.collect()
+        assert gone() is None
+        assert sim.memory_allocated() == before  # the device bytes are back too

@@ -420,6 +420,20 @@ def test_a_selective_policy_that_costs_more_than_it_saves_becomes_full_checkpoin
     assert costly.recompute_seconds == pytest.approx(sum(stats[n].total_seconds for n in costly.keep))
 
 
+def fitting_whole_modules(trace, stats, limit):
+    """The oracle: every set of modules checkpointed fully (none inside another) whose planned curve fits ``limit``."""
+    names = list(stats)
+    fitting = []
+    for subset in itertools.product([False, True], repeat=len(names)):
+        chosen = [n for n, on in zip(names, subset, strict=True) if on]
+        if any(b.startswith(f"{a}.") for a in chosen for b in chosen):
+            continue
+        full = {n: np.zeros(len(stats[n].names), dtype=bool) for n in chosen}
+        if predicted_curve(trace, stats, full).max() <= limit:
+            fitting.append(chosen)
+    return fitting
+
+
 def test_the_ilp_weighs_the_policy_cost_and_checkpoints_fewer_modules_whole():
     # With a per-operator policy cost, selective checkpointing is not free: at this limit the
     # cost-blind ILP spreads selective discards over three modules, which the per-module repair
@@ -433,15 +447,7 @@ def test_the_ilp_weighs_the_policy_cost_and_checkpoints_fewer_modules_whole():
     solution = solve_sac(trace, limit, policy_overhead=overhead)
     assert solution.curve.max() <= limit
     cost = solution.recompute_seconds + solution.policy_seconds
-    names = list(stats)
-    best_full = math.inf
-    for subset in itertools.product([False, True], repeat=len(names)):
-        chosen = [n for n, on in zip(names, subset, strict=True) if on]
-        if any(b.startswith(f"{a}.") for a in chosen for b in chosen):
-            continue
-        full = {n: np.zeros(len(stats[n].names), dtype=bool) for n in chosen}
-        if predicted_curve(trace, stats, full).max() <= limit:
-            best_full = min(best_full, sum(stats[n].total_seconds for n in chosen))
+    best_full = min(sum(stats[n].total_seconds for n in c) for c in fitting_whole_modules(trace, stats, limit))
     assert cost <= best_full + 1e-12
     assert set(solution.keep) == {"layers.0"} and not solution.keep["layers.0"].any()
     # the cost-blind ILP alone (what the planner did before) recomputes more
@@ -464,15 +470,7 @@ def test_the_ilp_weighs_what_checkpointing_a_module_costs_and_checkpoints_fewer(
     trace = Trace.load(DATA / "tiny_llama_simulated.npz")
     stats = module_stats(trace)
     limit = int(trace.no_swap_memory_curve().max() * 0.75)
-    names = list(stats)
-    fitting = []
-    for subset in itertools.product([False, True], repeat=len(names)):
-        chosen = [n for n, on in zip(names, subset, strict=True) if on]
-        if any(b.startswith(f"{a}.") for a in chosen for b in chosen):
-            continue
-        full = {n: np.zeros(len(stats[n].names), dtype=bool) for n in chosen}
-        if predicted_curve(trace, stats, full).max() <= limit:
-            fitting.append(chosen)
+    fitting = fitting_whole_modules(trace, stats, limit)
     fewest = min(len(c) for c in fitting)
     region = 10 * max(s.total_seconds for s in stats.values())  # dominates any recomputation
     solution = solve_sac(trace, limit, region_overhead=region)
