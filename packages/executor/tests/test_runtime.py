@@ -421,3 +421,36 @@ def test_a_forward_pass_never_followed_by_backward_frees_what_it_saved(min_swap_
         gc.collect()
         assert gone() is None
         assert sim.memory_allocated() == before  # the device bytes are back too
+
+
+def test_a_saved_tensor_a_backward_node_is_reading_is_never_a_passive_swap_victim():
+    """A saved tensor that needs no gradient reaches the node as the object unpack returns.
+
+    Returned as the handle's own alias (which memfit counts as its own holder), the node's use did
+    not show: an OOM inside the node could free its own input (a segfault, found in review). The
+    oracle is the storage's use count seen from inside the node, against what memfit knows of.
+    """
+    seen = {}
+
+    class Masked(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, mask):
+            ctx.save_for_backward(mask)
+            return x * mask
+
+        @staticmethod
+        def backward(ctx, grad):
+            (mask,) = ctx.saved_tensors  # needs no gradient: autograd passes unpack's tensor through
+            stored = next(iter(runtime._live.values()))
+            seen["sole"] = runtime._sole_owner(stored)
+            seen["victim"] = runtime._choose_victim(stored.nbytes) is stored
+            return grad * mask, None
+
+    x = torch.randn(256, 256, requires_grad=True)
+    with runtime_on_cpu_sim() as (_, runtime):
+        mask = torch.full((256, 256), 2.0)
+        y = Masked.apply(x, mask)
+        del mask  # only the node (through memfit's handle) holds it now
+        y.sum().backward()
+    assert seen == {"sole": False, "victim": False}
+    assert torch.equal(x.grad, torch.full((256, 256), 2.0))

@@ -144,12 +144,12 @@ class SavedRef:
     """What autograd holds instead of a saved tensor: the storage record and a detached alias of the tensor.
 
     The alias (``t.data``: the same storage, geometry and conj/neg bits, no ``grad_fn``, no
-    dispatched operator) is what unpack returns once the bytes are resident; autograd wraps it
-    anew. Holding ``t`` itself would tie a saved output to its own ``grad_fn`` (a reference cycle
-    the garbage collector cannot see through). The alias lives in :attr:`Stored.views` too, so
-    the storage's holders are known exactly (:meth:`SwapRuntime._sole_owner`); a freed block
-    (``resize_(0)``) and its swap-in (``resize_(n)``) keep the storage object, so the alias
-    reads the swapped-in bytes.
+    dispatched operator) is what unpack returns a fresh alias of once the bytes are resident (so
+    the backward node reading it counts as a user of the storage). Holding ``t`` itself would tie
+    a saved output to its own ``grad_fn`` (a reference cycle the garbage collector cannot see
+    through). The alias lives in :attr:`Stored.views` too, so the storage's holders are known
+    exactly (:meth:`SwapRuntime._sole_owner`); a freed block (``resize_(0)``) and its swap-in
+    (``resize_(n)``) keep the storage object, so the alias reads the swapped-in bytes.
     """
 
     __slots__ = ("stored", "view")
@@ -480,7 +480,11 @@ class SwapRuntime:
                 self.matcher.observe_backward(stored.entry, position)
             self._tick(position, backward=True)
             self._ensure_resident(stored)
-        return ref.view
+        # A fresh alias, not ref.view itself: autograd hands a saved tensor that needs no gradient
+        # (a dropout mask, a frozen weight's input) to the node as the very object unpack returns,
+        # and the alias in Stored.views is counted as memfit's own: the node's use would not show,
+        # and an OOM inside that node could pick its own input as the passive swap's victim.
+        return ref.view.data
 
     # -- the plan --------------------------------------------------------------------------
     def _new_forward(self, op_index: int) -> None:
