@@ -369,11 +369,13 @@ def capture_stage(
     return profile
 
 
-def _op_seconds(captured: Any, config: ParallelConfig, spec: HardwareSpec) -> np.ndarray:
+def _op_seconds(captured: Any, config: ParallelConfig, spec: HardwareSpec) -> tuple[np.ndarray, np.ndarray]:
+    """Each captured operator's predicted seconds, and which operators are attention kernels."""
     from memfit_simulator.calibration import attention_flops
     from memfit_simulator.timing import grid_features, op_costs, time_model
 
     costs = op_costs(captured.step)
+    attention = np.asarray([c.category == "attention" for c in costs], dtype=bool)
     for i, c in enumerate(costs):
         if c.category == "attention" and c.flops == 0:
             backward = "backward" in c.name
@@ -383,7 +385,7 @@ def _op_seconds(captured: Any, config: ParallelConfig, spec: HardwareSpec) -> np
             costs[i] = dataclasses.replace(c, flops=flops)
     seconds = np.asarray(time_model(spec).predict(costs), dtype=float)
     seconds[captured.communication] = 0.0
-    return seconds
+    return seconds, attention
 
 
 def _tier_spec(spec: HardwareSpec, config: ParallelConfig, dim: str) -> HardwareSpec:
@@ -416,14 +418,13 @@ def _profile(
     """Per-microbatch figures of a capture of ``k`` microbatches (per-step ones: optimizer, data-parallel comm)."""
     from memfit.types import Phase
 
-    seconds = _op_seconds(captured, config, spec)
+    seconds, attention = _op_seconds(captured, config, spec)
     phases = captured.step.phases
     recompute = captured.recompute
     fwd = float(seconds[(phases == int(Phase.FWD)) & ~recompute].sum())
     bwd = float(seconds[(phases == int(Phase.BWD)) & ~recompute].sum())
     rec = float(seconds[recompute].sum())
     opt = float(seconds[phases == int(Phase.OPT)].sum())
-    attention = _attention_ops(captured)
     attention_s = tuple(
         float(seconds[attention & where].sum()) / k
         for where in ((phases == int(Phase.FWD)) & ~recompute, (phases == int(Phase.BWD)) & ~recompute, recompute)
@@ -464,14 +465,6 @@ def _profile(
         regions=regions,
         attention_s=attention_s,
     )
-
-
-def _attention_ops(captured: Any) -> np.ndarray:
-    """Which of the captured step's operators are attention kernels (the simulator's ``attention`` category)."""
-    from memfit_simulator.timing import category
-
-    names = captured.step.op_names
-    return np.asarray([category(n) == "attention" for n in names], dtype=bool)
 
 
 def peak_regions(captured: Any) -> dict[str, dict[str, float]]:

@@ -993,9 +993,11 @@ def solve_sac(
             chosen_stats, curve, limit_bytes, time_limit=time_limit, gap=gap, policy_seconds=policies,
             region_seconds=region_overhead,
         )  # fmt: skip
-        solution = _local_solution(trace, all_stats, chosen_stats, budgets, local, policy_overhead, limit_bytes, curve)
-        solution.region_seconds = region_overhead * len(solution.keep)
-        solutions.append(solution)
+        solutions.append(
+            _local_solution(
+                trace, all_stats, chosen_stats, budgets, local, policy_overhead, limit_bytes, curve, region_overhead
+            )
+        )
     return min(solutions, key=lambda s: _solution_preference(s, limit_bytes))
 
 
@@ -1016,6 +1018,7 @@ def _local_solution(
     policy_overhead: float,
     limit_bytes: int,
     curve: np.ndarray,
+    region_overhead: float = 0.0,
 ) -> SacSolution:
     """The local policies' operators for the ILP's module budgets, re-checked (:func:`solve_sac`).
 
@@ -1036,7 +1039,9 @@ def _local_solution(
     predicted = predicted_curve(trace, all_stats, keep)
     recompute = sum(all_stats[n].recompute_seconds(k) for n, k in keep.items())
     policy_seconds = policy_overhead * sum(len(all_stats[n].names) for n, k in keep.items() if k.any())
-    return SacSolution(keep, all_stats, predicted, recompute, budgets, local_seconds, policy_seconds)
+    return SacSolution(
+        keep, all_stats, predicted, recompute, budgets, local_seconds, policy_seconds, region_overhead * len(keep)
+    )
 
 
 def _fallback(trace: Trace, stats: dict[str, ModuleStats]) -> dict[str, float]:

@@ -391,8 +391,7 @@ class OnlineProfiler:
         NaN there, and the planners estimate (``source.op_times`` in a plan says which they used).
         """
         self_ns = detail.get("self_ns")
-        device = getattr(self.backend, "device", None)
-        if self_ns is None or device is None or torch.device(device).type != "cpu":
+        if self_ns is None or getattr(self.backend, "device_type", None) != "cpu":
             return np.full(n_ops, np.nan)
         return np.where(self_ns >= 0, self_ns / 1e9, np.nan)
 

@@ -369,7 +369,6 @@ py::dict take() {
       shape_off.push_back(static_cast<int64_t>(shape_val.size()));
     }
     out["device_bytes"] = to_tensor_i64(bytes);
-    d.self_ns.resize(bytes.size(), -1);
     out["self_ns"] = to_tensor_i64(d.self_ns);
     out["inputs_offsets"] = to_tensor_i64(in_off);
     out["inputs_values"] = to_tensor_i64(in_val);
