@@ -396,3 +396,42 @@ def test_a_plan_that_cannot_fit_is_said_and_reported(caplog):
     assert report["plan_feasible"] is False and report["lowest_planned_peak_bytes"] > budget
     assert "no plan fits the budget" in caplog.text and any("no plan fits" in n for n in report["notes"])
     assert caplog.text.count("no plan fits the budget") == 1  # once for the sequence, not every planning iteration
+
+
+def test_a_long_run_keeps_a_bounded_history_and_whole_run_totals():
+    """A session left on for a whole run must not grow with it: records are kept for the latest
+    ``history`` iterations, counts cover the run. The oracle for the totals is the test's own tally
+    of each step's stage; for the growth, tracemalloc on memfit's own files."""
+    import gc
+    import tracemalloc
+
+    history, steps, measured_from = 4, 60, 30
+    run = build_training("tiny", batch_size=2, seq_len=16)
+    tally: dict[str, int] = {}
+    # the session's and the profiler's own files: the training loop churns objects of its own
+    memfit_files = [tracemalloc.Filter(True, "*memfit_executor*"), tracemalloc.Filter(True, "*memfit_profiler*")]
+    with memfit.swap(budget="1GiB", backend="cpu-sim", history=history, planner="swap") as session:
+        for step in range(steps):
+            if step == measured_from - 2 * history:  # what is kept at `before` was allocated under tracing
+                tracemalloc.start()
+            if step == measured_from:
+                gc.collect()
+                before = tracemalloc.take_snapshot().filter_traces(memfit_files)
+            run.step()
+            stage = session.iterations[-1]["stage"]
+            tally[stage] = tally.get(stage, 0) + 1
+        gc.collect()
+        after = tracemalloc.take_snapshot().filter_traces(memfit_files)
+        tracemalloc.stop()
+    # unbounded, this grows ~1.6 KB an iteration (48 KB here); bounded, by nothing the loop keeps
+    growth = sum(d.size_diff for d in after.compare_to(before, "filename"))
+    assert growth < 2000, growth
+    report = session.report()
+    assert report["iterations"] == steps and report["iterations_per_stage"] == tally
+    assert set(report["seconds_per_stage"]) == set(tally)
+    assert [it["iteration"] for it in report["per_iteration"]] == list(range(steps - history, steps))
+    assert len(report["stages"]) == history
+    assert [r.index for r in session.profiler.iterations] == list(range(steps - history, steps))
+    assert len(session.profiler.observations) == history and len(session.runtime.stats.per_iteration) == history
+    assert session.profiler.iteration_count == steps
+    assert sum(session.profiler.stage_counts.values()) == steps

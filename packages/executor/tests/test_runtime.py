@@ -161,7 +161,7 @@ def test_release_modes_free_where_the_paper_says_and_count_reuse_from_the_swap_o
             runtime.uninstall()
     sim.close()
     expected = 8 if mode == "event" else 1  # event: the planned release; record_stream: the first poll after dispatch
-    assert runtime.stats.reuse_intervals == [expected] and runtime.stats.released == 1
+    assert list(runtime.stats.reuse_intervals) == [expected] and runtime.stats.released == 1
 
 
 def test_an_oom_frees_record_stream_blocks_whose_copy_is_still_running():

@@ -238,3 +238,28 @@ def test_detailed_operators_carry_their_self_time_on_the_cpu(backend):
     assert of["inner"] >= 0.05
     # self times are disjoint slices of the iteration: counted twice, the three alone pass 150 ms
     assert sum(of.values()) <= seconds.sum() <= trace.step_seconds
+
+
+def test_history_keeps_the_latest_records_and_counts_the_whole_run(backend):
+    """The oracle: an unbounded profiler on the same deterministic run (stages follow operator counts)."""
+    runs = {}
+    for history in (3, 1000):
+        run = build_training("tiny", batch_size=2, seq_len=16)
+        with OnlineProfiler(backend, m=2, n=5, history=history) as prof:
+            for _ in range(12):
+                run.step()
+        runs[history] = prof
+    bounded, full = runs[3], runs[1000]
+    assert len(full.iterations) == 12 and full.iteration_count == bounded.iteration_count == 12
+    assert [it.index for it in bounded.iterations] == [9, 10, 11]
+    assert [it.stage for it in bounded.iterations] == [it.stage for it in full.iterations[-3:]]
+    assert [o.iteration for o in bounded.observations] == [o.iteration for o in full.observations[-3:]]
+    expected = {}
+    for it in full.iterations:
+        expected[it.stage] = expected.get(it.stage, 0) + 1
+    assert dict(bounded.stage_counts) == expected
+
+
+def test_history_must_keep_at_least_one_iteration():
+    with pytest.raises(MemfitError, match="history must be at least 1"):
+        OnlineProfiler(history=0)

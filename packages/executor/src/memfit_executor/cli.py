@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from collections import Counter
 from pathlib import Path
 
 import click
@@ -109,7 +108,7 @@ def summary(report: dict) -> Table:
     table.add_row("budget", format_size(report["budget_bytes"]))
     table.add_row("peak device memory", format_size(report["peak_device_bytes"]))
     table.add_row("iterations", str(report["iterations"]))
-    stages = Counter(report["stages"])
+    stages = report["iterations_per_stage"]
     table.add_row("iterations per stage", ", ".join(f"{k} {v}" for k, v in stages.items()) or "-")
     table.add_row("plans generated", str(report["plans_generated"]))
     table.add_row("swapped out", format_size(report["swapped_out_bytes"]))

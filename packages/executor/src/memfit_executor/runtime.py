@@ -75,6 +75,7 @@ import heapq
 import itertools
 import logging
 import weakref
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -96,6 +97,8 @@ RESIDENT, COPYING, OUT, INFLIGHT = "resident", "copying", "out", "inflight"
 
 
 RETRY_MODES = ("per-op", "armed", "off")
+REUSE_INTERVALS_KEPT = 10_000
+"""How many of the latest reuse intervals :class:`RuntimeStats` keeps."""
 _MAX_RETRIES = 256  # as cpu-sim's allocator: a handler that keeps "freeing" cannot loop forever
 
 
@@ -187,14 +190,16 @@ class RuntimeStats:
     copy_waits: int = 0
     """Planned releases that found their copy to the host not finished, so compute waited for it:
     the copy stream is behind the plan."""
-    reuse_intervals: list[int] = field(default_factory=list)
-    """Per planned swap freed: operators from its swap-out to the block being free for reuse — with
-    stream-event release, the planned release (freed there, stream-ordered); with ``record_stream``,
-    the first poll (the stand-in for the allocator's event query) that finds the block released
-    and its copy done."""
+    reuse_intervals: deque[int] = field(default_factory=lambda: deque(maxlen=REUSE_INTERVALS_KEPT))
+    """Per planned swap freed (the latest ``REUSE_INTERVALS_KEPT``): operators from its swap-out to
+    the block being free for reuse — with stream-event release, the planned release (freed there,
+    stream-ordered); with ``record_stream``, the first poll (the stand-in for the allocator's event
+    query) that finds the block released and its copy done."""
     arms: int = 0
     """Times the ``armed`` retry mode put the operator-level retry on (see :meth:`SwapRuntime.set_retry_mode`)."""
     per_iteration: list[dict[str, int]] = field(default_factory=list)
+    """Each iteration's counters, the latest ``history`` of them (:class:`SwapRuntime`); the
+    fields above are totals over the whole run."""
 
 
 class SwapRuntime:
@@ -211,6 +216,8 @@ class SwapRuntime:
         matcher: ``"fuzzy"`` (default) or ``"position"`` (the Capuchin baseline).
         oracle: an :class:`~memfit_executor.oracle.IdentityOracle` (installed by the caller) to
             count mis-swaps against; ``None`` in production.
+        history: how many iterations' counters ``stats.per_iteration`` keeps (the latest); a
+            runtime left on for a whole run must not grow with it.
     """
 
     def __init__(
@@ -223,9 +230,13 @@ class SwapRuntime:
         release_mode: str = "event",
         matcher: str = "fuzzy",
         oracle: IdentityOracle | None = None,
+        history: int = 1000,
     ) -> None:
         if matcher not in ("fuzzy", "position"):
             raise MemfitError(f"matcher must be 'fuzzy' or 'position', got {matcher!r}")
+        if history < 1:
+            raise MemfitError(f"history must be at least 1 iteration, got {history}")
+        self.history = history
         self.backend = backend
         self.device = backend.device
         self.clock = clock
@@ -413,6 +424,8 @@ class SwapRuntime:
             "plan": self.matcher.locked if self.matcher is not None else None,
         }
         self.stats.per_iteration.append(counters)
+        if len(self.stats.per_iteration) > self.history:
+            del self.stats.per_iteration[0]
         self._iteration = RuntimeStats()
         return counters
 

@@ -47,6 +47,7 @@ import contextlib
 import importlib.util
 import json
 import logging
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -118,6 +119,10 @@ class SwapOptions(MemfitModel):
     needs ``plan_trace``. It is bound to the first iteration and applied from the second on."""
     plan_trace: Any = None
     """The trace ``plan`` was made from."""
+    history: int = Field(default=1000, ge=1)
+    """How many iterations' records the session, its profiler and its runtime keep (the latest:
+    ``per_iteration`` and ``stages`` in the report); the report's counts and totals cover the whole
+    run. Bounded so that a session left on for a long run does not grow with it."""
 
 
 @dataclass(eq=False)
@@ -227,6 +232,10 @@ class SwapSession:
         self.runtime: SwapRuntime | None = None
         self.oracle: IdentityOracle | None = None
         self.iterations: list[dict[str, Any]] = []
+        """The latest ``history`` iterations' records, oldest first (``per_iteration`` in the report)."""
+        self._stage_iterations: Counter[str] = Counter()  # whole run, by the stage of each iteration's sequence
+        self._stage_seconds: Counter[str] = Counter()
+        self._sequences: set[int] = set()
         self.plans_generated = 0
         self.plan_changes: list[int] = []
         """Iterations after which a plan was put in place that the previous iteration did not have."""
@@ -291,6 +300,7 @@ class SwapSession:
             release_mode=self.options.release_mode,
             matcher=self.options.matcher,
             oracle=self.oracle,
+            history=self.options.history,
         )
         if self.profiler is not None:
             self.profiler.set_saved_bytes_source(self.runtime.take_saved_bytes)
@@ -339,7 +349,12 @@ class SwapSession:
         from memfit_profiler import OnlineProfiler
 
         profiler = OnlineProfiler(
-            self.backend, m=self.options.m, n=self.options.n, window=self.options.window, hooks=self.hooks
+            self.backend,
+            m=self.options.m,
+            n=self.options.n,
+            window=self.options.window,
+            hooks=self.hooks,
+            history=self.options.history,
         )
         profiler.add_iteration_listener(self._on_iteration)
         profiler.start()
@@ -437,6 +452,12 @@ class SwapSession:
                 **{k: v for k, v in counters.items() if k != "plan"},
             }
         )
+        if len(self.iterations) > self.options.history:
+            del self.iterations[0]
+        stage = record.sequence_stage.value
+        self._stage_iterations[stage] += 1
+        self._stage_seconds[stage] += record.seconds
+        self._sequences.add(record.sequence)
         finished_log, self._log = self._log, None
         if self.options.plan is not None:
             self._bind_external(record, finished_log)
@@ -729,9 +750,11 @@ class SwapSession:
             "backend": self.backend.name,
             "budget_bytes": self.budget_bytes,
             "peak_device_bytes": int(peak),
-            "iterations": len(self.iterations),
+            "iterations": self._stage_iterations.total(),
+            "iterations_per_stage": dict(self._stage_iterations),
+            "seconds_per_stage": dict(self._stage_seconds),
             "stages": [it["stage"] for it in self.iterations],
-            "sequences": len({it["sequence"] for it in self.iterations}),
+            "sequences": len(self._sequences),
             "plans_generated": self.plans_generated,
             "plan_changes": self.plan_changes,
             "planning_iterations": self.planning_iterations,

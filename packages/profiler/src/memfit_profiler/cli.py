@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -26,20 +25,22 @@ def summary_tables(profiler: OnlineProfiler) -> list[Table]:
     """Iterations, stage transitions, operators per phase, peak memory and the largest activations."""
     its = profiler.iterations
     overview = Table(title="memfit profile", show_header=False)
-    overview.add_row("iterations", str(len(its)))
+    overview.add_row("iterations", str(profiler.iteration_count))
     overview.add_row("recorder", "native" if profiler.recorder.native else "python (fallback)")
     overview.add_row("final stage", profiler.stage.value)
     if its:
         fwd, bwd, opt = its[-1].phase_ops
         overview.add_row("ops per phase (last iteration)", f"FWD {fwd}, BWD {bwd}, OPT {opt}")
-        overview.add_row("median iteration time", f"{np.median([i.seconds for i in its]) * 1e3:.1f} ms")
+        latest = "" if len(its) == profiler.iteration_count else f" (latest {len(its)})"
+        overview.add_row(f"median iteration time{latest}", f"{np.median([i.seconds for i in its]) * 1e3:.1f} ms")
     if profiler.backend is not None:
         overview.add_row("peak device memory", format_size(profiler.peak_device_bytes))
     overview.add_row("detailed traces", str(len(profiler.traces)))
     tables = [overview]
     changes = [o for o in profiler.observations if o.changed]
     if changes:
-        t = Table("iteration", "from", "to", "length diff", "cosine", title="stage transitions")
+        window = "" if len(its) == profiler.iteration_count else f" (latest {len(its)} iterations)"
+        t = Table("iteration", "from", "to", "length diff", "cosine", title=f"stage transitions{window}")
         for o in changes:
             t.add_row(
                 str(o.iteration),
@@ -134,11 +135,11 @@ def profile(backend, capacity, out, mode, stable_before_genpolicy, stable_before
         if not profiler.traces:
             raise click.ClickException(
                 f"no Detailed-mode iteration to write to {out}: the run ended before GenPolicy "
-                f"({len(profiler.iterations)} iterations). Run longer, lower -m, or use --mode detailed."
+                f"({profiler.iteration_count} iterations). Run longer, lower -m, or use --mode detailed."
             )
         profiler.traces[-1].save(out)
         console.print(f"trace of iteration {profiler.traces[-1].iteration} written to {out}")
-    counts = Counter(i.stage.value for i in profiler.iterations)
-    console.print("iterations per stage: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
+    counts = profiler.stage_counts
+    console.print("iterations per stage: " + ", ".join(f"{k.value} {v}" for k, v in counts.items()))
     if exit_code not in (None, 0):  # the script's own sys.exit(), after the summary
         raise SystemExit(exit_code)

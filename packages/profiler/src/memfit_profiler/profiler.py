@@ -31,6 +31,7 @@ import dataclasses
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -106,6 +107,9 @@ class OnlineProfiler:
             none runs; see :mod:`memfit_profiler.modules`).
         hooks: plugin hooks to deliver ``on_op_dispatch`` to (default: the installed plugins).
         keep_traces: how many Detailed traces to keep (oldest dropped first).
+        history: how many iterations' records ``iterations`` and ``observations`` keep (the
+            latest); ``iteration_count`` and ``stage_counts`` cover the whole run. Bounded so
+            that a profiler left on for a whole run does not grow with it.
         prefer_native: use the native recorder when it can be built.
     """
 
@@ -123,9 +127,12 @@ class OnlineProfiler:
         hooks: Hooks | None = None,
         keep_traces: int = 16,
         prefer_native: bool = True,
+        history: int = 1000,
     ) -> None:
         if mode not in ("auto", "lightweight", "detailed"):
             raise MemfitError(f"mode must be 'auto', 'lightweight' or 'detailed', got {mode!r}")
+        if history < 1:
+            raise MemfitError(f"history must be at least 1 iteration, got {history}")
         self.backend = backend
         self.mode = mode
         self.machine = StageMachine(
@@ -135,8 +142,15 @@ class OnlineProfiler:
         self.hooks = hooks
         self.keep_traces = keep_traces
         self.recorder = make_recorder(prefer_native)
+        self.history = history
         self.iterations: list[IterationRecord] = []
+        """The latest ``history`` iterations' records, oldest first."""
         self.observations: list[Observation] = []
+        """The stage machine's verdicts on the latest ``history`` iterations, oldest first."""
+        self.iteration_count = 0
+        """Iterations recorded since the start (``iterations[-1].index + 1``)."""
+        self.stage_counts: Counter[Stage] = Counter()
+        """Iterations run in each stage (of the run) since the start."""
         self._traces: list[Trace | tuple[RawIteration, float, int, frozenset[int], ModuleRecord | None]] = []
         self._modules = ModuleSpans(lambda: self.recorder.position()[0], model)
         self.peak_device_bytes = 0
@@ -340,10 +354,9 @@ class OnlineProfiler:
             saved = None if forwards is None else sum(n for start, n in forwards if a <= start < b)
             ran_in, detailed = self.machine.stage, self._detailed
             obs = self.machine.observe(tokens, phases, saved)
-            self.observations.append(obs)
             last = i == len(segments) - 1
             record = IterationRecord(
-                index=len(self.iterations),
+                index=self.iteration_count,
                 n_ops=int(tokens.size),
                 seconds=seconds * tokens.size / raw.tokens.size,
                 peak_device_bytes=peak,
@@ -358,7 +371,7 @@ class OnlineProfiler:
                 same_sequence=obs.same_sequence,
                 saved_bytes=saved,
             )
-            self.iterations.append(record)
+            self._remember(record, obs)
             if detailed and raw.detail is not None and len(segments) == 1:
                 self._keep_trace(raw, seconds, record.index, modules)
             elif detailed and raw.detail is not None and last:
@@ -370,6 +383,14 @@ class OnlineProfiler:
                     listener(obs)
             for iteration_listener in self._iteration_listeners:
                 iteration_listener(record)
+
+    def _remember(self, record: IterationRecord, obs: Observation) -> None:
+        self.iterations.append(record)
+        self.observations.append(obs)
+        if len(self.iterations) > self.history:  # one pointer moved per list and iteration: cheaper than a step
+            del self.iterations[0], self.observations[0]
+        self.iteration_count += 1
+        self.stage_counts[record.stage] += 1
 
     # -- traces ------------------------------------------------------------------------------
     def _keep_trace(self, raw: RawIteration, seconds: float, iteration: int, modules: ModuleRecord | None) -> None:
