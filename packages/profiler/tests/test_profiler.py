@@ -263,3 +263,35 @@ def test_history_keeps_the_latest_records_and_counts_the_whole_run(backend):
 def test_history_must_keep_at_least_one_iteration():
     with pytest.raises(MemfitError, match="history must be at least 1"):
         OnlineProfiler(history=0)
+
+
+def test_operators_of_other_threads_during_backward_neither_split_nor_join_the_iteration(backend):
+    """gloo runs FSDP's collectives' copies on its own threads while backward waits for them: those
+    threads run no autograd graph task, so they looked like forward operators and started a new
+    iteration inside every backward pass. The oracle: one iteration per optimizer step."""
+    import threading
+
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def worker():
+        for _ in range(5):
+            torch.ones(64).mul(2).sum()
+
+    def in_backward(grad):
+        thread = threading.Thread(target=worker)
+        thread.start()
+        thread.join()
+        return grad
+
+    steps = 4
+    with OnlineProfiler(backend, m=1, n=1) as prof:
+        for _ in range(steps):
+            hidden = model[0](torch.randn(8, 32))
+            hidden.register_hook(in_backward)
+            model[2](model[1](hidden)).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    assert prof.iteration_count == steps
+    assert all(it.ended_by == "optimizer" for it in prof.iterations)
+    assert len({it.n_ops for it in prof.iterations[1:]}) == 1  # the workers' operators are not the program's

@@ -10,7 +10,8 @@
 // Phases: an operator is BWD while its thread runs an autograd graph task (the engine's
 // thread-local graph task id, which also covers gradient accumulation between nodes), OPT while
 // Python has flagged an optimizer step, FWD otherwise. A forward operator that directly follows a backward one (no optimizer step in
-// between: a loss-scaler skip) marks the start of a new iteration.
+// between: a loss-scaler skip) marks the start of a new iteration. Operators of other threads that
+// run no graph task (a collective library's workers) are not recorded.
 //
 // Storage identity: rows are keyed by StorageImpl*. The recorder holds a weak reference to every
 // storage it has seen during the iteration, which keeps the StorageImpl object (not its data)
@@ -28,6 +29,7 @@
 #include <chrono>
 #include <cstring>
 #include <cstdint>
+#include <thread>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -49,6 +51,8 @@ struct Row {
 
 std::atomic<int> g_mode{OFF};
 std::atomic<bool> g_optimizer{false};
+// The thread that switched the recorder on: the training loop's (see record_operator).
+std::atomic<std::thread::id> g_program_thread{};
 std::mutex g_lock;
 
 // vocabulary (kept across iterations, so tokens are stable for the process)
@@ -205,9 +209,14 @@ int64_t record_operator(const at::RecordFunction& fn) {
   // mode, for every output it saves while a Python dispatch mode is active (TensorImpl's
   // shallow_copy_and_detach): left in, those calls would make the sequence depend on the mode.
   if (std::strcmp(name, "aten::detach") == 0 || std::strcmp(name, "detach") == 0) return -1;
-  const int8_t phase = g_optimizer.load(std::memory_order_relaxed)
-                           ? OPT
-                           : (torch::autograd::get_current_graph_task_id() >= 0 ? BWD : FWD);
+  const bool in_graph_task = torch::autograd::get_current_graph_task_id() >= 0;
+  // A thread that neither runs the training loop nor an autograd graph task (the engine's device
+  // threads on an accelerator) runs someone else's operators: a collective library's workers (gloo
+  // copies its buffers on its own threads while FSDP's backward waits on them), a data loader's.
+  // They are not the program's sequence, and their number and order depend on timing; counted as
+  // forward operators, one in a backward pass would start a new iteration.
+  if (!in_graph_task && std::this_thread::get_id() != g_program_thread.load(std::memory_order_relaxed)) return -1;
+  const int8_t phase = g_optimizer.load(std::memory_order_relaxed) ? OPT : (in_graph_task ? BWD : FWD);
   const auto index = static_cast<int64_t>(g_tokens.size());
   if (phase == FWD && g_last_phase == BWD) g_boundaries.push_back(index);
   g_last_phase = phase;
@@ -281,6 +290,7 @@ void switch_mode(int mode) {
     g_handle.reset();
   }
   g_mode.store(mode);
+  if (mode != OFF) g_program_thread.store(std::this_thread::get_id());
   if (mode == LIGHTWEIGHT) {
     g_handle = at::addGlobalCallback(
         at::RecordFunctionCallback(&on_enter_lightweight).scopes({at::RecordScope::FUNCTION}));
