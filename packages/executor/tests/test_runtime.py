@@ -7,6 +7,7 @@ import torch
 from memfit.backends.cpu_sim import CpuSimBackend
 from memfit.plan import MemoryPlan, PlanPrediction, PlanSource
 from memfit.plugins import Hooks, build_plugin_manager
+from memfit.tensors import storage_key
 from memfit_executor.matching import Binding, Entry, FuzzyMatcher, PositionMatcher
 from memfit_executor.runtime import OUT, RESIDENT, SwapRuntime
 
@@ -136,6 +137,19 @@ def test_a_tensor_the_program_still_holds_is_never_freed():
         assert stored.state != OUT and a.untyped_storage().nbytes() == 128 * 128 * 4
         loss.backward()
     assert torch.equal(x.grad, torch.exp(x.detach()))
+
+
+def test_a_view_of_a_parameter_is_never_tracked_even_when_its_storage_is_not_protected():
+    """FSDP2 registers the unsharded weights each forward and frees and refills their storage itself:
+    linear saves ``weight.t()``, and swapping that storage out crashed a two-rank run (segfault)."""
+    weight = torch.nn.Parameter(torch.randn(128, 128))  # not passed to runtime.protect()
+    x = torch.randn(128, 128, requires_grad=True)
+    with runtime_on_cpu_sim() as (_, runtime):
+        y = torch.nn.functional.linear(torch.exp(x), weight)  # saves exp(x) and a view of the weight
+        tracked = {stored.key for stored in runtime._live.values()}
+        y.sum().backward()
+    assert storage_key(weight.untyped_storage()) not in tracked
+    assert len(tracked) == 1  # exp's output, the activation
 
 
 @pytest.mark.parametrize("mode", ["event", "record_stream"])

@@ -202,6 +202,11 @@ class RuntimeStats:
     fields above are totals over the whole run."""
 
 
+def _views_a_parameter(t: torch.Tensor) -> bool:
+    base = t._base
+    return base is not None and base.is_leaf and base.requires_grad
+
+
 class SwapRuntime:
     """Apply plans to saved activations; handle OOM. See the module docs.
 
@@ -458,6 +463,7 @@ class SwapRuntime:
         if (
             nbytes < floor
             or (t.is_leaf and t.requires_grad)  # a parameter
+            or _views_a_parameter(t)  # linear saves weight.t(); FSDP2 frees and refills that storage itself
             or self._is_static(key)
             or not storage.resizable()  # from_blob / DLPack memory cannot be freed in place
         ):
