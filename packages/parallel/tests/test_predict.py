@@ -66,9 +66,40 @@ def test_more_microbatches_in_flight_cost_memory_and_interleaving_shrinks_the_bu
     assert interleaved.bubble_s < one_f_one_b.bubble_s
 
 
-def test_what_is_not_modelled_is_said():
-    p = predict(TINY, ParallelConfig(swap=True), "cpu")
-    assert any("swap is not modelled" in note for note in p.notes)
+SMALL = Workload(model="small", global_batch=8, seq_len=128)  # 4 blocks: two may leave the device
+
+
+def cpu_with(capacity: int, **update):
+    return get_spec("cpu").model_copy(update={"capacity_bytes": capacity, **update})
+
+
+def test_swapping_takes_what_is_over_the_swap_budget_off_the_activations():
+    plain = predict(SMALL, ParallelConfig(dp_shard=2), "cpu")
+    activations = plain.peak_by_category["activation"]
+    budget = plain.peak_bytes - activations // 4  # a quarter of the activations must leave
+    capacity = budget * 10 // 9  # the swap planner keeps 10 % of the capacity free
+    spec = cpu_with(capacity)
+    assert predict(SMALL, ParallelConfig(dp_shard=2), spec).fits is False
+    swapped = predict(SMALL, ParallelConfig(dp_shard=2, swap=True), spec)
+    assert swapped.fits and swapped.peak_bytes == pytest.approx(capacity - capacity // 10, abs=8)
+    kept = {k: v for k, v in swapped.peak_by_category.items() if k != "activation"}
+    assert kept == {k: v for k, v in plain.peak_by_category.items() if k != "activation"}
+    assert swapped.step_s == pytest.approx(plain.step_s + swapped.swap_s)
+    # a slow host link: each direction moves the swapped bytes; at most the step's compute hides them
+    slow = predict(SMALL, ParallelConfig(dp_shard=2, swap=True), cpu_with(capacity, host_bandwidth=1e6))
+    one_way = slow.swapped_bytes / 1e6
+    assert 2 * one_way - slow.compute_s <= slow.swap_s <= 2 * one_way
+    assert slow.step_s == pytest.approx(plain.step_s + slow.swap_s)
+    assert any("memfit.swap chooses the tensors" in note for note in slow.notes)
+
+
+def test_swapping_changes_nothing_where_the_configuration_fits_and_says_what_it_cannot_fit():
+    plain = predict(SMALL, ParallelConfig(dp_shard=2), "cpu")
+    roomy = predict(SMALL, ParallelConfig(dp_shard=2, swap=True), "cpu")
+    assert (roomy.peak_bytes, roomy.step_s, roomy.swapped_bytes) == (plain.peak_bytes, plain.step_s, 0)
+    assert any("nothing is swapped" in note for note in roomy.notes)
+    tight = predict(SMALL, ParallelConfig(dp_shard=2, swap=True), cpu_with(plain.peak_bytes // 3))
+    assert not tight.fits and any("with every swappable activation out" in note for note in tight.notes)
 
 
 def test_a_configuration_that_cannot_run_is_refused_with_the_reason():

@@ -206,6 +206,32 @@ def test_full_activation_checkpointing_lowers_the_training_peak(two_rank_runs):
         assert checkpointed["peak_bytes"] < 0.85 * plain["peak_bytes"]
 
 
+@pytest.mark.skipif(not HAS_EXECUTOR, reason="swap=True runs memfit.swap (memfit-executor) on each rank")
+def test_two_ranks_swapping_to_fit_a_smaller_device_train_as_one_process(two_rank_runs, tmp_path):
+    """FSDP 2 under a per-rank capacity below its training peak: memfit.swap on each rank carries it.
+
+    Its own launch (a capacity is per launch) with enough steps for the sessions to plan (Stable)."""
+    steps, capacity = 14, 4 * 2**20
+    plain = two_rank_runs["fsdp"]
+    assert min(r["peak_bytes"] for r in plain["ranks"]) > capacity  # without swapping it would not fit
+    run_request = RunRequest(
+        nproc=2, configs=[ParallelConfig(dp_shard=2, swap=True)], n_layers=N_LAYERS, global_batch=BATCH,
+        seq_len=SEQ, steps=steps, seed=SEED, lr=LR, capacity=str(capacity),
+    )  # fmt: skip
+    (run,) = launch(run_request, tmp_path / "report.json", timeout_s=LAUNCH_TIMEOUT_S)["runs"]
+    reference = build_training(MODEL, batch_size=BATCH, seq_len=SEQ, seed=SEED, lr=LR)
+    for step, got in enumerate(run["losses"]):
+        want = reference.step()
+        assert math.isclose(got, want, rel_tol=REL_TOL), f"step {step}: {got} vs {want}"
+    assert len(run["losses"]) == steps
+    assert plain["losses"] == run["losses"][:STEPS]  # swapped tensors come back bit-identical
+    for r in run["ranks"]:
+        assert r["peak_bytes"] <= capacity and r["swapped_out_bytes"] > 0
+    session = run["swap_session"]
+    assert session["budget_bytes"] == capacity and session["iterations_per_stage"].get("Stable", 0) > 0
+    assert sum(session["iterations_per_stage"].values()) == steps  # one profiler iteration per step
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(FOUR_RANKS))
 def test_four_ranks_train_as_one_process(four_rank_runs, reference_losses, name):
@@ -387,7 +413,8 @@ def test_what_is_not_applied_yet_is_named():
     assert unapplied(ParallelConfig(dp_shard=2, tp=2), recipe) == []
     assert unapplied(ParallelConfig(cp=2, tp=2), recipe) == []
     problems = unapplied(ParallelConfig(cp=2, swap=True), dataclasses.replace(recipe, context_parallel=None))
-    assert any("`context_parallel` function" in p for p in problems) and any("swap" in p for p in problems)
+    assert any("`context_parallel` function" in p for p in problems)
+    assert any("pip install memfit-executor" in p for p in problems) == (not HAS_EXECUTOR)
     # bfloat16 without data parallelism: the model is built in bfloat16; SAC without a plan: the op-level policy
     assert unapplied(ParallelConfig(tp=2, param_dtype="bfloat16"), recipe) == []
     assert unapplied(ParallelConfig(dp_shard=2, activation_checkpoint="sac", sac_memory_fraction=0.5), recipe) == []

@@ -34,6 +34,20 @@ def test_the_search_ranks_confirmed_predictions_that_fit():
     assert again.step_s == pytest.approx(result.best.step_s) and again.peak_bytes == result.best.peak_bytes
 
 
+def test_the_search_swaps_a_configuration_that_fits_only_with_swapping():
+    small = Workload(model="small", global_batch=8, seq_len=128)
+    roomy = search(small, 2, "cpu", top=3)
+    assert not any(p.config.swap for p in roomy.ranked)  # with room, nothing is swapped
+    fastest = roomy.best
+    # 3 % short: the fastest configuration fits only by swapping, and on the CPU its copies hide behind compute
+    spec = get_spec("cpu").model_copy(update={"capacity_bytes": int(fastest.peak_bytes * 0.97)})
+    tight = search(small, 2, spec, top=3)
+    assert tight.best.config == fastest.config.model_copy(update={"swap": True})
+    assert tight.best.fits and all(p.fits for p in tight.ranked)
+    assert tight.best.step_s == pytest.approx(fastest.step_s + tight.best.swap_s)
+    assert "swap" in tight.best.config.describe()
+
+
 def test_nothing_that_fits_and_nothing_that_divides_are_explained():
     with pytest.raises(MemfitError, match="nothing fits.*more devices"):
         search(Workload(model="llama3-405b", global_batch=8, seq_len=8192), 8, "h100")

@@ -600,8 +600,8 @@ def unapplied(config: ParallelConfig, recipe: ModelRecipe, recompute: Sequence[R
     problems = []
     if config.cp > 1 and recipe.context_parallel is None:
         problems.append("cp > 1 needs a `context_parallel` function in the model recipe")
-    if config.swap:
-        problems.append("swap=True is not applied by memfit-parallel yet (use memfit.swap per rank)")
+    if config.swap and importlib.util.find_spec("memfit_executor") is None:
+        problems.append("swap=True runs memfit.swap on each rank, from memfit-executor: pip install memfit-executor")
     if recompute and config.activation_checkpoint == "sac" and importlib.util.find_spec("memfit_executor") is None:
         problems.append("a SAC plan's recompute actions are applied by memfit-executor: pip install memfit-executor")
     if config.tp > 1 and recipe.block_tp_plan is None and recipe.tp_plan is None:

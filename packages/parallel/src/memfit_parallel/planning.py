@@ -5,8 +5,10 @@ The space (thesis §1.4, TorchTitan's knobs): data parallelism as FSDP, HSDP (FS
 KV heads (innermost); CP when each rank keeps at least ``MIN_CP_TOKENS`` tokens; PP dividing the
 remaining devices with 1F1B or interleaved 1F1B (two stages per rank) and ``m ∈ {pp, 2pp, 4pp, local
 batch}`` microbatches; activation checkpointing none / selective (half the matmuls saved, TorchTitan's
-op-level policy) / full; the dtype given. The degrees multiply to the device count. GPipe is not
-proposed (1F1B has its step time with fewer microbatches in flight); swapping is not modelled.
+op-level policy) / full; the dtype given; swapping activations to host memory (``swap=True``, applied by
+memfit.swap per rank) for a configuration that does not fit without it, timed by the model of
+:func:`memfit_parallel.prediction.swap_activations`. The degrees multiply to the device count. GPipe
+is not proposed (1F1B has its step time with fewer microbatches in flight).
 
 1. **Screen** every candidate with a model scaled from a few real captures: the whole model with 1
    and 2 blocks, one sequence, no TP/CP, FSDP over 2 ranks, per checkpointing mode
@@ -31,6 +33,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from memfit.config import format_size
 from memfit.errors import MemfitError
 from memfit_simulator.hardware import HardwareSpec, get_spec
 
@@ -297,10 +300,15 @@ def search(
         )
     refs = {(ac, f): _reference(workload, spec, ac, f, dtype) for ac, f in AC_MODES}
     screened = []
-    for config in pool:
-        p = screen(workload, config, spec, refs[(config.activation_checkpoint, config.sac_memory_fraction)])
-        screened.append((p.step_s, p.peak_bytes, config))
     capacity = spec.capacity_bytes
+    for config in pool:
+        ref = refs[(config.activation_checkpoint, config.sac_memory_fraction)]
+        p = screen(workload, config, spec, ref)
+        screened.append((p.step_s, p.peak_bytes, config))
+        if p.peak_bytes > capacity:  # swapping: only where the configuration does not fit without it
+            swapping = config.model_copy(update={"swap": True})
+            p = screen(workload, swapping, spec, ref)
+            screened.append((p.step_s, p.peak_bytes, swapping))
     fitting = sorted((s for s in screened if s[1] <= SCREEN_MARGIN * capacity), key=lambda s: s[0])
     ranked: list[Prediction] = []
     rejected: list[tuple[str, int]] = []
@@ -319,7 +327,7 @@ def search(
         least = min(screened, key=lambda s: s[1])
         raise MemfitError(
             f"nothing fits: {len(pool)} configurations of {workload.model} on {devices} × {spec.name} "
-            f"({capacity / 2**30:.0f} GiB each); the smallest screened peak is {least[1] / 2**30:.1f} GiB "
+            f"({format_size(capacity)} each); the smallest screened peak is {format_size(least[1])} "
             f"({least[2].describe()}). Use more devices, a smaller global batch or sequence, or a device with "
             "more memory"
         )
@@ -348,6 +356,7 @@ def why(prediction: Prediction, baseline: Prediction) -> str:
         "exposed comm": (prediction.exposed_comm_s, baseline.exposed_comm_s),
         "bubble": (prediction.bubble_s, baseline.bubble_s),
         "recompute": (prediction.recompute_s, baseline.recompute_s),
+        "swap": (prediction.swap_s, baseline.swap_s),
     }
     if prediction is baseline:
         share = max(parts, key=lambda k: parts[k][0])

@@ -54,6 +54,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from memfit.config import format_size
 from memfit.errors import MemfitError
 from memfit_simulator.hardware import HardwareSpec, get_spec
 
@@ -161,6 +162,10 @@ class Prediction:
     collectives: list[dict[str, Any]]
     notes: list[str] = field(default_factory=list)
     """What was extrapolated or not modelled."""
+    swap_s: float = 0.0
+    """Activation swapping's transfers that compute does not hide (``swap=True``; :func:`swap_activations`)."""
+    swapped_bytes: int = 0
+    """Activation bytes a step swaps out to host memory (and back) on the most loaded rank."""
 
     @property
     def peak_bytes(self) -> int:
@@ -187,7 +192,8 @@ class Prediction:
             "fits": self.fits,
             "step_seconds": self.step_s,
             "seconds": {"compute": self.compute_s, "exposed_communication": self.exposed_comm_s,
-                        "bubble": self.bubble_s, "recomputation": self.recompute_s},
+                        "bubble": self.bubble_s, "recomputation": self.recompute_s, "swap": self.swap_s},
+            "swapped_bytes": self.swapped_bytes,
             "tokens_per_s_per_device": self.tokens_per_s_per_device,
             "collectives": self.collectives,
             "notes": self.notes,
@@ -234,7 +240,7 @@ def capture_config(config: ParallelConfig) -> ParallelConfig:
     ``pp × stages_per_rank``; their activations and buffers are counted by :func:`in_flight` and
     :func:`receive_buffers`). Not validated: it only shapes the capture.
     """
-    update: dict[str, Any] = {}
+    update: dict[str, Any] = {"swap": False}  # swapping is modelled on the capture (swap_activations)
     if config.pp > 1:
         # the first or the last stage of any pipeline is applied alike: two stages make both, and the
         # capture builds (under fake tensors) a model of two stages' blocks, not of all of them
@@ -595,8 +601,6 @@ def predict(
     shape = model_shape(workload.model)
     config.check(workload, shape)
     notes: list[str] = []
-    if config.swap:
-        notes.append("swap is not modelled: predicted as without swapping (memory and time)")
     if config.pp == 1:
         stages = {0: stage_profile(workload, config, spec, "whole", exact_layers)}
     else:
@@ -642,23 +646,34 @@ def assemble(
         itemsize = torch.empty(0, dtype=getattr(torch, config.param_dtype)).element_size()
         local_seq = workload.seq_len // config.cp // config.tp
         buffer_bytes = (config.local_batch(workload) // m_total(config)) * local_seq * llama.dim * itemsize
+    micro_f = {r: p.forward_s + p.blocking_comm_s / 3 for r, p in stages.items()}
+    micro_b = {r: p.backward_s + p.recompute_s + p.blocking_comm_s * 2 / 3 for r, p in stages.items()}
+    swaps: dict[int, Swapping] = {}
     for rank, p in stages.items():
         extra = max(in_flight(config, rank) - p.captured_microbatches, 0.0) * p.activation_bytes
         cats = dict(p.peak_by_category)
         cats["activation"] = cats["activation"] + extra
         cats["input"] = cats["input"] + max(receive_buffers(config, rank) - p.captured_microbatches, 0) * buffer_bytes
+        if config.swap:
+            swaps[rank] = swap_activations(cats, p, spec, micro_f[rank], micro_b[rank])
+            cats["activation"] -= swaps[rank].peak_bytes
+            micro_f[rank] += swaps[rank].forward_s
+            micro_b[rank] += swaps[rank].backward_s
         peaks[rank] = {k: int(round(v)) for k, v in cats.items()}
     worst = max(peaks, key=lambda r: sum(peaks[r].values()))
+    if config.swap:
+        notes.append(swaps[worst].describe(spec))
     # time
     m = config.microbatches
-    micro_f = {r: p.forward_s + p.blocking_comm_s / 3 for r, p in stages.items()}
-    micro_b = {r: p.backward_s + p.recompute_s + p.blocking_comm_s * 2 / 3 for r, p in stages.items()}
+    swap_s = 0.0
     if config.pp == 1:
         p = stages[0]
         compute = p.forward_s + p.backward_s + p.optimizer_s
         exposed = p.blocking_comm_s + _dp_exposed(p, config)
         bubble = 0.0
         recompute = p.recompute_s
+        if config.swap:
+            swap_s = swaps[0].forward_s + swaps[0].backward_s
     else:
         hidden = (config.local_batch(workload) // m) * (workload.seq_len // config.cp) * llama.dim * 2 // config.tp
         p2p = 0.0
@@ -685,13 +700,101 @@ def assemble(
         compute = m * (p.forward_s + p.backward_s) + p.optimizer_s
         recompute = m * p.recompute_s
         exposed = m * p.blocking_comm_s + _pp_dp_exposed(p, micro_f[slowest], micro_b[slowest])
-    step = compute + recompute + exposed + bubble
+        if config.swap:  # in the stages' times, so the pipeline's timing carries it
+            swap_s = m * (swaps[slowest].forward_s + swaps[slowest].backward_s)
+    step = compute + recompute + exposed + bubble + swap_s
     collectives = [dict(c, rank=rank) for rank, p in stages.items() for c in p.collectives]
     return Prediction(
         workload=workload, config=config, hardware=spec.name, peak_by_category=peaks[worst],
         capacity_bytes=spec.capacity_bytes, compute_s=compute, exposed_comm_s=exposed, bubble_s=bubble,
-        recompute_s=recompute, step_s=step, collectives=collectives, notes=notes,
+        recompute_s=recompute, step_s=step, collectives=collectives, notes=notes, swap_s=swap_s,
+        swapped_bytes=int(m_total(config) * swaps[worst].microbatch_bytes) if config.swap else 0,
     )  # fmt: skip
+
+
+SWAP_RESIDENT_BLOCKS = 2
+"""Blocks of a microbatch's activations that stay on the device under swapping: the one backward is
+differentiating and the next, whose swap-in must have landed before backward reaches it."""
+
+
+@dataclass(frozen=True)
+class Swapping:
+    """What ``swap=True`` does to one pipeline rank (:func:`swap_activations`)."""
+
+    peak_bytes: float
+    """Activation bytes held in host memory at the rank's peak (taken off its device peak)."""
+    microbatch_bytes: float
+    """Bytes each microbatch swaps out in forward and back in backward."""
+    forward_s: float
+    backward_s: float
+    """Per microbatch, transfer seconds its forward / backward compute does not hide."""
+    over_bytes: float
+    """What is still over the swap budget with every swappable activation out (0 when it fits)."""
+
+    def describe(self, spec: HardwareSpec) -> str:
+        if self.peak_bytes <= 0 and self.over_bytes <= 0:
+            return "swap: the rank fits without swapping; nothing is swapped (as memfit.swap would)"
+        if self.peak_bytes <= 0:
+            return (
+                f"swap: the rank's peak holds no activation beyond the blocks that stay on the device; it stays "
+                f"{format_size(int(self.over_bytes))} over the swap budget (the capacity less the swap "
+                "planner's margin)"
+            )
+        text = (
+            f"swap (modelled, not captured): {format_size(int(self.peak_bytes))} of activations in host memory at "
+            f"the peak; {format_size(int(self.microbatch_bytes))} a microbatch out and back over the host link "
+            f"({spec.host_bandwidth / 1e9:.0f} GB/s), {1e3 * (self.forward_s + self.backward_s):.2f} ms a microbatch "
+            "not hidden by compute; memfit.swap chooses the tensors at run time"
+        )
+        if self.over_bytes > 0:
+            text += (
+                f"; still {format_size(int(self.over_bytes))} over the swap budget (the capacity less the swap "
+                "planner's margin) with every swappable activation out"
+            )
+        return text
+
+
+def swap_margin(capacity: int) -> int:
+    """The bytes memfit's swap planner keeps free below a budget by default: min(2 GiB, 10 %).
+
+    The same rule as memfit-policies' ``planner_margin`` (memfit-parallel needs only memfit core).
+    """
+    return min(2 * 2**30, capacity // 10)
+
+
+def swap_activations(
+    cats: dict[str, float], profile: StageProfile, spec: HardwareSpec, forward_s: float, backward_s: float
+) -> Swapping:
+    """``swap=True`` on one rank: memfit.swap's session at the device's capacity, modelled.
+
+    The session (memfit-executor, per rank) swaps out just enough of the saved activations to keep
+    the swap planner's margin, earliest-used-last first, and swaps them back before backward needs
+    them. Modelled here from the captured rank rather than planned on its trace (the capture is
+    extrapolated in depth): the bytes over ``capacity − margin`` come off the activations, down to
+    :data:`SWAP_RESIDENT_BLOCKS` blocks of each in-flight microbatch. The swapped fraction ``f`` of
+    every microbatch's activations is the first of its forward: its copy out overlaps the rest of
+    forward, ``(1 − f)·forward``, and its copy back the first ``(1 − f)·backward``; what is longer
+    than that is exposed. Host memory is assumed large enough.
+    """
+    limit = spec.capacity_bytes - swap_margin(spec.capacity_bytes)
+    need = sum(cats.values()) - limit
+    activations = cats["activation"]
+    if need <= 0:
+        return Swapping(0.0, 0.0, 0.0, 0.0, 0.0)
+    keep = min(activations, SWAP_RESIDENT_BLOCKS * profile.activation_bytes / max(profile.blocks, 1))
+    swapped = min(need, activations - keep)
+    if swapped <= 0:
+        return Swapping(0.0, 0.0, 0.0, 0.0, need)
+    fraction = swapped / activations
+    one = fraction * profile.activation_bytes
+    copy_s = one / spec.host_bandwidth
+    return Swapping(
+        peak_bytes=swapped,
+        microbatch_bytes=one,
+        forward_s=max(0.0, copy_s - (1 - fraction) * forward_s),
+        backward_s=max(0.0, copy_s - (1 - fraction) * backward_s),
+        over_bytes=max(0.0, need - swapped),
+    )
 
 
 def _pp_dp_exposed(p: StageProfile, forward_s: float, backward_s: float) -> float:

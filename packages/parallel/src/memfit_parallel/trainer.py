@@ -28,7 +28,10 @@ device's own counters (untested here). Per rank and configuration the report hol
 * ``step_peak_bytes``: the same peak for each step alone (reset before each step);
 * ``steady_peak_bytes``: the least of the step peaks after the first (the first creates AdamW's
   states; the later steps allocate alike, so their differences are timing noise: see below);
-* ``end_bytes``: live bytes after the last step (parameters and optimizer states).
+* ``end_bytes``: live bytes after the last step (parameters and optimizer states);
+* ``swapped_out_bytes``, ``passive_swaps``: with ``swap=True``, what this rank's memfit.swap
+  session swapped out over the steps and how many of those swaps were passive (out-of-memory
+  rescues before its plan was in place); the run's ``swap_session`` holds rank 0's session summary.
 
 The rank-0 copy of the whole model that the weights are broadcast from is host memory, not counted.
 
@@ -51,6 +54,11 @@ from datetime import timedelta
 from pathlib import Path
 
 DEFAULT_CAPACITY = "4GiB"
+SESSION_SUMMARY = (
+    "budget_bytes", "peak_device_bytes", "iterations_per_stage", "plans_generated", "plan_feasible",
+    "swapped_out_bytes", "passive_swaps", "ooms_survived", "notes",
+)  # fmt: skip
+"""What the report keeps of a swap session's own report (``swap=True``)."""
 
 
 def load_recompute(path: str | Path) -> list:
@@ -154,28 +162,21 @@ def train_configs(
             optimizer = torch.optim.AdamW(pm.parameters(), lr=lr, foreach=False)
             rows = pm.dp_slice(global_batch)
             losses, step_peaks, loss = [], [], None
-            for step in range(steps):
-                memory.reset_peak_memory_stats()
-                with _uncounted(memory):
-                    inputs, targets = data.batch(step)
-                # this rank's rows, and with CP its zig-zag part of their sequence (ParallelModel.sequence_shard)
-                inputs, targets = pm.sequence_shard(inputs[rows]), pm.sequence_shard(targets[rows])
-                inputs, targets = inputs.to(device, copy=True), targets.to(device, copy=True)
-                loss = pm.train_step(inputs, targets)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                del inputs, targets
-                losses.append(pm.global_loss(loss))
-                step_peaks.append(memory.max_memory_allocated())
-                if rank == 0:
-                    log(f"[{config.describe()}] step {step}: loss {losses[-1]:.6f}")
+            with _swap_session(config, memory) as session:
+                for step in range(steps):
+                    loss = _train_step(pm, optimizer, data, step, rows, device, memory, session, step_peaks)
+                    losses.append(pm.global_loss(loss))
+                    if rank == 0:
+                        log(f"[{config.describe()}] step {step}: loss {losses[-1]:.6f}")
+            swapped = session.report() if session is not None else {}
             # the steps follow each other with nothing allocated between: their peaks' maximum is the run's
             peak = max(step_peaks, default=weights)
             end_bytes = memory.memory_allocated()
             del pm, optimizer, loss
             gc.collect()
         seconds = time.perf_counter() - start
-        mine = [rank, start_bytes, load_peak, weights, peak, end_bytes, local_params, *step_peaks]
+        swap_counts = [swapped.get("swapped_out_bytes", 0), swapped.get("passive_swaps", 0)]
+        mine = [rank, start_bytes, load_peak, weights, peak, end_bytes, local_params, *swap_counts, *step_peaks]
         ranks = _gather_ints(mine, world, device)
         report["runs"].append(
             {
@@ -183,6 +184,8 @@ def train_configs(
                 "describe": config.describe(),
                 "losses": losses,
                 "seconds": seconds,
+                # swap=True: this rank's session (rank 0's in the written report), as memfit.swap reports it
+                "swap_session": {k: swapped[k] for k in SESSION_SUMMARY} if swapped else None,
                 "ranks": [
                     {
                         "rank": r[0],
@@ -192,15 +195,54 @@ def train_configs(
                         "peak_bytes": r[4],
                         "end_bytes": r[5],
                         "param_bytes": r[6],
-                        "step_peak_bytes": r[7:],
+                        # swap=True: what memfit.swap's session swapped out over the steps, and its passive swaps
+                        "swapped_out_bytes": r[7],
+                        "passive_swaps": r[8],
+                        "step_peak_bytes": r[9:],
                         # the steps after the first allocate alike: their differences are gloo-thread timing noise
-                        "steady_peak_bytes": min(r[8:]) if len(r) > 8 else max(r[7:], default=r[3]),
+                        "steady_peak_bytes": min(r[10:]) if len(r) > 10 else max(r[9:], default=r[3]),
                     }
                     for r in ranks
                 ],
             }
         )
     return report
+
+
+def _train_step(pm, optimizer, data, step, rows, device, memory, session, step_peaks):
+    """One step on this rank; appends its peak to ``step_peaks`` and returns the local loss."""
+    memory.reset_peak_memory_stats()
+    with _uncounted(memory):
+        inputs, targets = data.batch(step)
+    # this rank's rows, and with CP its zig-zag part of their sequence (ParallelModel.sequence_shard)
+    inputs, targets = pm.sequence_shard(inputs[rows]), pm.sequence_shard(targets[rows])
+    inputs, targets = inputs.to(device, copy=True), targets.to(device, copy=True)
+    loss = pm.train_step(inputs, targets)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    del inputs, targets
+    peak = memory.max_memory_allocated()
+    if session is not None:  # its profiler resets the peak at each optimizer step: the step's is its iteration's
+        peak = max(peak, session.iterations[-1]["peak_device_bytes"])
+    step_peaks.append(peak)
+    return loss
+
+
+@contextlib.contextmanager
+def _swap_session(config, memory):
+    """``swap=True``: memfit.swap around the steps, a session per rank whose budget is the rank's capacity.
+
+    It profiles the steps, plans swaps of saved activations to host memory from a profiled step and
+    applies them (memfit-executor, with memfit-policies' planners); ``parallelize`` refuses the
+    configuration when memfit-executor is not installed.
+    """
+    if not config.swap:
+        yield None
+        return
+    import memfit
+
+    with memfit.swap(backend=memory, planner="swap") as session:
+        yield session
 
 
 @contextlib.contextmanager
