@@ -525,3 +525,22 @@ def test_the_prediction_is_the_two_rank_training_peak(two_rank_runs, tiny_with_f
 @pytest.mark.parametrize("name", PREDICTED_FOUR)
 def test_the_prediction_is_the_four_rank_training_peak(four_rank_runs, tiny_with_four_blocks, name):
     assert_predicted_peak(four_rank_runs[name], tiny_with_four_blocks)
+
+
+def test_a_failed_run_says_what_each_rank_raised():
+    """torchrun's own traceback only says a child failed: the ranks' last exceptions come first."""
+    from memfit_parallel.launch import rank_errors
+
+    output = "\n".join([
+        "[rank1]: Traceback (most recent call last):",
+        "[rank1]:   File \"trainer.py\", line 1, in <module>",
+        "[rank1]: torch.OutOfMemoryError: cpu-sim out of memory: tried to allocate 180 KiB",
+        "[rank1]: memfit_executor.runtime.SwapOutOfMemoryError: out of memory under memfit's swap executor: raise it",
+        "[rank0]: ValueError: a bad configuration",
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:",
+    ])  # fmt: skip
+    assert rank_errors(output) == [
+        "rank 0: ValueError: a bad configuration",
+        "rank 1: memfit_executor.runtime.SwapOutOfMemoryError: out of memory under memfit's swap executor: raise it",
+    ]
+    assert rank_errors("ChildFailedError:\nsomething else") == []

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -139,11 +140,31 @@ def launch(request: RunRequest, report_path: str | Path | None = None, *, timeou
             if process.poll() is None:
                 _kill_group(process)
         if process.returncode != 0 or not report.exists():
-            tail = "\n".join(output.splitlines()[-40:])
-            raise MemfitError(f"the parallel run failed (exit code {process.returncode}):\n{tail}")
+            errors = rank_errors(output)
+            tail = "\n".join(output.splitlines()[-(15 if errors else 40) :])
+            why = "".join(f"\n  {e}" for e in errors)
+            raise MemfitError(
+                f"the parallel run failed (exit code {process.returncode}):{why}\nthe output's last lines:\n{tail}"
+            )
         result = json.loads(report.read_text())
         result["log"] = output
         return result
+
+
+_RANK_ERROR = re.compile(r"^\[rank(\d+)\]: ([\w.]*(?:Error|Exception|Interrupt)\b.*)$")
+
+
+def rank_errors(output: str) -> list[str]:
+    """Each rank's last exception line in torchrun's output (``[rankN]: SomeError: ...``), by rank.
+
+    torchrun's own traceback comes last and says only that a child failed; the ranks' exceptions
+    (an out-of-memory error with its explanation, a bad configuration) are what a user needs.
+    """
+    last: dict[int, str] = {}
+    for line in output.splitlines():
+        if match := _RANK_ERROR.match(line):
+            last[int(match[1])] = match[2]
+    return [f"rank {rank}: {text}" for rank, text in sorted(last.items())]
 
 
 def _kill_group(process: subprocess.Popen) -> None:
@@ -203,6 +224,18 @@ def run(config_path, nproc, model, n_layers, batch, seq, steps, seed, lr, capaci
             click.echo(
                 f"  rank {r['rank']}: training peak {r['peak_bytes'] / 2**20:.2f} MiB, "
                 f"weights {r['weights_bytes'] / 2**20:.2f} MiB, load peak {r['load_peak_bytes'] / 2**20:.2f} MiB"
+                + (
+                    f", swapped out {r['swapped_out_bytes'] / 2**20:.2f} MiB ({r['passive_swaps']} passive swaps)"
+                    if entry["swap_session"]
+                    else ""
+                )
             )
+        session = entry["swap_session"]
+        if session:
+            stages = ", ".join(f"{k} {v}" for k, v in session["iterations_per_stage"].items())
+            budget = session["budget_bytes"] / 2**20
+            click.echo(f"  memfit.swap on rank 0: budget {budget:.2f} MiB; iterations {stages}")
+            for note in session["notes"]:
+                click.echo(f"  note: {note}")
     if report:
         click.echo(f"\nreport: {report}")

@@ -6,9 +6,9 @@ KV heads (innermost); CP when each rank keeps at least ``MIN_CP_TOKENS`` tokens;
 remaining devices with 1F1B or interleaved 1F1B (two stages per rank) and ``m ∈ {pp, 2pp, 4pp, local
 batch}`` microbatches; activation checkpointing none / selective (half the matmuls saved, TorchTitan's
 op-level policy) / full; the dtype given; swapping activations to host memory (``swap=True``, applied by
-memfit.swap per rank) for a configuration that does not fit without it, timed by the model of
-:func:`memfit_parallel.prediction.swap_activations`. The degrees multiply to the device count. GPipe
-is not proposed (1F1B has its step time with fewer microbatches in flight).
+memfit.swap per rank) for a confirmed configuration that does not fit without it (step 2). The
+degrees multiply to the device count. GPipe is not proposed (1F1B has its step time with fewer
+microbatches in flight).
 
 1. **Screen** every candidate with a model scaled from a few real captures: the whole model with 1
    and 2 blocks, one sequence, no TP/CP, FSDP over 2 ranks, per checkpointing mode
@@ -21,7 +21,9 @@ is not proposed (1F1B has its step time with fewer microbatches in flight).
    capacity are dropped.
 2. **Confirm** the fastest screened candidates, in order, with :func:`memfit_parallel.prediction.predict`
    (the real parallel code captured for their ranks) until ``top`` fit and the next screened time is
-   beyond ``CONFIRM_BAND ×`` the best confirmed one, within a time budget. Only
+   beyond ``CONFIRM_BAND ×`` the best confirmed one, within a time budget. A confirmed candidate
+   that does not fit is predicted once more with swapping (:func:`memfit_parallel.prediction.swap_activations`
+   on the same capture: no further capture, so swapping takes nothing from the time budget). Only
    confirmed predictions are ranked and shown: the search never proposes a configuration whose
    captured prediction does not fit.
 """
@@ -300,15 +302,10 @@ def search(
         )
     refs = {(ac, f): _reference(workload, spec, ac, f, dtype) for ac, f in AC_MODES}
     screened = []
-    capacity = spec.capacity_bytes
     for config in pool:
-        ref = refs[(config.activation_checkpoint, config.sac_memory_fraction)]
-        p = screen(workload, config, spec, ref)
+        p = screen(workload, config, spec, refs[(config.activation_checkpoint, config.sac_memory_fraction)])
         screened.append((p.step_s, p.peak_bytes, config))
-        if p.peak_bytes > capacity:  # swapping: only where the configuration does not fit without it
-            swapping = config.model_copy(update={"swap": True})
-            p = screen(workload, swapping, spec, ref)
-            screened.append((p.step_s, p.peak_bytes, swapping))
+    capacity = spec.capacity_bytes
     fitting = sorted((s for s in screened if s[1] <= SCREEN_MARGIN * capacity), key=lambda s: s[0])
     ranked: list[Prediction] = []
     rejected: list[tuple[str, int]] = []
@@ -322,7 +319,12 @@ def search(
             break  # the screening's error band: nothing further down can beat the best confirmed
         p = predict(workload, config, spec)
         confirmed += 1
-        (ranked if p.fits else rejected).append(p if p.fits else (config.describe(), p.peak_bytes))
+        if not p.fits:
+            # the same capture, swapping what is over: no further capture (swapping is modelled on it)
+            rejected.append((config.describe(), p.peak_bytes))
+            p = predict(workload, config.model_copy(update={"swap": True}), spec)
+        if p.fits:
+            ranked.append(p)
     if not ranked:
         least = min(screened, key=lambda s: s[1])
         raise MemfitError(
