@@ -139,10 +139,12 @@ def test_a_tensor_the_program_still_holds_is_never_freed():
     assert torch.equal(x.grad, torch.exp(x.detach()))
 
 
-def test_a_view_of_a_parameter_is_never_tracked_even_when_its_storage_is_not_protected():
+@pytest.mark.parametrize("trained", [True, False])
+def test_a_view_of_a_parameter_is_never_tracked_even_when_its_storage_is_not_protected(trained):
     """FSDP2 registers the unsharded weights each forward and frees and refills their storage itself:
-    linear saves ``weight.t()``, and swapping that storage out crashed a two-rank run (segfault)."""
-    weight = torch.nn.Parameter(torch.randn(128, 128))  # not passed to runtime.protect()
+    linear saves ``weight.t()``, and swapping that storage out crashed a two-rank run (segfault).
+    Frozen weights (LoRA's base) too: FSDP2's unsharded parameter keeps ``requires_grad=False``."""
+    weight = torch.nn.Parameter(torch.randn(128, 128), requires_grad=trained)  # not passed to runtime.protect()
     x = torch.randn(128, 128, requires_grad=True)
     with runtime_on_cpu_sim() as (_, runtime):
         y = torch.nn.functional.linear(torch.exp(x), weight)  # saves exp(x) and a view of the weight

@@ -277,6 +277,10 @@ def test_operators_of_other_threads_during_backward_neither_split_nor_join_the_i
     def worker():
         for _ in range(5):
             torch.ones(64).mul(2).sum()
+        # memfit's own work left out of the iteration, from another thread (recomputation runs on the
+        # autograd engine's threads on a device): the training thread's operators must stay recorded
+        with prof.not_recording():
+            torch.ones(8).sum()
 
     def in_backward(grad):
         thread = threading.Thread(target=worker)
@@ -294,4 +298,5 @@ def test_operators_of_other_threads_during_backward_neither_split_nor_join_the_i
             optimizer.zero_grad()
     assert prof.iteration_count == steps
     assert all(it.ended_by == "optimizer" for it in prof.iterations)
-    assert len({it.n_ops for it in prof.iterations[1:]}) == 1  # the workers' operators are not the program's
+    assert len({it.phase_ops for it in prof.iterations[1:]}) == 1  # the workers' operators are not the program's
+    assert all(it.phase_ops[2] > 0 for it in prof.iterations)  # nor did the worker take the optimizer's away

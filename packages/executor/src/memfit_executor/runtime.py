@@ -202,9 +202,18 @@ class RuntimeStats:
     fields above are totals over the whole run."""
 
 
+def _is_a_parameter(t: torch.Tensor) -> bool:
+    """Whether ``t`` is the model's or the program's own memory, not an activation.
+
+    A parameter, frozen ones too (LoRA's base weights; FSDP2's unsharded ones keep the flag), or a
+    leaf the program trains.
+    """
+    return isinstance(t, torch.nn.Parameter) or (t.is_leaf and t.requires_grad)
+
+
 def _views_a_parameter(t: torch.Tensor) -> bool:
     base = t._base
-    return base is not None and base.is_leaf and base.requires_grad
+    return base is not None and _is_a_parameter(base)
 
 
 class SwapRuntime:
@@ -462,7 +471,7 @@ class SwapRuntime:
             floor = max(floor, self.matcher.min_nbytes)
         if (
             nbytes < floor
-            or (t.is_leaf and t.requires_grad)  # a parameter
+            or _is_a_parameter(t)
             or _views_a_parameter(t)  # linear saves weight.t(); FSDP2 frees and refills that storage itself
             or self._is_static(key)
             or not storage.resizable()  # from_blob / DLPack memory cannot be freed in place

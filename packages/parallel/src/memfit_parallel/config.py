@@ -88,7 +88,8 @@ class ParallelConfig(MemfitModel):
     sac_memory_fraction: float | None = Field(default=None, gt=0.0, lt=1.0)
     """With ``activation_checkpoint="sac"``: the fraction of activation memory the SAC plan may keep."""
     swap: bool = False
-    """Swap activations to host memory under a per-rank budget (memfit-executor)."""
+    """Swap activations to host memory under a per-rank budget (memfit.swap on each rank, from
+    memfit-executor); not with a pipeline."""
     param_dtype: ParamDtype = "float32"
     """Dtype of parameters in compute (FSDP mixed precision); gradients are reduced in float32."""
 
@@ -106,6 +107,11 @@ class ParallelConfig(MemfitModel):
             problems.append(f"{self.pp_schedule} needs at least pp={self.pp} microbatches, got {self.microbatches}")
         if self.pp_schedule == "interleaved_1f1b" and self.pp > 1 and self.microbatches % self.pp:
             problems.append(f"interleaved_1f1b needs microbatches divisible by pp={self.pp}, got {self.microbatches}")
+        if self.swap and self.pp > 1:
+            # memfit.swap plans per iteration, and an iteration ends at a forward after a backward: a
+            # pipeline's step (F0 F1 B0 F2 B1 ...) is several, whose saves are used in the next ones
+            problems.append("swap=True is not supported with a pipeline (pp > 1): memfit.swap plans one forward and "
+                            "backward at a time; use activation checkpointing there")  # fmt: skip
         if (self.activation_checkpoint == "sac") != (self.sac_memory_fraction is not None):
             problems.append('sac_memory_fraction goes with activation_checkpoint="sac" (and only with it)')
         if problems:

@@ -151,7 +151,8 @@ def launch(request: RunRequest, report_path: str | Path | None = None, *, timeou
         return result
 
 
-_RANK_ERROR = re.compile(r"^\[rank(\d+)\]: ([\w.]*(?:Error|Exception|Interrupt)\b.*)$")
+# the exception's own line: a class name, then ":" or the end (not "Exception raised from ..." of a C++ trace)
+_RANK_ERROR = re.compile(r"^\[rank(\d+)\]: ([\w.]*(?:Error|Exception|Interrupt)(?::.*)?)$")
 
 
 def rank_errors(output: str) -> list[str]:

@@ -320,9 +320,9 @@ def search(
         p = predict(workload, config, spec)
         confirmed += 1
         if not p.fits:
-            # the same capture, swapping what is over: no further capture (swapping is modelled on it)
             rejected.append((config.describe(), p.peak_bytes))
-            p = predict(workload, config.model_copy(update={"swap": True}), spec)
+            if config.pp == 1:  # the same capture, swapping what is over (modelled on it: no further capture)
+                p = predict(workload, config.model_copy(update={"swap": True}), spec)
         if p.fits:
             ranked.append(p)
     if not ranked:

@@ -771,7 +771,8 @@ def swap_activations(
     the swap planner's margin, earliest-used-last first, and swaps them back before backward needs
     them. Modelled here from the captured rank rather than planned on its trace (the capture is
     extrapolated in depth): the bytes over ``capacity − margin`` come off the activations, down to
-    :data:`SWAP_RESIDENT_BLOCKS` blocks of each in-flight microbatch. The swapped fraction ``f`` of
+    :data:`SWAP_RESIDENT_BLOCKS` blocks' activations (no pipeline: ``ParallelConfig`` refuses ``swap`` with
+    one, so one microbatch is in flight). The swapped fraction ``f`` of
     every microbatch's activations is the first of its forward: its copy out overlaps the rest of
     forward, ``(1 − f)·forward``, and its copy back the first ``(1 − f)·backward``; what is longer
     than that is exposed. Host memory is assumed large enough.

@@ -313,6 +313,7 @@ class OnlineProfiler:
             self._modules.begin()
         elif self._modules.installed:
             self._modules.uninstall()
+        self.recorder.set_program_thread()  # start(), the optimizer's hook or step(): the training loop's thread
         self.recorder.set_mode(DETAILED if self._detailed else LIGHTWEIGHT)
         if self.backend is not None:
             # per-iteration peaks; the run's peak is kept in self.peak_device_bytes

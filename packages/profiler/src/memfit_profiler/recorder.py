@@ -86,6 +86,10 @@ class NativeRecorder:
     def set_optimizer_phase(self, on: bool) -> None:
         self._ext.set_optimizer_phase(on)
 
+    def set_program_thread(self) -> None:
+        """The calling thread runs the training loop: other threads' operators outside backward are not recorded."""
+        self._ext.set_program_thread()
+
     def set_memory_source(self, backend: Any) -> None:
         source = backend.native_memory_source() if backend is not None else None
         if source is None:
@@ -174,6 +178,9 @@ class PythonRecorder:
 
     def set_optimizer_phase(self, on: bool) -> None:
         self._optimizer = on
+
+    def set_program_thread(self) -> None:
+        pass  # a dispatch mode sees the thread that entered it only
 
     def set_memory_source(self, backend: Any) -> None:
         self._backend = backend

@@ -51,7 +51,8 @@ struct Row {
 
 std::atomic<int> g_mode{OFF};
 std::atomic<bool> g_optimizer{false};
-// The thread that switched the recorder on: the training loop's (see record_operator).
+// The training loop's thread (see record_operator), set where an iteration begins: not by
+// set_mode, which memfit also calls around recomputation, from the autograd engine's threads.
 std::atomic<std::thread::id> g_program_thread{};
 std::mutex g_lock;
 
@@ -290,7 +291,6 @@ void switch_mode(int mode) {
     g_handle.reset();
   }
   g_mode.store(mode);
-  if (mode != OFF) g_program_thread.store(std::this_thread::get_id());
   if (mode == LIGHTWEIGHT) {
     g_handle = at::addGlobalCallback(
         at::RecordFunctionCallback(&on_enter_lightweight).scopes({at::RecordScope::FUNCTION}));
@@ -403,6 +403,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "memfit-profiler native operator recorder";
   m.def("set_mode", &switch_mode, "OFF (0) removes the callback; LIGHTWEIGHT (1) and DETAILED (2) install theirs.");
   m.def("set_optimizer_phase", [](bool on) { g_optimizer.store(on); });
+  m.def("set_program_thread", []() { g_program_thread.store(std::this_thread::get_id()); });
   m.def("set_memory_counter", [](int64_t address) {
     g_counter.store(reinterpret_cast<const std::atomic<int64_t>*>(address));
     g_mem_device_index = -1;
