@@ -35,16 +35,17 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def summarise(report: dict, exact: bool, crashed: bool) -> dict:
-    its = report["per_iteration"]
-    first = report["planning_iterations"][0] if report["planning_iterations"] else len(its)
-    stable = [it for it in its[first:] if it["stage"] == "Stable"]
+    its = report["per_iteration"]  # the latest `history` iterations (1,000 by default): the whole of this run
+    first = report["planning_iterations"][0] if report["planning_iterations"] else report["iterations"]
+    after = [it for it in its if it["iteration"] >= first]  # by the record's iteration, not its position
+    stable = [it for it in after if it["stage"] == "Stable"]
     return {
-        "iterations": len(its),
+        "iterations": report["iterations"],
         "exact": exact,
         "crashed": crashed,
         "peak_bytes": report["peak_device_bytes"],
         "budget_bytes": report["budget_bytes"],
-        "stable_fraction": len(stable) / max(1, len(its) - first),
+        "stable_fraction": len(stable) / max(1, len(after)),
         "passive_per_stable": sum(it["passive_swaps"] for it in stable) / max(1, len(stable)),
         "planned_swaps_per_stable": sum(it["swaps"] for it in stable) / max(1, len(stable)),
         "planning_rounds": len(report["planning_iterations"]),
