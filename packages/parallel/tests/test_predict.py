@@ -154,3 +154,26 @@ def test_a_checkpointed_single_rank_is_what_a_real_cpu_sim_run_measures():
     sim.close()
     predicted = predict(TINY, ParallelConfig(activation_checkpoint="full"), "cpu").peak_bytes
     assert predicted == pytest.approx(measured, rel=0.01)
+
+
+def test_a_sac_plan_is_captured_block_by_block_and_refused_where_blocks_differ():
+    from memfit.plan import Recompute
+    from memfit_parallel.prediction import block_actions, block_plan
+
+    config = ParallelConfig(activation_checkpoint="sac", sac_memory_fraction=0.5)
+    ffn = [Recompute(module=f"layers.{i}.feed_forward") for i in range(4)]  # "small": 4 blocks
+    assert block_plan(ffn, 4) == (("feed_forward", (), ()),)
+    two_blocks = block_actions(block_plan(ffn, 4), 2)
+    assert [a.module for a in two_blocks] == ["layers.0.feed_forward", "layers.1.feed_forward"]
+    op_level = predict(SMALL, config, "cpu")
+    planned = predict(SMALL, config, "cpu", recompute=ffn)
+    # the op-level policy saves half the matmuls; the plan recomputes every feed-forward operator and
+    # keeps attention's: they are different plans, and the prediction follows the one given
+    assert planned.peak_bytes != op_level.peak_bytes and planned.recompute_s != op_level.recompute_s
+    assert any("a memfit plan" in note for note in planned.notes)
+    with pytest.raises(MemfitError, match="blocks 1, 2, 3 differ from block 0"):
+        predict(SMALL, config, "cpu", recompute=ffn[:1])
+    with pytest.raises(MemfitError, match="not inside one of the model's 4 blocks"):
+        predict(SMALL, config, "cpu", recompute=[Recompute(module="output")])
+    with pytest.raises(MemfitError, match='applies with activation_checkpoint="sac"'):
+        predict(SMALL, ParallelConfig(), "cpu", recompute=ffn)

@@ -90,14 +90,20 @@ FOUR_RANKS = {
 }
 
 
-def sac_plan(path: Path) -> Path:
+def sac_actions() -> list[Recompute]:
     """A selective-checkpointing plan: attention keeps the outputs of its 1st and 4th matmul (wq, wo), feed-forward
-    keeps nothing, in every block; as a memfit plan file (what ``memfit plan --planner sac`` writes)."""
+    keeps nothing, in every block."""
     actions = []
     for i in range(N_LAYERS):
         keep_wq_and_wo = (True, False, False, True)
         actions.append(Recompute(module=f"layers.{i}.attention", ops=("aten::mm",) * 4, save=keep_wq_and_wo))
         actions.append(Recompute(module=f"layers.{i}.feed_forward"))
+    return actions
+
+
+def sac_plan(path: Path) -> Path:
+    """:func:`sac_actions` as a memfit plan file (what ``memfit plan --planner sac`` writes)."""
+    actions = sac_actions()
     plan = MemoryPlan(
         planner="sac", budget_bytes=2**30, source=PlanSource(kind="synthetic", description="hand-made for the test"),
         actions=tuple(actions), predicted=PlanPrediction(peak_bytes=0),
@@ -495,13 +501,14 @@ def tiny_with_four_blocks(monkeypatch) -> str:
     return name
 
 
-def assert_predicted_peak(run: dict, model: str) -> None:
+def assert_predicted_peak(run: dict, model: str, recompute: list[Recompute] | None = None) -> None:
     """``predict``'s per-rank peak (its most loaded rank) against each rank's steady training peak."""
     from memfit_parallel import predict
     from memfit_parallel.config import Workload
 
     config = ParallelConfig.model_validate(run["config"])
-    predicted = predict(Workload(model=model, global_batch=BATCH, seq_len=SEQ), config, "cpu").peak_bytes
+    workload = Workload(model=model, global_batch=BATCH, seq_len=SEQ)
+    predicted = predict(workload, config, "cpu", recompute=recompute).peak_bytes
     measured = {r["rank"]: r["steady_peak_bytes"] for r in run["ranks"]}
     # Pipeline ranks differ (predict reports the most loaded). Every other rank runs the same program,
     # and their peaks differ by timing only: with FSDP about 131 KB more in some runs than in others
@@ -519,6 +526,17 @@ def assert_predicted_peak(run: dict, model: str) -> None:
 @pytest.mark.parametrize("name", PREDICTED_TWO)
 def test_the_prediction_is_the_two_rank_training_peak(two_rank_runs, tiny_with_four_blocks, name):
     assert_predicted_peak(two_rank_runs[name], tiny_with_four_blocks)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_EXECUTOR, reason="selective checkpointing is applied by memfit-executor")
+@pytest.mark.parametrize("name", ["fsdp_sac", "tp_sac"])
+def test_the_prediction_with_a_sac_plan_is_the_two_rank_training_peak(two_rank_runs, tiny_with_four_blocks, name):
+    """The two-rank launch trained these with the SAC plan (``--sac-plan``); predict captures the same plan.
+
+    Not pp_interleaved_sac: its prediction is 6.1 % under the measured peak (3,212,288 B against
+    3,419,404 B on the last rank, 2026-11-27), past the 5 % of the others (see docs/packages/parallel.md)."""
+    assert_predicted_peak(two_rank_runs[name], tiny_with_four_blocks, recompute=sac_actions())
 
 
 @pytest.mark.slow

@@ -48,7 +48,7 @@ class RunRequest:
     capacity: str = "4GiB"
     sac_plan: Path | None = None
     """A memfit plan whose recompute actions ``activation_checkpoint="sac"`` applies instead of the op-level policy
-    (``memfit_parallel.predict`` does not take a plan: a run with one is not what it predicts)."""
+    (``memfit_parallel.predict(..., recompute=...)`` captures the same plan when it is the same in every block)."""
 
 
 def check_request(request: RunRequest) -> None:
@@ -200,7 +200,7 @@ def _kill_group(process: subprocess.Popen) -> None:
     "--sac-plan",
     type=click.Path(path_type=Path),
     help='A memfit SAC plan (memfit plan --planner sac): activation_checkpoint="sac" applies it instead of '
-    "TorchTitan's op-level policy (which predict captures).",
+    "TorchTitan's op-level policy.",
 )
 @click.option("--timeout", "timeout_s", type=float, default=DEFAULT_TIMEOUT_S, show_default=True, help="Seconds.")
 def run(config_path, nproc, model, n_layers, batch, seq, steps, seed, lr, capacity, report, sac_plan, timeout_s):
