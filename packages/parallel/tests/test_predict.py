@@ -1,5 +1,7 @@
 """Predictions: exact where captured whole, extrapolation checked against a whole capture, pipeline arithmetic."""
 
+import importlib.util
+
 import pytest
 from memfit.errors import MemfitError
 from memfit_parallel.config import ParallelConfig, Workload
@@ -156,12 +158,21 @@ def test_a_checkpointed_single_rank_is_what_a_real_cpu_sim_run_measures():
     assert predicted == pytest.approx(measured, rel=0.01)
 
 
-def test_a_sac_plan_is_captured_block_by_block_and_refused_where_blocks_differ():
+HAS_EXECUTOR = importlib.util.find_spec("memfit_executor") is not None
+
+
+def sac_config_and_plan():
     from memfit.plan import Recompute
-    from memfit_parallel.prediction import block_actions, block_plan
 
     config = ParallelConfig(activation_checkpoint="sac", sac_memory_fraction=0.5)
-    ffn = [Recompute(module=f"layers.{i}.feed_forward") for i in range(4)]  # "small": 4 blocks
+    return config, [Recompute(module=f"layers.{i}.feed_forward") for i in range(4)]  # "small": 4 blocks
+
+
+@pytest.mark.skipif(not HAS_EXECUTOR, reason="a SAC plan is applied by memfit-executor, in the capture too")
+def test_a_sac_plan_is_captured_block_by_block():
+    from memfit_parallel.prediction import block_actions, block_plan
+
+    config, ffn = sac_config_and_plan()
     assert block_plan(ffn, 4) == (("feed_forward", (), ()),)
     two_blocks = block_actions(block_plan(ffn, 4), 2)
     assert [a.module for a in two_blocks] == ["layers.0.feed_forward", "layers.1.feed_forward"]
@@ -171,6 +182,12 @@ def test_a_sac_plan_is_captured_block_by_block_and_refused_where_blocks_differ()
     # keeps attention's: they are different plans, and the prediction follows the one given
     assert planned.peak_bytes != op_level.peak_bytes and planned.recompute_s != op_level.recompute_s
     assert any("a memfit plan" in note for note in planned.notes)
+
+
+def test_a_sac_plan_predict_cannot_capture_is_refused_with_the_reason():
+    from memfit.plan import Recompute
+
+    config, ffn = sac_config_and_plan()
     with pytest.raises(MemfitError, match="blocks 1, 2, 3 differ from block 0"):
         predict(SMALL, config, "cpu", recompute=ffn[:1])
     with pytest.raises(MemfitError, match="not inside one of the model's 4 blocks"):
