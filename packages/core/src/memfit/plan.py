@@ -225,6 +225,15 @@ class PlanSource(MemfitModel):
         return cls(kind=trace.source, ops=trace.n_ops, peak_bytes=trace.peak_bytes(), description=description)
 
 
+def default_margin(budget: int) -> int:
+    """The bytes a planner keeps free below ``budget`` unless told otherwise: min(2 GiB, 10 % of it).
+
+    The planners' (memfit-policies) and the parallel search's model of a swap session (memfit-parallel)
+    share it: room for what a prediction misses (allocator rounding, a copy that lands late).
+    """
+    return min(2 * 2**30, budget // 10)
+
+
 class PlanPrediction(MemfitModel):
     """What the planner predicts for a step under the plan."""
 

@@ -202,18 +202,17 @@ class RuntimeStats:
     fields above are totals over the whole run."""
 
 
-def _is_a_parameter(t: torch.Tensor) -> bool:
-    """Whether ``t`` is the model's or the program's own memory, not an activation.
+def _parameter_memory(t: torch.Tensor) -> bool:
+    """Whether ``t`` or the tensor it views is the model's or the program's own memory, not an activation.
 
     A parameter, frozen ones too (LoRA's base weights; FSDP2's unsharded ones keep the flag), or a
-    leaf the program trains.
+    leaf the program trains. Views count: linear saves ``weight.t()``, and FSDP2 frees and refills
+    its unsharded weights' storage itself.
     """
-    return isinstance(t, torch.nn.Parameter) or (t.is_leaf and t.requires_grad)
-
-
-def _views_a_parameter(t: torch.Tensor) -> bool:
+    if isinstance(t, torch.nn.Parameter) or (t.is_leaf and t.requires_grad):
+        return True
     base = t._base
-    return base is not None and _is_a_parameter(base)
+    return base is not None and (isinstance(base, torch.nn.Parameter) or (base.is_leaf and base.requires_grad))
 
 
 class SwapRuntime:
@@ -471,8 +470,7 @@ class SwapRuntime:
             floor = max(floor, self.matcher.min_nbytes)
         if (
             nbytes < floor
-            or _is_a_parameter(t)
-            or _views_a_parameter(t)  # linear saves weight.t(); FSDP2 frees and refills that storage itself
+            or _parameter_memory(t)
             or self._is_static(key)
             or not storage.resizable()  # from_blob / DLPack memory cannot be freed in place
         ):

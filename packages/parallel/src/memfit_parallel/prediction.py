@@ -57,7 +57,7 @@ import numpy as np
 import torch
 from memfit.config import format_size
 from memfit.errors import MemfitError
-from memfit.plan import Recompute
+from memfit.plan import Recompute, default_margin
 from memfit_simulator.hardware import HardwareSpec, get_spec
 
 from memfit_parallel.config import ModelShape, ParallelConfig, Workload
@@ -717,21 +717,18 @@ def assemble(
         buffer_bytes = (config.local_batch(workload) // m_total(config)) * local_seq * llama.dim * itemsize
     micro_f = {r: p.forward_s + p.blocking_comm_s / 3 for r, p in stages.items()}
     micro_b = {r: p.backward_s + p.recompute_s + p.blocking_comm_s * 2 / 3 for r, p in stages.items()}
-    swaps: dict[int, Swapping] = {}
+    swapping = None  # swap=True: one rank (ParallelConfig refuses swap with a pipeline)
     for rank, p in stages.items():
         extra = max(in_flight(config, rank) - p.captured_microbatches, 0.0) * p.activation_bytes
         cats = dict(p.peak_by_category)
         cats["activation"] = cats["activation"] + extra
         cats["input"] = cats["input"] + max(receive_buffers(config, rank) - p.captured_microbatches, 0) * buffer_bytes
         if config.swap:
-            swaps[rank] = swap_activations(cats, p, spec, micro_f[rank], micro_b[rank])
-            cats["activation"] -= swaps[rank].peak_bytes
-            micro_f[rank] += swaps[rank].forward_s
-            micro_b[rank] += swaps[rank].backward_s
+            swapping = swap_activations(cats, p, spec, micro_f[rank], micro_b[rank])
+            cats["activation"] -= swapping.peak_bytes
+            notes.append(swapping.describe(spec))
         peaks[rank] = {k: int(round(v)) for k, v in cats.items()}
     worst = max(peaks, key=lambda r: sum(peaks[r].values()))
-    if config.swap:
-        notes.append(swaps[worst].describe(spec))
     # time
     m = config.microbatches
     swap_s = 0.0
@@ -741,8 +738,8 @@ def assemble(
         exposed = p.blocking_comm_s + _dp_exposed(p, config)
         bubble = 0.0
         recompute = p.recompute_s
-        if config.swap:
-            swap_s = swaps[0].forward_s + swaps[0].backward_s
+        if swapping is not None:
+            swap_s = swapping.forward_s + swapping.backward_s
     else:
         hidden = (config.local_batch(workload) // m) * (workload.seq_len // config.cp) * llama.dim * 2 // config.tp
         p2p = 0.0
@@ -769,15 +766,13 @@ def assemble(
         compute = m * (p.forward_s + p.backward_s) + p.optimizer_s
         recompute = m * p.recompute_s
         exposed = m * p.blocking_comm_s + _pp_dp_exposed(p, micro_f[slowest], micro_b[slowest])
-        if config.swap:  # in the stages' times, so the pipeline's timing carries it
-            swap_s = m * (swaps[slowest].forward_s + swaps[slowest].backward_s)
     step = compute + recompute + exposed + bubble + swap_s
     collectives = [dict(c, rank=rank) for rank, p in stages.items() for c in p.collectives]
     return Prediction(
         workload=workload, config=config, hardware=spec.name, peak_by_category=peaks[worst],
         capacity_bytes=spec.capacity_bytes, compute_s=compute, exposed_comm_s=exposed, bubble_s=bubble,
         recompute_s=recompute, step_s=step, collectives=collectives, notes=notes, swap_s=swap_s,
-        swapped_bytes=int(m_total(config) * swaps[worst].microbatch_bytes) if config.swap else 0,
+        swapped_bytes=int(swapping.microbatch_bytes) if swapping is not None else 0,
     )  # fmt: skip
 
 
@@ -788,7 +783,7 @@ differentiating and the next, whose swap-in must have landed before backward rea
 
 @dataclass(frozen=True)
 class Swapping:
-    """What ``swap=True`` does to one pipeline rank (:func:`swap_activations`)."""
+    """What ``swap=True`` does to the rank (:func:`swap_activations`; no pipeline)."""
 
     peak_bytes: float
     """Activation bytes held in host memory at the rank's peak (taken off its device peak)."""
@@ -823,14 +818,6 @@ class Swapping:
         return text
 
 
-def swap_margin(capacity: int) -> int:
-    """The bytes memfit's swap planner keeps free below a budget by default: min(2 GiB, 10 %).
-
-    The same rule as memfit-policies' ``planner_margin`` (memfit-parallel needs only memfit core).
-    """
-    return min(2 * 2**30, capacity // 10)
-
-
 def swap_activations(
     cats: dict[str, float], profile: StageProfile, spec: HardwareSpec, forward_s: float, backward_s: float
 ) -> Swapping:
@@ -846,7 +833,7 @@ def swap_activations(
     forward, ``(1 − f)·forward``, and its copy back the first ``(1 − f)·backward``; what is longer
     than that is exposed. Host memory is assumed large enough.
     """
-    limit = spec.capacity_bytes - swap_margin(spec.capacity_bytes)
+    limit = spec.capacity_bytes - default_margin(spec.capacity_bytes)
     need = sum(cats.values()) - limit
     activations = cats["activation"]
     if need <= 0:

@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from memfit.config import MemfitModel, Size, format_size
 from memfit.errors import MemfitError
-from memfit.plan import LogicalLayer, MemoryPlan, PlanPrediction, PlanSource, Swap, TensorMatch
+from memfit.plan import LogicalLayer, MemoryPlan, PlanPrediction, PlanSource, Swap, TensorMatch, default_margin
 from memfit.trace import Trace
 from memfit.types import Phase
 from pydantic import Field, PositiveFloat
@@ -229,7 +229,7 @@ def planner_margin(margin: int | None, budget: int) -> int:
     """
     if budget <= 0:
         raise MemfitError(f"the budget must be positive, got {budget} B")
-    margin = int(margin) if margin is not None else min(2 * 2**30, budget // 10)
+    margin = int(margin) if margin is not None else default_margin(budget)
     if margin >= budget:
         raise MemfitError(f"the margin ({format_size(margin)}) leaves nothing of the budget ({format_size(budget)})")
     return margin
