@@ -170,11 +170,13 @@ def sac_config_and_plan():
 
 @pytest.mark.skipif(not HAS_EXECUTOR, reason="a SAC plan is applied by memfit-executor, in the capture too")
 def test_a_sac_plan_is_captured_block_by_block():
-    from memfit_parallel.prediction import block_actions, block_plan
+    from memfit_parallel.config import BlockRecompute
+    from memfit_parallel.prediction import block_plan
 
     config, ffn = sac_config_and_plan()
-    assert block_plan(ffn, 4) == (("feed_forward", (), ()),)
-    two_blocks = block_actions(block_plan(ffn, 4), 2)
+    assert block_plan(ffn, 4) == (BlockRecompute(module="feed_forward"),)
+    with_plan = config.model_copy(update={"sac_plan": block_plan(ffn, 4)})
+    two_blocks = with_plan.block_recompute(["0", "1"])
     assert [a.module for a in two_blocks] == ["layers.0.feed_forward", "layers.1.feed_forward"]
     op_level = predict(SMALL, config, "cpu")
     planned = predict(SMALL, config, "cpu", recompute=ffn)
@@ -182,6 +184,14 @@ def test_a_sac_plan_is_captured_block_by_block():
     # keeps attention's: they are different plans, and the prediction follows the one given
     assert planned.peak_bytes != op_level.peak_bytes and planned.recompute_s != op_level.recompute_s
     assert any("a memfit plan" in note for note in planned.notes)
+    # the prediction's configuration carries the block plan: predicting it again is the same prediction
+    assert planned.config == with_plan
+    again = predict(SMALL, with_plan, "cpu")
+    assert (again.peak_bytes, again.step_s, again.recompute_s) == (planned.peak_bytes, planned.step_s, planned.recompute_s)
+    # the recomputation is timed apart (the capture flags the operators memfit's checkpoint replays)
+    assert planned.recompute_s > 0
+    with pytest.raises(MemfitError, match="carries its own SAC plan"):
+        predict(SMALL, with_plan, "cpu", recompute=ffn)
 
 
 def test_a_sac_plan_predict_cannot_capture_is_refused_with_the_reason():

@@ -88,6 +88,14 @@ FOUR_RANKS = {
     "cp_tp_sac": ParallelConfig(cp=2, tp=2, activation_checkpoint="sac", sac_memory_fraction=0.5),
     "cp_pp_interleaved": ParallelConfig(cp=2, pp=2, pp_schedule="interleaved_1f1b", stages_per_rank=2, microbatches=2),
 }
+HAS_AUTO_SAC = HAS_EXECUTOR and importlib.util.find_spec("memfit_policies") is not None
+if HAS_AUTO_SAC:  # memfit's Auto-SAC: one block planned on one device (memfit-policies), applied to every block
+    from memfit_parallel.autosac import auto_sac
+    from memfit_parallel.config import Workload
+
+    FOUR_RANKS["fsdp_tp_autosac"] = auto_sac(
+        ParallelConfig(dp_shard=2, tp=2), Workload(model="tiny", global_batch=BATCH, seq_len=SEQ), "cpu", 0.5
+    )
 
 
 def sac_actions() -> list[Recompute]:
@@ -487,7 +495,7 @@ PEAK_TOL = 0.05  # issue 14, Must show 1: predicted per-rank peak within 5 % of 
 PREDICTED_TWO = ("fsdp", "tp", "pp_1f1b", "pp_interleaved", "ddp", "fsdp_full_ac", "cp", "cp_full_ac")
 PREDICTED_FOUR = (
     "fsdp", "fsdp_tp", "hsdp", "fsdp_pp_1f1b", "pp4_1f1b", "fsdp_tp_full_ac", "ddp_tp", "fsdp_tp_sac", "fsdp_cp",
-    "cp_tp", "cp_pp_1f1b", "ddp_cp", "cp_tp_sac",
+    "cp_tp", "cp_pp_1f1b", "ddp_cp", "cp_tp_sac", *(["fsdp_tp_autosac"] if HAS_AUTO_SAC else []),
 )  # fmt: skip
 
 

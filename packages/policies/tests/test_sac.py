@@ -237,6 +237,17 @@ def _module_of(memory: list[int], seconds: list[float]) -> ModuleStats:
     )  # fmt: skip
 
 
+def test_operators_ruled_out_are_never_kept_by_any_policy():
+    # op1 is the best to keep (most time per byte); ruled out, each policy keeps the next best instead
+    stats = _module_of([100, 100, 100, 100], [1e-3, 9e-3, 5e-3, 2e-3])
+    for policy in (greedy_policy, knapsack_policy, ilp_policy):
+        assert policy(stats, 0.25).tolist() == [False, True, False, False]
+        ruled_out = stats.never_keeping({"aten::op1"})
+        assert policy(ruled_out, 0.25).tolist() == [False, False, True, False], policy.__name__
+        assert policy(ruled_out, 1.0).tolist() == [True, False, True, True], policy.__name__
+    assert stats.excluded is None  # the statistics given are left as they were
+
+
 def test_the_greedy_fills_the_room_its_last_discard_leaves_and_weighs_the_best_single_candidate():
     # MSPS order: small (10 B/s), big (8 B/s), kept (0.1 B/s). Under 17 of 20 bytes, Alg. 7 discards
     # small and big (10 bytes kept, 7 unused); small fits again: only big is recomputed

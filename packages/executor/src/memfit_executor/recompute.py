@@ -425,7 +425,8 @@ class AppliedRecompute:
 _NO_INSTANCE_FORWARD = object()
 
 
-def _checkpointed_by(module: nn.Module) -> AppliedRecompute | None:
+def checkpointed_by(module: nn.Module) -> AppliedRecompute | None:
+    """The application that checkpoints ``module`` (its ``forward`` replaced by :func:`apply_recompute`), if any."""
     forward = module.__dict__.get("forward")
     return getattr(forward, _MARK, None) if forward is not None else None
 
@@ -479,7 +480,7 @@ def apply_recompute(
     # Modules of this model already checkpointed (other handles still in place), then the new ones.
     taken: dict[int, tuple[str, nn.Module, str]] = {}
     for name, module in model.named_modules():
-        if _checkpointed_by(module) is not None:
+        if checkpointed_by(module) is not None:
             taken[id(module)] = (name, module, "already checkpointed by a recomputation still applied")
     for name, module, _ in resolved:
         if id(module) in taken:

@@ -95,6 +95,13 @@ class ModelRecipe:
         loss_parallel: the TP plan leaves the logits sharded on the vocabulary (a ``Shard(-1)``
             DTensor) and ``loss_fn`` runs, forward and backward, under torch's ``loss_parallel()``
             (TorchTitan's loss parallelism: no rank ever holds the whole logits).
+        cast_block_inputs: FSDP mixed precision casts each block's floating-point inputs to
+            ``param_dtype`` before the block runs (torch's default, ``True``). ``False`` for a model
+            whose blocks cast their inputs themselves (memfit's Llama casts the rotary ``cos``/``sin``
+            to its activations' dtype): then a block runs the same operators as on one device, call
+            for call, which a SAC plan made from a one-device trace decides on
+            (:mod:`memfit_parallel.autosac`); with FSDP's cast those casts inside vanish and the
+            plan's decisions slip by as many calls.
         context_parallel: ``context_parallel(stage, cp_mesh)`` makes a stage attend over the whole
             sequence while holding a CP rank's part of it (:mod:`memfit_parallel.context`: global
             rotary positions, K/V all-gathered); ``None``: the model cannot be context-parallel.
@@ -109,6 +116,7 @@ class ModelRecipe:
     shape: ModelShape | None = None
     loss_parallel: bool = False
     context_parallel: Callable[[nn.Module, DeviceMesh], object] | None = None
+    cast_block_inputs: bool = True
 
     def full_state_dict(self, seed: int = 0) -> dict[str, torch.Tensor]:
         """The whole model's weights as ``torch.manual_seed(seed); build()`` makes them, on the CPU.
@@ -230,6 +238,7 @@ def llama_recipe(model: str = "tiny", **overrides) -> ModelRecipe:
         shape=ModelShape(n_layers=config.n_layers, n_heads=config.n_heads, n_kv_heads=config.n_kv_heads),
         loss_parallel=True,
         context_parallel=_llama_context_parallel,
+        cast_block_inputs=False,  # apply_rotary casts cos/sin itself (see ModelRecipe)
     )
 
 
@@ -470,7 +479,8 @@ def parallelize(
             apply instead of the op-level policy (:func:`checkpoint_policy`): :class:`memfit.plan.Recompute`
             actions (e.g. a ``memfit plan --planner sac`` plan's), module names relative to the whole
             model; each rank applies those of its stages (with memfit-executor's ``apply_recompute``).
-            Ignored by configurations without ``"sac"``.
+            Ignored by configurations without ``"sac"``; not with a configuration's own ``sac_plan``
+            (which applies to every block of ``recipe.blocks``).
         stage_ids: the pipeline stages this rank holds, given instead of read from the mesh's ``pp``
             coordinate; no pipeline schedule is built then (the caller drives the stages, as the
             capture of :mod:`memfit_parallel.prediction` does).
@@ -499,10 +509,12 @@ def parallelize(
             whole = recipe.build()
     finally:
         torch.set_default_dtype(previous)
-    actions = list(recompute or ()) if config.activation_checkpoint == "sac" else []
-    _check_recompute_names(whole, actions)
     blocks = get_blocks(whole, recipe.blocks)
     block_names = list(blocks.keys()) if isinstance(blocks, nn.ModuleDict) else [str(i) for i in range(len(blocks))]
+    actions = list(recompute or ()) if config.activation_checkpoint == "sac" else []
+    if config.sac_plan is not None:  # the configuration's own plan, the same in every block
+        actions = config.block_recompute(block_names, recipe.blocks)
+    _check_recompute_names(whole, actions)
 
     # 2. PP: looped placement, stage s on pipeline rank s % pp
     given_stages = stage_ids is not None
@@ -543,7 +555,7 @@ def parallelize(
             apply_ac(part, config, recipe.blocks)
         # 5. FSDP / HSDP / DDP
         if _data_parallel(config):
-            _apply_data_parallel(part, recipe.blocks, config, mesh)
+            _apply_data_parallel(part, recipe, config, mesh)
 
     pm = ParallelModel(
         config=config, recipe=recipe, mesh=mesh, device=device, parts=parts, stage_ids=stage_ids, recompute=handles,
@@ -602,8 +614,12 @@ def unapplied(config: ParallelConfig, recipe: ModelRecipe, recompute: Sequence[R
         problems.append("cp > 1 needs a `context_parallel` function in the model recipe")
     if config.swap and importlib.util.find_spec("memfit_executor") is None:
         problems.append("swap=True runs memfit.swap on each rank, from memfit-executor: pip install memfit-executor")
-    if recompute and config.activation_checkpoint == "sac" and importlib.util.find_spec("memfit_executor") is None:
+    planned = bool(recompute) or config.sac_plan is not None
+    if planned and config.activation_checkpoint == "sac" and importlib.util.find_spec("memfit_executor") is None:
         problems.append("a SAC plan's recompute actions are applied by memfit-executor: pip install memfit-executor")
+    if recompute and config.sac_plan is not None:
+        problems.append("the configuration carries its own SAC plan (sac_plan): give it or a plan's recompute "
+                        "actions (--sac-plan), not both")  # fmt: skip
     if config.tp > 1 and recipe.block_tp_plan is None and recipe.tp_plan is None:
         problems.append("tp > 1 needs a TP plan in the model recipe (tp_plan / block_tp_plan)")
     if config.pp > 1 and recipe.stage is None:
@@ -708,18 +724,21 @@ def _apply_sac_plan(part: nn.Module, actions: list[Recompute]):
     return apply_recompute(part, [a for a in actions if a.module in names])
 
 
-def _apply_data_parallel(part: nn.Module, blocks_attr: str, config: ParallelConfig, mesh) -> None:
+def _apply_data_parallel(part: nn.Module, recipe: ModelRecipe, config: ParallelConfig, mesh) -> None:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     dtype = getattr(torch, config.param_dtype)
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-    blocks = block_modules(part, blocks_attr)
+    block_policy = MixedPrecisionPolicy(
+        param_dtype=dtype, reduce_dtype=torch.float32, cast_forward_inputs=recipe.cast_block_inputs
+    )
+    blocks = block_modules(part, recipe.blocks)
     if config.dp_shard * config.cp == 1:
         # plain DDP: FSDP2's replicate (whole parameters on every rank, gradients all-reduced per block)
         from torch.distributed._composable.replicate_with_fsdp import replicate
 
         for block in blocks:
-            replicate(block, mesh=mesh["dp_replicate"], mp_policy=policy)
+            replicate(block, mesh=mesh["dp_replicate"], mp_policy=block_policy)
         replicate(part, mesh=mesh["dp_replicate"], mp_policy=policy)
         return
     dp_mesh = _fsdp_mesh(config, mesh)
@@ -727,7 +746,7 @@ def _apply_data_parallel(part: nn.Module, blocks_attr: str, config: ParallelConf
         # the last block is gathered again right at the start of backward: keep it; with PP keep all
         # (one all-gather per step instead of one per microbatch)
         reshard = config.pp == 1 and index < len(blocks) - 1
-        fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard)
+        fully_shard(block, mesh=dp_mesh, mp_policy=block_policy, reshard_after_forward=reshard)
     fully_shard(part, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=config.pp == 1)
 
 

@@ -288,7 +288,33 @@ def _mark_recompute(model: torch.nn.Module, recorder: _ParallelRecorder) -> list
 
             # always_call: non-reentrant checkpointing stops a recomputation early by raising through the forward
             handles += [inner.register_forward_pre_hook(pre), inner.register_forward_hook(post, always_call=True)]
+    # a memfit SAC plan (memfit-executor's apply_recompute): its recomputation runs the module's original
+    # forward inside torch's checkpoint, past the module's hooks; the application enters a context around it
+    checkpointed_by = _memfit_checkpointed_by()
+    for applied in {id(a): a for m in model.modules() if (a := checkpointed_by(m)) is not None}.values():
+        applied.recompute_context = lambda: _Recomputing(recorder)
     return handles
+
+
+def _memfit_checkpointed_by() -> Callable[[torch.nn.Module], Any]:
+    try:
+        from memfit_executor.recompute import checkpointed_by
+    except ImportError:  # without memfit-executor nothing is checkpointed by a memfit plan
+        return lambda module: None
+    return checkpointed_by
+
+
+class _Recomputing:
+    """Operators run inside it are recomputation (a memfit-checkpointed module's forward replayed in backward)."""
+
+    def __init__(self, recorder: _ParallelRecorder) -> None:
+        self.recorder = recorder
+
+    def __enter__(self) -> None:
+        self.recorder.recomputing += 1
+
+    def __exit__(self, *exc_info) -> None:
+        self.recorder.recomputing -= 1
 
 
 def capture_parallel_step(

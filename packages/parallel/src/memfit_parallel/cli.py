@@ -94,7 +94,7 @@ def _table(result) -> None:
         f"and confirmed in {result.seconds:.1f} s; capacity {best.capacity_bytes / 2**30:.0f} GiB per device. "
         "Seconds are per step on the slowest rank."
     )
-    for note in best.notes:
+    for note in [*result.notes, *best.notes]:
         console.print(f"note: {note}")
 
 

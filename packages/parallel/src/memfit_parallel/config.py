@@ -26,11 +26,13 @@ Example:
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
 from memfit.config import MemfitModel
 from memfit.errors import MemfitError
+from memfit.plan import Recompute
 from pydantic import Field, ValidationError, model_validator
 
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
@@ -64,6 +66,28 @@ class ModelShape(MemfitModel):
     n_kv_heads: int = Field(ge=1)
 
 
+class BlockRecompute(MemfitModel):
+    """One checkpointed module of a transformer block, in a SAC plan every block of the model shares.
+
+    As :class:`memfit.plan.Recompute`, with the module named relative to the block (``""``: the block
+    itself, ``"attention"``: its attention), so the plan applies to every block of any model whose
+    recipe names its blocks (:func:`memfit_parallel.apply.parallelize`).
+    """
+
+    module: str = ""
+    """The module, relative to the block; empty for the whole block."""
+    ops: tuple[str, ...] = ()
+    """The module's forward operators in dispatch order, as planned (``aten::mm`` ...)."""
+    save: tuple[bool, ...] = ()
+    """Per entry of ``ops``: keep its output (true) or recompute it in backward (false); empty: recompute all."""
+
+    @model_validator(mode="after")
+    def _one_decision_per_op(self) -> BlockRecompute:
+        if self.save and len(self.save) != len(self.ops):
+            raise ValueError(f"save has {len(self.save)} entries but ops has {len(self.ops)}: one decision per operator")
+        return self
+
+
 class ParallelConfig(MemfitModel):
     """How one step is split over ``world_size`` devices. Every degree defaults to 1 (no split)."""
 
@@ -84,9 +108,15 @@ class ParallelConfig(MemfitModel):
     stages_per_rank: int = Field(default=1, ge=1)
     """Pipeline stages (virtual stages) each pipeline rank holds; more than one only when interleaved."""
     activation_checkpoint: Checkpointing = "none"
-    """Per transformer block: keep activations, recompute all, or selective (Auto-SAC within a memory budget)."""
+    """Per transformer block: keep activations, recompute all, or selective (``sac``)."""
     sac_memory_fraction: float | None = Field(default=None, gt=0.0, lt=1.0)
-    """With ``activation_checkpoint="sac"``: the fraction of activation memory the SAC plan may keep."""
+    """With ``activation_checkpoint="sac"`` and no ``sac_plan``: the fraction of the matmul outputs
+    TorchTitan's op-level policy keeps (``0.5``: every other one). With ``sac_plan``: the fraction of a
+    block's activation memory (what autograd keeps without checkpointing) the plan was made to keep."""
+    sac_plan: tuple[BlockRecompute, ...] | None = None
+    """With ``activation_checkpoint="sac"``: memfit's selective checkpointing plan for one block,
+    applied to every block instead of the op-level policy (Auto-SAC: :func:`memfit_parallel.autosac.auto_sac`
+    makes it; memfit-executor applies it)."""
     swap: bool = False
     """Swap activations to host memory under a per-rank budget (memfit.swap on each rank, from
     memfit-executor); not with a pipeline."""
@@ -114,6 +144,10 @@ class ParallelConfig(MemfitModel):
                             "backward at a time; use activation checkpointing there")  # fmt: skip
         if (self.activation_checkpoint == "sac") != (self.sac_memory_fraction is not None):
             problems.append('sac_memory_fraction goes with activation_checkpoint="sac" (and only with it)')
+        if self.sac_plan is not None and self.activation_checkpoint != "sac":
+            problems.append('sac_plan goes with activation_checkpoint="sac" (and only with it)')
+        if self.sac_plan is not None and not self.sac_plan:
+            problems.append("sac_plan is empty: give the block's checkpointed modules, or leave it out for the op-level policy")
         if problems:
             raise ValueError("; ".join(problems))
         return self
@@ -139,6 +173,14 @@ class ParallelConfig(MemfitModel):
         dims = [(name, getattr(self, name)) for name in MESH_DIMS if getattr(self, name) > 1]
         return tuple(n for n, _ in dims), tuple(d for _, d in dims)
 
+    def block_recompute(self, blocks: Sequence[str], path: str = "layers") -> list[Recompute]:
+        """``sac_plan`` as the recompute actions of the blocks ``blocks`` of the container at ``path`` (empty without one)."""
+        return [
+            Recompute(module=".".join(p for p in (path, block, action.module) if p), ops=action.ops, save=action.save)
+            for block in blocks
+            for action in self.sac_plan or ()
+        ]
+
     def local_batch(self, workload: Workload) -> int:
         """Sequences each data-parallel rank trains per step (raises if the global batch does not split)."""
         self._raise(self.problems(workload))
@@ -160,7 +202,7 @@ class ParallelConfig(MemfitModel):
         if self.activation_checkpoint == "full":
             extras.append("full AC")
         elif self.activation_checkpoint == "sac":
-            extras.append(f"SAC {self.sac_memory_fraction:.0%}")
+            extras.append(f"{'Auto-SAC' if self.sac_plan is not None else 'SAC'} {self.sac_memory_fraction:.0%}")
         if self.swap:
             extras.append("swap")
         if self.param_dtype != "float32":

@@ -5,7 +5,9 @@ The space (thesis §1.4, TorchTitan's knobs): data parallelism as FSDP, HSDP (FS
 KV heads (innermost); CP when each rank keeps at least ``MIN_CP_TOKENS`` tokens; PP dividing the
 remaining devices with 1F1B or interleaved 1F1B (two stages per rank) and ``m ∈ {pp, 2pp, 4pp, local
 batch}`` microbatches; activation checkpointing none / selective (half the matmuls saved, TorchTitan's
-op-level policy) / full; the dtype given; swapping activations to host memory (``swap=True``, applied by
+op-level policy) / memfit's Auto-SAC keeping ``AUTO_SAC_KEEP`` of a block's activations (one block
+plan for every block, :mod:`memfit_parallel.autosac`; when memfit-policies and memfit-executor are
+installed) / full; the dtype given; swapping activations to host memory (``swap=True``, applied by
 memfit.swap per rank) for a confirmed configuration that does not fit without it (step 2). The
 degrees multiply to the device count. GPipe is not proposed (1F1B has its step time with fewer
 microbatches in flight).
@@ -39,7 +41,7 @@ from memfit.config import format_size
 from memfit.errors import MemfitError
 from memfit_simulator.hardware import HardwareSpec, get_spec
 
-from memfit_parallel.config import ParallelConfig, Workload
+from memfit_parallel.config import BlockRecompute, ParallelConfig, Workload
 from memfit_parallel.prediction import (
     CATEGORIES,
     Prediction,
@@ -61,6 +63,12 @@ CONFIRM_BAND = 1.15
 """After ``top`` fits are confirmed, confirming goes on while a candidate's screened time is within this factor of
 the best confirmed one (the screening's error against captures is about ±10 %)."""
 AC_MODES = (("none", None), ("sac", 0.5), ("full", None))
+"""Activation checkpointing without a plan: none, TorchTitan's op-level SAC keeping half the matmuls, full."""
+AUTO_SAC_KEEP = (0.25, 0.5, 0.75)
+"""Auto-SAC budgets searched: the fraction of a block's activations its plan keeps. On Llama 3 8B (h100,
+8k tokens) the op-level policy keeps about 22 % of a block's activations for 55 % of its forward time
+recomputed; Auto-SAC's plans add points between it and no checkpointing (25 %: 28 % kept, 50 % of
+the forward recomputed; 50 %: 53 %, 27 %; 75 %: 78 %, 19 %)."""
 
 
 @dataclass
@@ -77,6 +85,8 @@ class SearchResult:
     seconds: float
     rejected: list[tuple[str, int]] = field(default_factory=list)
     """Confirmed candidates that did not fit: (description, predicted peak bytes)."""
+    notes: list[str] = field(default_factory=list)
+    """What the search left out of its space and why (e.g. Auto-SAC without memfit-policies)."""
 
     @property
     def best(self) -> Prediction:
@@ -94,6 +104,7 @@ class SearchResult:
             "screened_fitting": self.screened_fitting,
             "confirmed": self.confirmed,
             "search_seconds": self.seconds,
+            "notes": self.notes,
         }
 
 
@@ -101,9 +112,39 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def candidates(workload: Workload, devices: int, spec: HardwareSpec, dtype: str) -> list[ParallelConfig]:
-    """Every configuration of the space (module docs) that can run ``workload`` on ``devices``."""
+Checkpointing = tuple[str, float | None, tuple[BlockRecompute, ...] | None]
+"""``(activation_checkpoint, sac_memory_fraction, sac_plan)`` of a configuration."""
+
+
+def checkpointing_modes(sac_plans: dict[float, tuple[BlockRecompute, ...]] | None = None) -> list[Checkpointing]:
+    """The checkpointing the search tries: :data:`AC_MODES`, then Auto-SAC with each of ``sac_plans`` (keep → plan)."""
+    modes: list[Checkpointing] = [(ac, fraction, None) for ac, fraction in AC_MODES]
+    return modes + [("sac", keep, plan) for keep, plan in sorted((sac_plans or {}).items())]
+
+
+def auto_sac_plans(workload: Workload, spec: HardwareSpec, dtype: str) -> tuple[dict[float, tuple[BlockRecompute, ...]], str]:
+    """Auto-SAC's block plan for each of :data:`AUTO_SAC_KEEP`, or none and why (a package missing)."""
+    from memfit_parallel.autosac import block_sac_plan, missing
+
+    absent = missing()
+    if absent:
+        return {}, "Auto-SAC not searched: it needs " + ", ".join(absent)
+    return {keep: block_sac_plan(workload.model, workload.seq_len, dtype, spec, keep) for keep in AUTO_SAC_KEEP}, ""
+
+
+def candidates(
+    workload: Workload,
+    devices: int,
+    spec: HardwareSpec,
+    dtype: str,
+    sac_plans: dict[float, tuple[BlockRecompute, ...]] | None = None,
+) -> list[ParallelConfig]:
+    """Every configuration of the space (module docs) that can run ``workload`` on ``devices``.
+
+    ``sac_plans``: Auto-SAC block plans by the fraction they keep (:func:`auto_sac_plans`); none by default.
+    """
     shape = model_shape(workload.model)
+    modes = checkpointing_modes(sac_plans)
     found = []
     tps = [t for t in _divisors(min(devices, spec.devices_per_node)) if shape.n_kv_heads % t == 0]
     for tp in tps:
@@ -130,12 +171,13 @@ def candidates(workload: Workload, devices: int, spec: HardwareSpec, dtype: str)
                         schedules += [("interleaved_1f1b", 2, m) for m in ms if m % pp == 0]
                 for replicate, shard in sorted(flavours):
                     for schedule, v, m in schedules:
-                        for ac, fraction in AC_MODES:
+                        for ac, fraction, plan in modes:
                             try:
                                 config = ParallelConfig(
                                     dp_replicate=replicate, dp_shard=shard, tp=tp, cp=cp, pp=pp,
                                     pp_schedule=schedule, stages_per_rank=v, microbatches=m,
-                                    activation_checkpoint=ac, sac_memory_fraction=fraction, param_dtype=dtype,
+                                    activation_checkpoint=ac, sac_memory_fraction=fraction, sac_plan=plan,
+                                    param_dtype=dtype,
                                 )  # fmt: skip
                             except ValueError:
                                 continue
@@ -153,8 +195,11 @@ class _Reference:
     rest: StageProfile
 
 
-def _reference(workload: Workload, spec: HardwareSpec, ac: str, fraction: float | None, dtype: str) -> _Reference:
-    base = ParallelConfig(dp_shard=2, activation_checkpoint=ac, sac_memory_fraction=fraction, param_dtype=dtype)
+def _reference(workload: Workload, spec: HardwareSpec, mode: Checkpointing, dtype: str) -> _Reference:
+    ac, fraction, plan = mode
+    base = ParallelConfig(
+        dp_shard=2, activation_checkpoint=ac, sac_memory_fraction=fraction, sac_plan=plan, param_dtype=dtype
+    )
     one_seq = Workload(model=workload.model, global_batch=2, seq_len=workload.seq_len)
     one = capture_stage(one_seq, base, spec, 1, "whole")
     two = capture_stage(one_seq, base, spec, 2, "whole")
@@ -292,7 +337,8 @@ def search(
             f"{devices} {spec.name} devices are not whole nodes of {spec.devices_per_node}: use a multiple of "
             f"{spec.devices_per_node}"
         )
-    pool = candidates(workload, devices, spec, dtype)
+    sac_plans, skipped = auto_sac_plans(workload, spec, dtype)
+    pool = candidates(workload, devices, spec, dtype, sac_plans)
     if not pool:
         raise MemfitError(
             f"no configuration splits {workload.model} (global batch {workload.global_batch}, sequence "
@@ -300,10 +346,10 @@ def search(
             f"ranks. Use a global batch that {devices} or one of its divisors divides (e.g. "
             f"{math.lcm(workload.global_batch, devices)}), or another device count"
         )
-    refs = {(ac, f): _reference(workload, spec, ac, f, dtype) for ac, f in AC_MODES}
+    refs = {mode: _reference(workload, spec, mode, dtype) for mode in checkpointing_modes(sac_plans)}
     screened = []
     for config in pool:
-        p = screen(workload, config, spec, refs[(config.activation_checkpoint, config.sac_memory_fraction)])
+        p = screen(workload, config, spec, refs[(config.activation_checkpoint, config.sac_memory_fraction, config.sac_plan)])
         screened.append((p.step_s, p.peak_bytes, config))
     capacity = spec.capacity_bytes
     fitting = sorted((s for s in screened if s[1] <= SCREEN_MARGIN * capacity), key=lambda s: s[0])
@@ -343,7 +389,7 @@ def search(
     return SearchResult(
         workload=workload, hardware=spec.name, devices=devices, ranked=ranked, candidates=len(pool),
         screened_fitting=len(fitting), confirmed=confirmed, seconds=time.perf_counter() - started,
-        rejected=rejected,
+        rejected=rejected, notes=[skipped] if skipped else [],
     )  # fmt: skip
 
 

@@ -60,7 +60,7 @@ from memfit.errors import MemfitError
 from memfit.plan import Recompute, default_margin
 from memfit_simulator.hardware import HardwareSpec, get_spec
 
-from memfit_parallel.config import ModelShape, ParallelConfig, Workload
+from memfit_parallel.config import BlockRecompute, ModelShape, ParallelConfig, Workload
 
 CATEGORIES = ("parameter", "buffer", "input", "gradient", "optimizer_state", "activation", "temporary")
 EXACT_LAYERS = 4
@@ -270,21 +270,17 @@ def capture_order(config: ParallelConfig, kind: str) -> tuple[int, bool]:
     return k, in_flight(config, rank) >= 2
 
 
-BlockPlan = tuple[tuple[str, tuple[str, ...], tuple[bool, ...]], ...]
-"""A SAC plan's actions for one block, module names relative to it: ``(("attention", ops, save), ...)``."""
-
-
-def block_plan(actions: Sequence[Recompute], n_layers: int) -> BlockPlan:
-    """The recompute actions of a memfit SAC plan, as the one block plan every block of the model shares.
+def block_plan(actions: Sequence[Recompute], n_layers: int) -> tuple[BlockRecompute, ...]:
+    """The recompute actions of a memfit SAC plan for the whole model, as the one block plan every block shares.
 
     The capture builds a model of a few blocks and extrapolates in depth, so a plan is captured as
-    what each block does.
+    what each block does (:attr:`ParallelConfig.sac_plan`).
 
     Raises:
         MemfitError: an action outside the blocks (``layers.N...``), or blocks with different plans
             (what to do is said).
     """
-    per_block: dict[int, list[tuple[str, tuple[str, ...], tuple[bool, ...]]]] = {i: [] for i in range(n_layers)}
+    per_block: dict[int, list[BlockRecompute]] = {i: [] for i in range(n_layers)}
     for action in actions:
         head, _, rest = action.module.partition(".")
         index, _, inside = rest.partition(".")
@@ -293,8 +289,8 @@ def block_plan(actions: Sequence[Recompute], n_layers: int) -> BlockPlan:
                 f"predict applies a SAC plan block by block, and {action.module!r} is not inside one of the model's "
                 f"{n_layers} blocks (layers.0 … layers.{n_layers - 1})"
             )
-        per_block[int(index)].append((inside, tuple(action.ops), tuple(action.save)))
-    plans = {i: tuple(sorted(p)) for i, p in per_block.items()}
+        per_block[int(index)].append(BlockRecompute(module=inside, ops=action.ops, save=action.save))
+    plans = {i: tuple(sorted(p, key=lambda a: (a.module, a.ops, a.save))) for i, p in per_block.items()}
     if len(set(plans.values())) > 1:
         differ = sorted(i for i, p in plans.items() if p != plans[0])
         raise MemfitError(
@@ -304,28 +300,15 @@ def block_plan(actions: Sequence[Recompute], n_layers: int) -> BlockPlan:
     return plans[0]
 
 
-def block_actions(plan: BlockPlan, n_layers: int) -> list[Recompute]:
-    """``plan`` for each of ``n_layers`` blocks, as the recompute actions :func:`parallelize` applies."""
-    return [
-        Recompute(module=f"layers.{i}.{inside}" if inside else f"layers.{i}", ops=ops, save=save)
-        for i in range(n_layers)
-        for inside, ops, save in plan
-    ]
-
-
-def _profile_key(
-    workload: Workload, config: ParallelConfig, spec: HardwareSpec, blocks: int, kind: str, plan: BlockPlan = ()
-) -> tuple:
+def _profile_key(workload: Workload, config: ParallelConfig, spec: HardwareSpec, blocks: int, kind: str) -> tuple:
     return (
-        plan, workload.model, workload.seq_len, config.local_batch(workload) // max(config.microbatches, 1),
+        config.sac_plan, workload.model, workload.seq_len, config.local_batch(workload) // max(config.microbatches, 1),
         config.dp_replicate, config.dp_shard, config.cp, config.tp, config.pp > 1, config.activation_checkpoint,
         config.sac_memory_fraction, config.param_dtype, spec.name, blocks, kind, capture_order(config, kind),
     )  # fmt: skip
 
 
-def capture_stage(
-    workload: Workload, config: ParallelConfig, spec: HardwareSpec, blocks: int, kind: str, plan: BlockPlan = ()
-) -> StageProfile:
+def capture_stage(workload: Workload, config: ParallelConfig, spec: HardwareSpec, blocks: int, kind: str) -> StageProfile:
     """Capture one rank of the stage ``kind`` (``whole``, ``first``, ``last``) with ``blocks`` blocks.
 
     The model is the reference Llama with ``blocks`` blocks per pipeline stage, applied by
@@ -333,7 +316,7 @@ def capture_stage(
     the first or last pipeline rank; the step is the trainer's (:meth:`ParallelModel.train_step`
     without a pipeline; the schedule's order of microbatches on that rank with one).
     """
-    key = _profile_key(workload, config, spec, blocks, kind, plan)
+    key = _profile_key(workload, config, spec, blocks, kind)
     if key in _CACHE:
         return _CACHE[key]
     from memfit_simulator.simulation import make_optimizer
@@ -354,10 +337,7 @@ def capture_stage(
     local_seq = seq // config.tp if config.tp > 1 else seq
 
     def setup(mesh, fake):
-        recompute = block_actions(plan, blocks * applied.stages) if plan else None
-        pm = parallelize(
-            recipe, applied, device="cpu", mesh=mesh, stage_ids=stage_ids, init=lambda: fake, recompute=recompute
-        )
+        pm = parallelize(recipe, applied, device="cpu", mesh=mesh, stage_ids=stage_ids, init=lambda: fake)
         holder["pm"] = pm
         with fake:
             tokens = torch.randint(0, llama.vocab_size, (micro, seq + 1))
@@ -564,16 +544,15 @@ def stage_profile(
     spec: HardwareSpec,
     kind: str,
     exact_layers: int = EXACT_LAYERS,
-    plan: BlockPlan = (),
 ) -> StageProfile:
     """The stage's profile: captured whole when small, else from 2 and 3 captured blocks (module docs)."""
     n_layers = model_config(workload.model, workload.seq_len).n_layers
     blocks = n_layers if kind == "whole" else stage_layers(n_layers, config)
     if blocks <= max(exact_layers, 3):
-        return capture_stage(workload, config, spec, blocks, kind, plan)
+        return capture_stage(workload, config, spec, blocks, kind)
     # two and three blocks: with one, the first block a phase runs is also its last, and regions blur
-    two = capture_stage(workload, config, spec, 2, kind, plan)
-    three = capture_stage(workload, config, spec, 3, kind, plan)
+    two = capture_stage(workload, config, spec, 2, kind)
+    three = capture_stage(workload, config, spec, 3, kind)
     return two.combine(three, blocks - 2, blocks)
 
 
@@ -649,9 +628,11 @@ def predict(
 ) -> Prediction:
     """Predict ``config`` running ``workload`` on ``hardware`` devices (module docs).
 
-    ``recompute``: with ``activation_checkpoint="sac"``, a memfit SAC plan's recompute actions,
-    applied in the capture as :func:`memfit_parallel.apply.parallelize` applies them in training (the
-    same plan for every block: :func:`block_plan`), instead of TorchTitan's op-level policy.
+    ``recompute``: with ``activation_checkpoint="sac"``, a memfit SAC plan's recompute actions for the
+    whole model (``memfit plan --planner sac``), the same in every block: predicted as the config with
+    that block plan (:attr:`ParallelConfig.sac_plan`, :func:`block_plan`), which the returned
+    prediction's config carries. A config's own ``sac_plan`` is captured as
+    :func:`memfit_parallel.apply.parallelize` applies it in training, instead of TorchTitan's op-level policy.
 
     Raises:
         MemfitError: an unknown model or device, a configuration that cannot run the workload
@@ -661,21 +642,25 @@ def predict(
     shape = model_shape(workload.model)
     config.check(workload, shape)
     notes: list[str] = []
-    plan: BlockPlan = ()
     if recompute:
         if config.activation_checkpoint != "sac":
             raise MemfitError(
                 f'a SAC plan applies with activation_checkpoint="sac", not {config.activation_checkpoint!r}: use '
                 '"sac" (with any sac_memory_fraction: the plan replaces the op-level policy)'
             )
-        plan = block_plan(recompute, shape.n_layers)
-        notes.append(f"SAC: a memfit plan ({len(plan)} recompute actions a block) instead of the op-level policy")
+        if config.sac_plan is not None:
+            raise MemfitError("the configuration carries its own SAC plan (sac_plan): give it or recompute=, not both")
+        config = config.model_copy(update={"sac_plan": block_plan(recompute, shape.n_layers)})
+    if config.sac_plan is not None:
+        notes.append(
+            f"SAC: a memfit plan ({len(config.sac_plan)} checkpointed module(s) a block) instead of the op-level policy"
+        )
     if config.pp == 1:
-        stages = {0: stage_profile(workload, config, spec, "whole", exact_layers, plan)}
+        stages = {0: stage_profile(workload, config, spec, "whole", exact_layers)}
     else:
         stages = {
-            0: stage_profile(workload, config, spec, "first", exact_layers, plan),
-            config.pp - 1: stage_profile(workload, config, spec, "last", exact_layers, plan),
+            0: stage_profile(workload, config, spec, "first", exact_layers),
+            config.pp - 1: stage_profile(workload, config, spec, "last", exact_layers),
         }
     for rank, p in stages.items():
         if len(p.captured_blocks) > 1:

@@ -59,9 +59,10 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -164,6 +165,13 @@ class ModuleStats:
     """Trace index of the first backward operator of the module (or a descendant)."""
     transient_bytes: int
     """How far the forward rose above the level it ended at: what recomputing it adds for a moment."""
+    excluded: np.ndarray | None = None
+    """Operators the caller rules out of keeping (:meth:`never_keeping`); none by default."""
+
+    def never_keeping(self, names: Collection[str]) -> ModuleStats:
+        """These statistics with the operators named ``names`` never kept (always recomputed), as random ones are."""
+        hit = np.array([n in names for n in self.names], dtype=bool)
+        return dataclasses.replace(self, excluded=hit if self.excluded is None else self.excluded | hit)
 
     @property
     def total_bytes(self) -> int:
@@ -456,7 +464,10 @@ def _greedy_order(stats: ModuleStats) -> list[Candidate]:
     candidates = []
     for head in np.unique(stats.group):
         members = np.flatnonzero(stats.group == head)
-        if stats.forced_store[members].any() or (stats.view_like | stats.random | stats.tail)[members].all():
+        never = stats.view_like | stats.random | stats.tail
+        if stats.excluded is not None:
+            never = never | stats.excluded
+        if stats.forced_store[members].any() or never[members].all():
             continue
         memory = int(stats.memory[members].sum())
         candidates.append(Candidate(members, memory, float(stats.seconds[members].sum())))
@@ -467,7 +478,10 @@ def _greedy_order(stats: ModuleStats) -> list[Candidate]:
 def _always_recomputed(stats: ModuleStats) -> np.ndarray:
     """Operators never kept: views (recomputing them is free) and random operators (module docs)."""
     own = stats.group == np.arange(stats.group.size)
-    return (stats.view_like & ~stats.forced_store & own) | ((stats.random | stats.tail) & ~stats.forced_store)
+    never = stats.random | stats.tail
+    if stats.excluded is not None:
+        never = never | stats.excluded
+    return (stats.view_like & ~stats.forced_store & own) | (never & ~stats.forced_store)
 
 
 @dataclass(frozen=True)
