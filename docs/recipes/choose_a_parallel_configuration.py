@@ -8,6 +8,7 @@ import tempfile
 from pathlib import Path
 
 from memfit_parallel import ParallelConfig, Workload, predict, search
+from memfit_parallel.autosac import auto_sac, missing
 from memfit_simulator.baselines import measured_peak
 
 GIB = 2**30
@@ -43,6 +44,14 @@ for swap in (False, True):
     moved = f"; {q.swapped_bytes / GIB:.1f} GiB a step out and back, {q.swap_s:.2f} s not hidden" if swap else ""
     print(f"llama3-8b, {q.config.describe()}: {q.peak_bytes / GIB:.1f} GiB per GPU (fits: {q.fits}), "
           f"{q.tokens_per_s_per_device:,.0f} tok/s per GPU{moved}")  # fmt: skip
+
+# memfit's Auto-SAC (memfit-policies): one block planned to keep half its activations at the least
+# recomputation, applied to every block; the plan travels in the configuration (sac_plan).
+if not missing():  # it needs memfit-policies (plans) and memfit-executor (applies)
+    auto = auto_sac(ParallelConfig(dp_shard=8, param_dtype="bfloat16"), llama, "h100-95gb", keep=0.5)
+    a = predict(llama, auto, "h100-95gb")
+    print(f"llama3-8b, {auto.describe()}: {a.peak_bytes / GIB:.1f} GiB per GPU (fits: {a.fits}), "
+          f"{a.tokens_per_s_per_device:,.0f} tok/s per GPU, recompute {a.recompute_s:.2f} s")  # fmt: skip
 
 # 3. Search: every split of 8 H100s for the tiny model, fastest first, only what is predicted to fit.
 result = search(tiny, 8, "h100", top=3)

@@ -15,7 +15,9 @@ from memfit_parallel.config import BlockRecompute, ParallelConfig, Workload
 from memfit_simulator.hardware import get_spec
 
 HAS_AUTO_SAC = all(importlib.util.find_spec(m) is not None for m in ("memfit_policies", "memfit_executor"))
-needs_auto_sac = pytest.mark.skipif(not HAS_AUTO_SAC, reason="Auto-SAC is planned by memfit-policies, applied by memfit-executor")
+needs_auto_sac = pytest.mark.skipif(
+    not HAS_AUTO_SAC, reason="Auto-SAC is planned by memfit-policies, applied by memfit-executor"
+)
 TINY = Workload(model="tiny", global_batch=4, seq_len=64)
 PLAN = (BlockRecompute(module="", ops=("aten::mm", "aten::mm"), save=(True, False)),)
 

@@ -187,7 +187,11 @@ def test_a_sac_plan_is_captured_block_by_block():
     # the prediction's configuration carries the block plan: predicting it again is the same prediction
     assert planned.config == with_plan
     again = predict(SMALL, with_plan, "cpu")
-    assert (again.peak_bytes, again.step_s, again.recompute_s) == (planned.peak_bytes, planned.step_s, planned.recompute_s)
+    assert (again.peak_bytes, again.step_s, again.recompute_s) == (
+        planned.peak_bytes,
+        planned.step_s,
+        planned.recompute_s,
+    )
     # the recomputation is timed apart (the capture flags the operators memfit's checkpoint replays)
     assert planned.recompute_s > 0
     with pytest.raises(MemfitError, match="carries its own SAC plan"):

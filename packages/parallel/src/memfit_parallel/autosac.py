@@ -88,7 +88,7 @@ def missing() -> list[str]:
 def block_sac_plan(
     model: str, seq_len: int, dtype: str, hardware: str | HardwareSpec, keep: float, *, local: str = LOCAL_POLICY
 ) -> tuple[BlockRecompute, ...]:
-    """memfit's selective checkpointing plan for one block of the reference Llama ``model`` (module docs).
+    """The Auto-SAC plan for one block of the reference Llama ``model`` (module docs).
 
     Args:
         model: a reference Llama preset (``llama3-8b`` ...).

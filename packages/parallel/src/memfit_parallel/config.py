@@ -84,7 +84,9 @@ class BlockRecompute(MemfitModel):
     @model_validator(mode="after")
     def _one_decision_per_op(self) -> BlockRecompute:
         if self.save and len(self.save) != len(self.ops):
-            raise ValueError(f"save has {len(self.save)} entries but ops has {len(self.ops)}: one decision per operator")
+            raise ValueError(
+                f"save has {len(self.save)} entries but ops has {len(self.ops)}: one decision per operator"
+            )
         return self
 
 
@@ -147,7 +149,9 @@ class ParallelConfig(MemfitModel):
         if self.sac_plan is not None and self.activation_checkpoint != "sac":
             problems.append('sac_plan goes with activation_checkpoint="sac" (and only with it)')
         if self.sac_plan is not None and not self.sac_plan:
-            problems.append("sac_plan is empty: give the block's checkpointed modules, or leave it out for the op-level policy")
+            problems.append(
+                "sac_plan is empty: give the block's checkpointed modules, or leave it out for the op-level policy"
+            )
         if problems:
             raise ValueError("; ".join(problems))
         return self
@@ -174,7 +178,7 @@ class ParallelConfig(MemfitModel):
         return tuple(n for n, _ in dims), tuple(d for _, d in dims)
 
     def block_recompute(self, blocks: Sequence[str], path: str = "layers") -> list[Recompute]:
-        """``sac_plan`` as the recompute actions of the blocks ``blocks`` of the container at ``path`` (empty without one)."""
+        """``sac_plan`` as the recompute actions of the named blocks of the container at ``path``."""
         return [
             Recompute(module=".".join(p for p in (path, block, action.module) if p), ops=action.ops, save=action.save)
             for block in blocks

@@ -122,7 +122,9 @@ def checkpointing_modes(sac_plans: dict[float, tuple[BlockRecompute, ...]] | Non
     return modes + [("sac", keep, plan) for keep, plan in sorted((sac_plans or {}).items())]
 
 
-def auto_sac_plans(workload: Workload, spec: HardwareSpec, dtype: str) -> tuple[dict[float, tuple[BlockRecompute, ...]], str]:
+def auto_sac_plans(
+    workload: Workload, spec: HardwareSpec, dtype: str
+) -> tuple[dict[float, tuple[BlockRecompute, ...]], str]:
     """Auto-SAC's block plan for each of :data:`AUTO_SAC_KEEP`, or none and why (a package missing)."""
     from memfit_parallel.autosac import block_sac_plan, missing
 
@@ -349,7 +351,9 @@ def search(
     refs = {mode: _reference(workload, spec, mode, dtype) for mode in checkpointing_modes(sac_plans)}
     screened = []
     for config in pool:
-        p = screen(workload, config, spec, refs[(config.activation_checkpoint, config.sac_memory_fraction, config.sac_plan)])
+        p = screen(
+            workload, config, spec, refs[(config.activation_checkpoint, config.sac_memory_fraction, config.sac_plan)]
+        )
         screened.append((p.step_s, p.peak_bytes, config))
     capacity = spec.capacity_bytes
     fitting = sorted((s for s in screened if s[1] <= SCREEN_MARGIN * capacity), key=lambda s: s[0])

@@ -308,7 +308,9 @@ def _profile_key(workload: Workload, config: ParallelConfig, spec: HardwareSpec,
     )  # fmt: skip
 
 
-def capture_stage(workload: Workload, config: ParallelConfig, spec: HardwareSpec, blocks: int, kind: str) -> StageProfile:
+def capture_stage(
+    workload: Workload, config: ParallelConfig, spec: HardwareSpec, blocks: int, kind: str
+) -> StageProfile:
     """Capture one rank of the stage ``kind`` (``whole``, ``first``, ``last``) with ``blocks`` blocks.
 
     The model is the reference Llama with ``blocks`` blocks per pipeline stage, applied by
