@@ -21,8 +21,9 @@ EXPECTED_OUTPUT = {
     "choose_a_parallel_configuration.py": [
         "prediction off by",
         "fits in 95 GiB: True",
-        "FSDP 8, bfloat16: 160.0 GiB per GPU (fits: False)",
+        "FSDP 8, bfloat16: 160.1 GiB per GPU (fits: False)",
         "FSDP 8, swap, bfloat16: 93.0 GiB per GPU (fits: True)",
+        "FSDP 8, Auto-SAC 50%, bfloat16: 101.6 GiB per GPU (fits: False)",
         "ParallelConfig.load reads back: True",
     ],
     "simulate_fault_tolerance.py": [
