@@ -492,11 +492,14 @@ def test_the_cli_reports_bad_input_without_launching(tmp_path, monkeypatch):
 # -- the prediction of what the trainer runs ----------------------------------------------------
 
 PEAK_TOL = 0.05  # issue 14, Must show 1: predicted per-rank peak within 5 % of the measured one
-PREDICTED_TWO = ("fsdp", "tp", "pp_1f1b", "pp_interleaved", "ddp", "fsdp_full_ac", "cp", "cp_full_ac")
+PREDICTED_TWO = ("fsdp", "tp", "pp_1f1b", "pp_interleaved", "pp_gpipe", "ddp", "fsdp_full_ac", "cp", "cp_full_ac")
 PREDICTED_FOUR = (
     "fsdp", "fsdp_tp", "hsdp", "fsdp_pp_1f1b", "pp4_1f1b", "fsdp_tp_full_ac", "ddp_tp", "fsdp_tp_sac", "fsdp_cp",
-    "cp_tp", "cp_pp_1f1b", "ddp_cp", "cp_tp_sac", *(["fsdp_tp_autosac"] if HAS_AUTO_SAC else []),
+    "cp_tp", "cp_pp_1f1b", "ddp_cp", "cp_tp_sac", "tp_pp_interleaved", "cp_pp_interleaved",
+    *(["fsdp_tp_autosac"] if HAS_AUTO_SAC else []),
 )  # fmt: skip
+# Not fsdp_pp_interleaved_full_ac: predicted 7.3 % over its measured peak (2,175,368 B against 2,027,892 B on
+# the last ranks, 2026-11-27; docs/packages/parallel.md), not explained.
 
 
 @pytest.fixture
@@ -538,12 +541,12 @@ def test_the_prediction_is_the_two_rank_training_peak(two_rank_runs, tiny_with_f
 
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS_EXECUTOR, reason="selective checkpointing is applied by memfit-executor")
-@pytest.mark.parametrize("name", ["fsdp_sac", "tp_sac"])
+@pytest.mark.parametrize("name", ["fsdp_sac", "tp_sac", "pp_interleaved_sac"])
 def test_the_prediction_with_a_sac_plan_is_the_two_rank_training_peak(two_rank_runs, tiny_with_four_blocks, name):
     """The two-rank launch trained these with the SAC plan (``--sac-plan``); predict captures the same plan.
 
-    Not pp_interleaved_sac: its prediction is 6.1 % under the measured peak (3,212,288 B against
-    3,419,404 B on the last rank, 2026-11-27), past the 5 % of the others (see docs/packages/parallel.md)."""
+    pp_interleaved_sac was 6.1 % under until the trainer stopped asking the schedule for its outputs
+    (``return_outputs=False``): the last stage had kept every microbatch's logits to the step's end."""
     assert_predicted_peak(two_rank_runs[name], tiny_with_four_blocks, recompute=sac_actions())
 
 

@@ -113,7 +113,7 @@ def test_the_screening_costs_context_parallel_attention_as_the_capture_does():
             dp_shard=8 // cp, cp=cp, activation_checkpoint=ac, sac_memory_fraction=0.5 if ac == "sac" else None,
             param_dtype="bfloat16",
         )  # fmt: skip
-        reference = _reference(workload, spec, ac, config.sac_memory_fraction, "bfloat16")
+        reference = _reference(workload, spec, (ac, config.sac_memory_fraction, None), "bfloat16")
         screened = screen(workload, config, spec, reference)
         ratios[cp] = screened.step_s / predict(workload, config, spec).step_s
     assert ratios[2] == pytest.approx(ratios[1], rel=0.05) and ratios[4] == pytest.approx(ratios[1], rel=0.05)

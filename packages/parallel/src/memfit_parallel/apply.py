@@ -50,6 +50,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import importlib.util
+import inspect
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -431,6 +432,10 @@ class ParallelModel:
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.holds_first_stage else ()
         kwargs = {"target": targets, "losses": losses} if self.holds_last_stage else {}
+        if _schedule_returns_outputs(self.schedule):
+            # the losses are all a step needs: otherwise the last stage keeps every microbatch's output
+            # (the logits) until the step ends, to merge and return them (torch >= 2.9 can skip it)
+            kwargs["return_outputs"] = False
         with self.loss_context():
             self.schedule.step(*args, **kwargs)
         if not self.holds_last_stage:
@@ -564,6 +569,11 @@ def parallelize(
     if config.pp > 1 and not given_stages:
         _build_pipeline(pm, mesh["pp"])
     return pm
+
+
+def _schedule_returns_outputs(schedule: object) -> bool:
+    """Whether the pipeline schedule's ``step`` takes ``return_outputs`` (torch >= 2.9)."""
+    return "return_outputs" in inspect.signature(schedule.step).parameters
 
 
 def get_blocks(model: nn.Module, path: str) -> nn.Module:
