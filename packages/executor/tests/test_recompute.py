@@ -21,7 +21,7 @@ from memfit_executor.recompute import (
 )
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.checkpoint import set_checkpoint_early_stop
+from torch.utils.checkpoint import CheckpointPolicy, set_checkpoint_early_stop
 
 STEPS = 20
 IGNORED = {"aten::detach"}  # torch's SAC never shows it to a policy; autograd adds more of them under checkpointing
@@ -387,3 +387,26 @@ def test_model_finder_finds_the_model_from_its_training_steps_alone():
     other = nn.Linear(2, 2)
     other(torch.randn(1, 2))  # removed: no longer seen
     assert other not in finder.roots
+
+
+def test_a_plan_keeps_attention_whichever_kernel_the_device_runs():
+    """A plan from a CPU trace names the CPU flash kernel; on CUDA attention runs as flash, efficient or cuDNN."""
+    from types import SimpleNamespace
+
+    from memfit_executor.recompute import SDPA, _CallPolicy, _Decisions, decision_name
+
+    planned = Recompute(
+        module="m", ops=("aten::mm", "aten::_scaled_dot_product_flash_attention_for_cpu"), save=(True,) * 2
+    )
+    policy = _CallPolicy(_Decisions(planned))
+    q = torch.zeros(1, 1, 4, 8)
+    forward = SimpleNamespace(is_recompute=False, op_output=None)
+    for kernel in ("_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention"):
+        op = getattr(torch.ops.aten, kernel).default
+        assert decision_name(op._schema.name) == SDPA
+        policy.forward_counts.clear()
+        # dropout_p = 0: deterministic, so it may be kept (a dropping attention is always recomputed)
+        args = (q, q, q, None, False) if "efficient" in kernel else (q, q, q)
+        assert policy(forward, op, *args, dropout_p=0.0) == CheckpointPolicy.MUST_SAVE, kernel
+    assert policy(forward, torch.ops.aten.mm.default, q, q) == CheckpointPolicy.MUST_SAVE
+    assert decision_name("aten::mm") == "aten::mm"

@@ -171,7 +171,7 @@ def sac_config_and_plan():
 @pytest.mark.skipif(not HAS_EXECUTOR, reason="a SAC plan is applied by memfit-executor, in the capture too")
 def test_a_sac_plan_is_captured_block_by_block():
     from memfit_parallel.config import BlockRecompute
-    from memfit_parallel.prediction import block_plan
+    from memfit_parallel.prediction import block_plan, clear_cache
 
     config, ffn = sac_config_and_plan()
     assert block_plan(ffn, 4) == (BlockRecompute(module="feed_forward"),)
@@ -185,8 +185,10 @@ def test_a_sac_plan_is_captured_block_by_block():
     assert planned.peak_bytes != op_level.peak_bytes and planned.recompute_s != op_level.recompute_s
     assert any("a memfit plan" in note for note in planned.notes)
     # the prediction's configuration carries the block plan: predicting it again is the same prediction
-    assert planned.config == with_plan
-    again = predict(SMALL, with_plan, "cpu")
+    assert planned.config == with_plan.model_copy(update={"sac_memory_fraction": None})
+    assert planned.config.describe() == "1 device, SAC plan"  # given by hand: no budget it was made for
+    clear_cache()  # captured again, not read from the cache
+    again = predict(SMALL, planned.config, "cpu")
     assert (again.peak_bytes, again.step_s, again.recompute_s) == (
         planned.peak_bytes,
         planned.step_s,
@@ -196,6 +198,8 @@ def test_a_sac_plan_is_captured_block_by_block():
     assert planned.recompute_s > 0
     with pytest.raises(MemfitError, match="carries its own SAC plan"):
         predict(SMALL, with_plan, "cpu", recompute=ffn)
+    with pytest.raises(ValueError, match="needs sac_memory_fraction"):
+        ParallelConfig(activation_checkpoint="sac")
 
 
 def test_a_sac_plan_predict_cannot_capture_is_refused_with_the_reason():

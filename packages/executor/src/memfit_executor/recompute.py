@@ -106,7 +106,26 @@ class RecomputePlanWarning(UserWarning):
 
 def _op_name(op: Any) -> str:
     schema = getattr(op, "_schema", None)
-    return schema.name if schema is not None else op.name()
+    return decision_name(schema.name if schema is not None else op.name())
+
+
+SDPA_KERNELS = frozenset({
+    "aten::_scaled_dot_product_flash_attention", "aten::_scaled_dot_product_flash_attention_for_cpu",
+    "aten::_scaled_dot_product_efficient_attention", "aten::_scaled_dot_product_cudnn_attention",
+    "aten::_scaled_dot_product_fused_attention_overrideable",
+})  # fmt: skip
+"""The kernels ``scaled_dot_product_attention`` dispatches to, one per device and backend."""
+SDPA = "aten::scaled_dot_product_attention"
+
+
+def decision_name(name: str) -> str:
+    """The name a plan's decision is made under: ``name``, or :data:`SDPA` for any attention kernel.
+
+    A plan made from a trace of one device (a simulated one runs on CPU fake tensors:
+    ``_scaled_dot_product_flash_attention_for_cpu``) must keep attention on another (CUDA's flash,
+    efficient or cuDNN kernel): the kernels are one operator to a plan.
+    """
+    return SDPA if name in SDPA_KERNELS else name
 
 
 _UNINITIALISED = frozenset({"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::new_empty",
@@ -166,7 +185,7 @@ class _Decisions:
     def __init__(self, action: Recompute) -> None:
         by_name: dict[str, list[bool]] = {}
         for name, save in zip(action.ops, action.save, strict=True):
-            by_name.setdefault(name, []).append(save)
+            by_name.setdefault(decision_name(name), []).append(save)
         self.by_name = {name: tuple(saves) for name, saves in by_name.items() if any(saves)}
         ignored = _sac_ignored_names()
         self.planned_counts = {name: len(saves) for name, saves in self.by_name.items() if name not in ignored}

@@ -30,7 +30,8 @@ Decisions and why:
   under CP a block's attention grows relative to its matmuls (the plan may then keep too little
   attention; the prediction of each configuration is still captured with the plan applied).
 * **the budget is a fraction of what autograd keeps** for the block (its saved tensors), not of
-  every byte its operators create: ``keep=0.5`` holds at most half the block's activation memory.
+  every byte its operators create: ``keep=0.5`` holds at most half the block's activation memory
+  beyond the block's input (which checkpointing always keeps: about 3 % of it on Llama 3 8B).
 * **operator times from the device's time model**: the spec's roofline (or this machine's
   calibration for ``cpu``), as the rest of the prediction.
 
@@ -66,7 +67,7 @@ LOCAL_POLICY = "knapsack"
 NEVER_KEPT = frozenset({"aten::cat", "aten::clone"})
 """Operators a block plan never keeps: tensor and context parallelism call them inside a block where one
 device does not (sequence-parallel and K/V all-gathers concatenate their chunks; context parallelism
-copies K and V into order), so their calls would not line up with the one-device plan's, and the
+makes the transposed K and V contiguous before gathering them), so their calls would not line up with the one-device plan's, and the
 policy's decisions, made per call of each operator, would slip onto other outputs. Recomputing them
 costs little: copies and concatenations (the rotary embedding's, attention's contiguous Q, K, V)."""
 

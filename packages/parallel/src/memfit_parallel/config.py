@@ -113,12 +113,15 @@ class ParallelConfig(MemfitModel):
     """Per transformer block: keep activations, recompute all, or selective (``sac``)."""
     sac_memory_fraction: float | None = Field(default=None, gt=0.0, lt=1.0)
     """With ``activation_checkpoint="sac"`` and no ``sac_plan``: the fraction of the matmul outputs
-    TorchTitan's op-level policy keeps (``0.5``: every other one). With ``sac_plan``: the fraction of a
-    block's activation memory (what autograd keeps without checkpointing) the plan was made to keep."""
+    TorchTitan's op-level policy keeps (``0.5``: every other one). With an Auto-SAC ``sac_plan``: the
+    fraction of a block's activation memory (what autograd keeps without checkpointing) it was made to
+    keep; ``None`` for a plan given by hand."""
     sac_plan: tuple[BlockRecompute, ...] | None = None
     """With ``activation_checkpoint="sac"``: memfit's selective checkpointing plan for one block,
     applied to every block instead of the op-level policy (Auto-SAC: :func:`memfit_parallel.autosac.auto_sac`
-    makes it; memfit-executor applies it)."""
+    makes it for the reference Llama; memfit-executor applies it). Its decisions are per call of each
+    operator in the block's forward, so it fits the model it was planned on, run as it was planned (see
+    ``ModelRecipe.cast_block_inputs``)."""
     swap: bool = False
     """Swap activations to host memory under a per-rank budget (memfit.swap on each rank, from
     memfit-executor); not with a pipeline."""
@@ -144,8 +147,10 @@ class ParallelConfig(MemfitModel):
             # pipeline's step (F0 F1 B0 F2 B1 ...) is several, whose saves are used in the next ones
             problems.append("swap=True is not supported with a pipeline (pp > 1): memfit.swap plans one forward and "
                             "backward at a time; use activation checkpointing there")  # fmt: skip
-        if (self.activation_checkpoint == "sac") != (self.sac_memory_fraction is not None):
+        if self.activation_checkpoint != "sac" and self.sac_memory_fraction is not None:
             problems.append('sac_memory_fraction goes with activation_checkpoint="sac" (and only with it)')
+        if self.activation_checkpoint == "sac" and self.sac_memory_fraction is None and self.sac_plan is None:
+            problems.append('activation_checkpoint="sac" needs sac_memory_fraction (the op-level policy) or a sac_plan')
         if self.sac_plan is not None and self.activation_checkpoint != "sac":
             problems.append('sac_plan goes with activation_checkpoint="sac" (and only with it)')
         if self.sac_plan is not None and not self.sac_plan:
@@ -206,7 +211,11 @@ class ParallelConfig(MemfitModel):
         if self.activation_checkpoint == "full":
             extras.append("full AC")
         elif self.activation_checkpoint == "sac":
-            extras.append(f"{'Auto-SAC' if self.sac_plan is not None else 'SAC'} {self.sac_memory_fraction:.0%}")
+            if self.sac_plan is None:
+                extras.append(f"SAC {self.sac_memory_fraction:.0%}")
+            else:  # Auto-SAC's plans say what they were made to keep; a plan given by hand does not
+                fraction = self.sac_memory_fraction
+                extras.append(f"Auto-SAC {fraction:.0%}" if fraction is not None else "SAC plan")
         if self.swap:
             extras.append("swap")
         if self.param_dtype != "float32":

@@ -304,8 +304,13 @@ def _profile_key(workload: Workload, config: ParallelConfig, spec: HardwareSpec,
     return (
         config.sac_plan, workload.model, workload.seq_len, config.local_batch(workload) // max(config.microbatches, 1),
         config.dp_replicate, config.dp_shard, config.cp, config.tp, config.pp > 1, config.activation_checkpoint,
-        config.sac_memory_fraction, config.param_dtype, spec.name, blocks, kind, capture_order(config, kind),
+        config.sac_memory_fraction, config.param_dtype, _spec_key(spec), blocks, kind, capture_order(config, kind),
     )  # fmt: skip
+
+
+def _spec_key(spec: HardwareSpec) -> str:
+    """What of a device shapes a capture: all of its spec but the capacity (a copy with less memory shares it)."""
+    return spec.model_dump_json(exclude={"capacity_bytes"})
 
 
 def capture_stage(
@@ -652,7 +657,9 @@ def predict(
             )
         if config.sac_plan is not None:
             raise MemfitError("the configuration carries its own SAC plan (sac_plan): give it or recompute=, not both")
-        config = config.model_copy(update={"sac_plan": block_plan(recompute, shape.n_layers)})
+        # a given plan: no budget it was made for (sac_memory_fraction describes Auto-SAC's)
+        given = block_plan(recompute, shape.n_layers)
+        config = config.model_copy(update={"sac_plan": given, "sac_memory_fraction": None})
     if config.sac_plan is not None:
         notes.append(
             f"SAC: a memfit plan ({len(config.sac_plan)} checkpointed module(s) a block) instead of the op-level policy"
