@@ -28,8 +28,10 @@ def test_inconsistent_options_are_refused_with_the_reason():
         ParallelConfig(pp=4, microbatches=2)
     with pytest.raises(ValueError, match="apply to a pipeline only"):
         ParallelConfig(microbatches=4)
-    with pytest.raises(ValueError, match='sac_memory_fraction goes with activation_checkpoint="sac"'):
+    with pytest.raises(ValueError, match='activation_checkpoint="sac" needs sac_memory_fraction'):
         ParallelConfig(activation_checkpoint="sac")
+    with pytest.raises(ValueError, match='sac_memory_fraction goes with activation_checkpoint="sac"'):
+        ParallelConfig(activation_checkpoint="full", sac_memory_fraction=0.5)
     with pytest.raises(ValueError, match="greater than or equal to 1"):
         ParallelConfig(tp=0)
 
