@@ -65,11 +65,12 @@ LOCAL_POLICY = "knapsack"
 """Which operators a block keeps within its budget: the 0/1 knapsack (exact on the outputs' sizes)."""
 
 NEVER_KEPT = frozenset({"aten::cat", "aten::clone"})
-"""Operators a block plan never keeps: tensor and context parallelism call them inside a block where one
-device does not (sequence-parallel and K/V all-gathers concatenate their chunks; context parallelism
-makes the transposed K and V contiguous before gathering them), so their calls would not line up with the one-device plan's, and the
-policy's decisions, made per call of each operator, would slip onto other outputs. Recomputing them
-costs little: copies and concatenations (the rotary embedding's, attention's contiguous Q, K, V)."""
+"""Operators a block plan never keeps: tensor and context parallelism call them inside a block where
+one device does not (sequence-parallel and K/V all-gathers concatenate their chunks; context
+parallelism makes the transposed K and V contiguous before gathering them), so their calls would not
+line up with the one-device plan's, and the policy's decisions, made per call of each operator, would
+slip onto other outputs. Recomputing them costs little: copies and concatenations (the rotary
+embedding's, attention's contiguous Q, K, V)."""
 
 _PLANS: dict[tuple, tuple[BlockRecompute, ...]] = {}
 
