@@ -28,6 +28,10 @@ def test_inconsistent_options_are_refused_with_the_reason():
         ParallelConfig(pp=4, microbatches=2)
     with pytest.raises(ValueError, match="apply to a pipeline only"):
         ParallelConfig(microbatches=4)
+    # memfit.swap cannot reach what selective checkpointing keeps (torch's checkpoint cache): refused, not mispredicted
+    with pytest.raises(ValueError, match='swap=True is not supported with activation_checkpoint="sac"'):
+        ParallelConfig(dp_shard=2, activation_checkpoint="sac", sac_memory_fraction=0.5, swap=True)
+    assert ParallelConfig(dp_shard=2, activation_checkpoint="full", swap=True).swap_problems() == []
     with pytest.raises(ValueError, match='activation_checkpoint="sac" needs sac_memory_fraction'):
         ParallelConfig(activation_checkpoint="sac")
     with pytest.raises(ValueError, match='sac_memory_fraction goes with activation_checkpoint="sac"'):

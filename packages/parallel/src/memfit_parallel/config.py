@@ -142,11 +142,8 @@ class ParallelConfig(MemfitModel):
             problems.append(f"{self.pp_schedule} needs at least pp={self.pp} microbatches, got {self.microbatches}")
         if self.pp_schedule == "interleaved_1f1b" and self.pp > 1 and self.microbatches % self.pp:
             problems.append(f"interleaved_1f1b needs microbatches divisible by pp={self.pp}, got {self.microbatches}")
-        if self.swap and self.pp > 1:
-            # memfit.swap plans per iteration, and an iteration ends at a forward after a backward: a
-            # pipeline's step (F0 F1 B0 F2 B1 ...) is several, whose saves are used in the next ones
-            problems.append("swap=True is not supported with a pipeline (pp > 1): memfit.swap plans one forward and "
-                            "backward at a time; use activation checkpointing there")  # fmt: skip
+        if self.swap:
+            problems += self.swap_problems()
         if self.activation_checkpoint != "sac" and self.sac_memory_fraction is not None:
             problems.append('sac_memory_fraction goes with activation_checkpoint="sac" (and only with it)')
         if self.activation_checkpoint == "sac" and self.sac_memory_fraction is None and self.sac_plan is None:
@@ -160,6 +157,22 @@ class ParallelConfig(MemfitModel):
         if problems:
             raise ValueError("; ".join(problems))
         return self
+
+    def swap_problems(self) -> list[str]:
+        """Why this configuration could not swap activations (``swap=True``); empty when it could."""
+        problems = []
+        if self.pp > 1:
+            # memfit.swap plans per iteration, and an iteration ends at a forward after a backward: a
+            # pipeline's step (F0 F1 B0 F2 B1 ...) is several, whose saves are used in the next ones
+            problems.append("swap=True is not supported with a pipeline (pp > 1): memfit.swap plans one forward and "
+                            "backward at a time; use activation checkpointing there")  # fmt: skip
+        if self.activation_checkpoint == "sac":
+            # the outputs selective checkpointing keeps live in torch's checkpoint cache, out of reach of
+            # the saved-tensor hooks memfit.swap swaps through: they would stay on the device
+            problems.append('swap=True is not supported with activation_checkpoint="sac": the outputs selective '
+                            "checkpointing keeps are held by torch's checkpoint cache, which memfit.swap cannot "
+                            "move to the host; keep less (a smaller sac_memory_fraction) or checkpoint fully")  # fmt: skip
+        return problems
 
     # -- derived ---------------------------------------------------------------------------
     @property

@@ -371,7 +371,7 @@ def search(
         confirmed += 1
         if not p.fits:
             rejected.append((config.describe(), p.peak_bytes))
-            if config.pp == 1:  # the same capture, swapping what is over (modelled on it: no further capture)
+            if not config.swap_problems():  # the same capture, swapping what is over (modelled: no capture)
                 p = predict(workload, config.model_copy(update={"swap": True}), spec)
         if p.fits:
             ranked.append(p)
