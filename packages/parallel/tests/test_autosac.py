@@ -12,6 +12,7 @@ import pytest
 from memfit.errors import MemfitError
 from memfit_parallel.apply import llama_recipe, unapplied
 from memfit_parallel.config import BlockRecompute, ParallelConfig, Workload
+from memfit_parallel.planning import search
 from memfit_simulator.hardware import get_spec
 
 HAS_AUTO_SAC = all(importlib.util.find_spec(m) is not None for m in ("memfit_policies", "memfit_executor"))
@@ -116,3 +117,31 @@ def test_the_search_proposes_auto_sac_and_says_when_it_cannot(monkeypatch):
     monkeypatch.setattr(autosac, "missing", lambda: ["memfit-policies (plans it): pip install memfit-policies"])
     plans, note = auto_sac_plans(TINY, spec, "bfloat16")
     assert plans == {} and "Auto-SAC not searched" in note and "pip install memfit-policies" in note
+
+
+@needs_auto_sac
+@pytest.mark.slow
+def test_the_search_keeps_as_much_as_fits_between_two_auto_sac_budgets(monkeypatch):
+    """On one device: no checkpointing is far over, Auto-SAC 25 % fits with room, 50 % does not fit."""
+    from memfit.plan import default_margin
+    from memfit_parallel import planning
+
+    # what is tested is the filling after confirmation, not the screening: let the 6 candidates through
+    monkeypatch.setattr(planning, "SCREEN_MARGIN", 10.0)
+    from memfit_parallel.autosac import auto_sac
+    from memfit_parallel.prediction import predict
+
+    small = Workload(model="small", global_batch=8, seq_len=128)
+    base = ParallelConfig()
+    quarter, half = (predict(small, auto_sac(base, small, "cpu", k), "cpu") for k in (0.25, 0.5))
+    capacity = half.peak_bytes - 2**20  # half does not fit; a quarter leaves more than the planning margin free
+    assert quarter.peak_bytes < capacity - default_margin(capacity)
+    spec = get_spec("cpu").model_copy(update={"capacity_bytes": capacity})
+    result = search(small, 1, spec, top=10)
+    # (no checkpointing swapped may rank first: on the CPU its copies hide behind compute)
+    best = min((p for p in result.ranked if p.config.sac_plan is not None), key=lambda p: p.step_s)
+    assert 0.25 < best.config.sac_memory_fraction < 0.5
+    assert best.peak_bytes <= capacity - default_margin(capacity)  # filled, with the margin to spare
+    assert best.step_s < quarter.step_s  # keeping more recomputes less
+    again = predict(small, best.config, spec)  # the ranking is predict()'s own numbers
+    assert (again.peak_bytes, again.step_s) == (best.peak_bytes, best.step_s)

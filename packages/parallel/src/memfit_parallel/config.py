@@ -169,9 +169,11 @@ class ParallelConfig(MemfitModel):
         if self.activation_checkpoint == "sac":
             # the outputs selective checkpointing keeps live in torch's checkpoint cache, out of reach of
             # the saved-tensor hooks memfit.swap swaps through: they would stay on the device
-            problems.append('swap=True is not supported with activation_checkpoint="sac": the outputs selective '
-                            "checkpointing keeps are held by torch's checkpoint cache, which memfit.swap cannot "
-                            "move to the host; keep less (a smaller sac_memory_fraction) or checkpoint fully")  # fmt: skip
+            problems.append(
+                'swap=True is not supported with activation_checkpoint="sac": the outputs selective checkpointing '
+                "keeps are held by torch's checkpoint cache, which memfit.swap cannot move to the host; keep less "
+                "(a smaller sac_memory_fraction) or checkpoint fully"
+            )
         return problems
 
     # -- derived ---------------------------------------------------------------------------

@@ -28,6 +28,9 @@ microbatches in flight).
    on the same capture: no further capture, so swapping takes nothing from the time budget). Only
    confirmed predictions are ranked and shown: the search never proposes a configuration whose
    captured prediction does not fit.
+3. **Fill** the memory the fastest Auto-SAC configuration leaves: its keep fraction is bisected between
+   its budget and the next one of the grid (three captured predictions, while the search is under
+   50 s), and those faster than it that fit with the planning margin to spare join the ranking.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from typing import Any
 
 from memfit.config import format_size
 from memfit.errors import MemfitError
+from memfit.plan import default_margin
 from memfit_simulator.hardware import HardwareSpec, get_spec
 
 from memfit_parallel.config import BlockRecompute, ParallelConfig, Workload
@@ -64,6 +68,10 @@ CONFIRM_BAND = 1.15
 the best confirmed one (the screening's error against captures is about ±10 %)."""
 AC_MODES = (("none", None), ("sac", 0.5), ("full", None))
 """Activation checkpointing without a plan: none, TorchTitan's op-level SAC keeping half the matmuls, full."""
+REFINE_STEPS = 3
+"""Bisection steps between two Auto-SAC budgets for the fastest Auto-SAC configuration (:func:`_fill_auto_sac`)."""
+REFINE_UNTIL_S = 50.0
+"""The bisection stops this many seconds after the search started (the search's target is a minute)."""
 AUTO_SAC_KEEP = (0.25, 0.5, 0.75)
 """Auto-SAC budgets searched: the fraction of a block's activations its plan keeps. On Llama 3 8B (h100,
 8k tokens) the op-level policy keeps about 22 % of a block's activations for 55 % of its forward time
@@ -383,6 +391,7 @@ def search(
             f"({least[2].describe()}). Use more devices, a smaller global batch or sequence, or a device with "
             "more memory"
         )
+    ranked += _fill_auto_sac(workload, spec, ranked, started + REFINE_UNTIL_S)
     ranked.sort(key=lambda p: p.step_s)
     for _ in range(len(ranked)):  # ties within 0.1 %: the configuration with fewer parallel dimensions first
         for i in range(len(ranked) - 1):
@@ -395,6 +404,41 @@ def search(
         screened_fitting=len(fitting), confirmed=confirmed, seconds=time.perf_counter() - started,
         rejected=rejected, notes=[skipped] if skipped else [],
     )  # fmt: skip
+
+
+def _fill_auto_sac(
+    workload: Workload, spec: HardwareSpec, ranked: list[Prediction], deadline: float
+) -> list[Prediction]:
+    """The fastest Auto-SAC configuration again, keeping as much as fits between its budget and the next.
+
+    The budgets are a grid (:data:`AUTO_SAC_KEEP`): a configuration that fits at one and not at the
+    next leaves memory unused, which keeping more would turn into less recomputation. Bisect the
+    keep fraction between the two (:data:`REFINE_STEPS` predictions, each a capture, until
+    ``deadline``) and return the predictions faster than the grid's that fit with memfit's planning
+    margin to spare (:func:`memfit.plan.default_margin`, as the swap model keeps): filling the device
+    to the byte would stake the run on the prediction's last percent.
+    """
+    auto = [p for p in ranked if p.config.sac_plan is not None and p.config.sac_memory_fraction is not None]
+    if not auto:
+        return []
+    from memfit_parallel.autosac import auto_sac
+
+    best = min(auto, key=lambda p: p.step_s)
+    low = best.config.sac_memory_fraction
+    high = min([k for k in AUTO_SAC_KEEP if k > low], default=1.0)
+    found = []
+    for _ in range(REFINE_STEPS):
+        if time.perf_counter() > deadline:
+            break
+        keep = round((low + high) / 2, 4)
+        p = predict(workload, auto_sac(best.config, workload, spec, keep), spec)
+        if p.peak_bytes <= spec.capacity_bytes - default_margin(spec.capacity_bytes):
+            low = keep
+            if p.step_s < min([best.step_s, *(q.step_s for q in found)]):
+                found.append(p)
+        else:
+            high = keep
+    return found
 
 
 def _dims(config: ParallelConfig) -> int:
