@@ -330,8 +330,12 @@ def search(
     dtype: str | None = None,
     top: int = 5,
     confirm_seconds: float = 35.0,
+    fill_until_s: float = REFINE_UNTIL_S,
 ) -> SearchResult:
     """The fastest configurations of ``workload`` on ``devices`` devices that are predicted to fit (module docs).
+
+    ``confirm_seconds`` bounds the confirmation (step 2); the filling (step 3) stops ``fill_until_s``
+    seconds after the search started. Both trade the choice's quality for time on a slow machine.
 
     Raises:
         MemfitError: an unknown model or device, a device count nothing divides the workload over, or
@@ -391,7 +395,7 @@ def search(
             f"({least[2].describe()}). Use more devices, a smaller global batch or sequence, or a device with "
             "more memory"
         )
-    ranked += _fill_auto_sac(workload, spec, ranked, started + REFINE_UNTIL_S)
+    ranked += _fill_auto_sac(workload, spec, ranked, started + fill_until_s)
     ranked.sort(key=lambda p: p.step_s)
     for _ in range(len(ranked)):  # ties within 0.1 %: the configuration with fewer parallel dimensions first
         for i in range(len(ranked) - 1):
