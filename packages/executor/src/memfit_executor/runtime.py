@@ -209,10 +209,9 @@ def _parameter_memory(t: torch.Tensor) -> bool:
     leaf the program trains. Views count: linear saves ``weight.t()``, and FSDP2 frees and refills
     its unsharded weights' storage itself.
     """
-    if isinstance(t, torch.nn.Parameter) or (t.is_leaf and t.requires_grad):
-        return True
-    base = t._base
-    return base is not None and (isinstance(base, torch.nn.Parameter) or (base.is_leaf and base.requires_grad))
+    return any(
+        x is not None and (isinstance(x, torch.nn.Parameter) or (x.is_leaf and x.requires_grad)) for x in (t, t._base)
+    )
 
 
 class SwapRuntime:

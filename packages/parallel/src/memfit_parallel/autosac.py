@@ -51,6 +51,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from typing import Any
 
@@ -71,8 +72,6 @@ parallelism makes the transposed K and V contiguous before gathering them), so t
 line up with the one-device plan's, and the policy's decisions, made per call of each operator, would
 slip onto other outputs. Recomputing them costs little: copies and concatenations (the rotary
 embedding's, attention's contiguous Q, K, V)."""
-
-_PLANS: dict[tuple, tuple[BlockRecompute, ...]] = {}
 
 
 def missing() -> list[str]:
@@ -108,28 +107,27 @@ def block_sac_plan(
         raise MemfitError(f"keep must lie strictly between 0 and 1 (a fraction of the block's activations), got {keep}")
     if importlib.util.find_spec("memfit_policies") is None:
         raise MemfitError("Auto-SAC plans with memfit-policies: pip install memfit-policies")
-    from memfit_policies.sac import LOCAL_POLICIES, module_stats, op_seconds
+    from memfit_policies.sac import LOCAL_POLICIES
 
     if local not in LOCAL_POLICIES:
         raise MemfitError(f"unknown local policy {local!r}; use one of {', '.join(LOCAL_POLICIES)}")
     spec = hardware if isinstance(hardware, HardwareSpec) else get_spec(hardware)
-    key = (model, seq_len, dtype, spec.model_dump_json(), keep, local)
-    if key in _PLANS:
-        return _PLANS[key]
-    stats = _block_stats(model, seq_len, dtype, spec, module_stats, op_seconds).never_keeping(NEVER_KEPT)
+    stats = _block_stats(model, seq_len, dtype, spec.model_dump_json()).never_keeping(NEVER_KEPT)
     # the policies budget a fraction of every byte the block's operators create; keep is of what autograd keeps
     kept = LOCAL_POLICIES[local](stats, keep * stats.saved_bytes / stats.total_bytes)
-    plan = (BlockRecompute(module="", ops=stats.names, save=tuple(bool(v) for v in kept)),)
-    _PLANS[key] = plan
-    return plan
+    return (BlockRecompute(module="", ops=stats.names, save=tuple(bool(v) for v in kept)),)
 
 
-def _block_stats(model: str, seq_len: int, dtype: str, spec: HardwareSpec, module_stats: Any, op_seconds: Any) -> Any:
+@functools.cache
+def _block_stats(model: str, seq_len: int, dtype: str, spec_json: str) -> Any:
+    """The block's operator statistics (a simulated step): simulated once for every budget planned from them."""
+    from memfit_policies.sac import module_stats, op_seconds
     from memfit_simulator.simulation import simulate_training
 
     from memfit_parallel.prediction import model_config
 
     config = model_config(model, seq_len)
+    spec = HardwareSpec.model_validate_json(spec_json)
     simulated = simulate_training(config, batch=1, seq=seq_len, dtype=dtype, device=spec, layers=1)
     trace = simulated.trace()
     seconds, _ = op_seconds(trace)

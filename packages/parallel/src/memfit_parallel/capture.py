@@ -28,9 +28,11 @@ during backward), so recomputation is timed apart.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -292,7 +294,7 @@ def _mark_recompute(model: torch.nn.Module, recorder: _ParallelRecorder) -> list
     # forward inside torch's checkpoint, past the module's hooks; the application enters a context around it
     checkpointed_by = _memfit_checkpointed_by()
     for applied in {id(a): a for m in model.modules() if (a := checkpointed_by(m)) is not None}.values():
-        applied.recompute_context = lambda: _Recomputing(recorder)
+        applied.recompute_context = functools.partial(_recomputing, recorder)
     return handles
 
 
@@ -304,17 +306,14 @@ def _memfit_checkpointed_by() -> Callable[[torch.nn.Module], Any]:
     return checkpointed_by
 
 
-class _Recomputing:
+@contextlib.contextmanager
+def _recomputing(recorder: _ParallelRecorder) -> Iterator[None]:
     """Operators run inside it are recomputation (a memfit-checkpointed module's forward replayed in backward)."""
-
-    def __init__(self, recorder: _ParallelRecorder) -> None:
-        self.recorder = recorder
-
-    def __enter__(self) -> None:
-        self.recorder.recomputing += 1
-
-    def __exit__(self, *exc_info) -> None:
-        self.recorder.recomputing -= 1
+    recorder.recomputing += 1
+    try:
+        yield
+    finally:
+        recorder.recomputing -= 1
 
 
 def capture_parallel_step(

@@ -120,13 +120,13 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-Checkpointing = tuple[str, float | None, tuple[BlockRecompute, ...] | None]
+CheckpointMode = tuple[str, float | None, tuple[BlockRecompute, ...] | None]
 """``(activation_checkpoint, sac_memory_fraction, sac_plan)`` of a configuration."""
 
 
-def checkpointing_modes(sac_plans: dict[float, tuple[BlockRecompute, ...]] | None = None) -> list[Checkpointing]:
+def checkpointing_modes(sac_plans: dict[float, tuple[BlockRecompute, ...]] | None = None) -> list[CheckpointMode]:
     """The checkpointing the search tries: :data:`AC_MODES`, then Auto-SAC with each of ``sac_plans`` (keep → plan)."""
-    modes: list[Checkpointing] = [(ac, fraction, None) for ac, fraction in AC_MODES]
+    modes: list[CheckpointMode] = [(ac, fraction, None) for ac, fraction in AC_MODES]
     return modes + [("sac", keep, plan) for keep, plan in sorted((sac_plans or {}).items())]
 
 
@@ -205,7 +205,7 @@ class _Reference:
     rest: StageProfile
 
 
-def _reference(workload: Workload, spec: HardwareSpec, mode: Checkpointing, dtype: str) -> _Reference:
+def _reference(workload: Workload, spec: HardwareSpec, mode: CheckpointMode, dtype: str) -> _Reference:
     ac, fraction, plan = mode
     base = ParallelConfig(
         dp_shard=2, activation_checkpoint=ac, sac_memory_fraction=fraction, sac_plan=plan, param_dtype=dtype
@@ -438,7 +438,7 @@ def _fill_auto_sac(
         p = predict(workload, auto_sac(best.config, workload, spec, keep), spec)
         if p.peak_bytes <= spec.capacity_bytes - default_margin(spec.capacity_bytes):
             low = keep
-            if p.step_s < min([best.step_s, *(q.step_s for q in found)]):
+            if p.step_s < (found[-1] if found else best).step_s:  # found is fastest last
                 found.append(p)
         else:
             high = keep

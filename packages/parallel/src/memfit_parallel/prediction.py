@@ -546,11 +546,7 @@ def peak_regions(captured: Any) -> dict[str, dict[str, float]]:
 
 
 def stage_profile(
-    workload: Workload,
-    config: ParallelConfig,
-    spec: HardwareSpec,
-    kind: str,
-    exact_layers: int = EXACT_LAYERS,
+    workload: Workload, config: ParallelConfig, spec: HardwareSpec, kind: str, exact_layers: int = EXACT_LAYERS
 ) -> StageProfile:
     """The stage's profile: captured whole when small, else from 2 and 3 captured blocks (module docs)."""
     n_layers = model_config(workload.model, workload.seq_len).n_layers

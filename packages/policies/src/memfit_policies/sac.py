@@ -464,10 +464,7 @@ def _greedy_order(stats: ModuleStats) -> list[Candidate]:
     candidates = []
     for head in np.unique(stats.group):
         members = np.flatnonzero(stats.group == head)
-        never = stats.view_like | stats.random | stats.tail
-        if stats.excluded is not None:
-            never = never | stats.excluded
-        if stats.forced_store[members].any() or never[members].all():
+        if stats.forced_store[members].any() or (stats.view_like | _ruled_out(stats))[members].all():
             continue
         memory = int(stats.memory[members].sum())
         candidates.append(Candidate(members, memory, float(stats.seconds[members].sum())))
@@ -478,10 +475,13 @@ def _greedy_order(stats: ModuleStats) -> list[Candidate]:
 def _always_recomputed(stats: ModuleStats) -> np.ndarray:
     """Operators never kept: views (recomputing them is free) and random operators (module docs)."""
     own = stats.group == np.arange(stats.group.size)
+    return (stats.view_like & ~stats.forced_store & own) | (_ruled_out(stats) & ~stats.forced_store)
+
+
+def _ruled_out(stats: ModuleStats) -> np.ndarray:
+    """Operators never kept whatever they save: random ones, the tail, and those the caller excluded."""
     never = stats.random | stats.tail
-    if stats.excluded is not None:
-        never = never | stats.excluded
-    return (stats.view_like & ~stats.forced_store & own) | (never & ~stats.forced_store)
+    return never if stats.excluded is None else never | stats.excluded
 
 
 @dataclass(frozen=True)
