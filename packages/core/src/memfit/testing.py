@@ -300,6 +300,16 @@ class BackendContract:
         backend.synchronize()
         assert torch.equal(back.cpu().view(torch.uint8), raw)
 
+    def test_copy_refuses_strided_operands(self, backend):
+        import torch
+
+        from memfit.errors import MemfitError
+
+        device_tensor = torch.zeros(64, 32, device=backend.device).t()  # a transposed view: strided
+        host = backend.host_empty((32, 64), torch.float32)
+        with pytest.raises(MemfitError, match="contiguous"):
+            backend.copy_async(host, device_tensor, backend.copy_stream())
+
     def test_copy_bandwidth_is_positive(self, backend):
         assert backend.copy_bandwidth() > 0
 

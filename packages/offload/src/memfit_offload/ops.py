@@ -19,7 +19,10 @@ through the active memfit backend's copy stream and events:
 * ``wait(x)``: the compute stream waits for the prefetch that made ``x``; placed right before the
   first reader of ``x``. The time the host blocks here is the *exposed* transfer time.
 
-Copies preserve bytes: what a prefetch returns is bit-identical to what was stored.
+Copies preserve bytes: what a prefetch returns is bit-identical to what was stored. Each copy moves
+the contiguous storage span a tensor covers (a strided copy between host and device is staged by
+the calling thread outside the stream's order), and a prefetch first waits for the compute stream
+to drain (:meth:`OffloadRuntime.prefetch`: what made offload exact on a GPU).
 
 The operators read the :class:`OffloadRuntime` of the compiled graph that runs them
 (:func:`runtime`); graphs compiled by :func:`memfit_offload.backend` install theirs. Outside
@@ -99,6 +102,17 @@ def _extent(t: torch.Tensor) -> int:
     return 1 + sum((size - 1) * stride for size, stride in zip(t.size(), t.stride(), strict=True) if size > 0)
 
 
+def _span(t: torch.Tensor) -> torch.Tensor:
+    """The storage ``t`` covers from its offset, as one contiguous 1-D tensor (:func:`_extent` elements).
+
+    Copies move this span, never the strided tensor: torch stages a strided copy between host and
+    device through temporaries, and does the host side at once on the calling thread, outside the
+    copy stream's order (:func:`memfit.backends.base.check_copy_operands`). Elements in the span that
+    the tensor skips are copied too, and never read.
+    """
+    return t.detach().as_strided((_extent(t),), (1,), t.storage_offset())
+
+
 def copy_stream_after_compute(backend: Any) -> Any:
     """The backend's copy stream, made to wait for the compute stream's work so far (unless it is done).
 
@@ -126,10 +140,16 @@ class OffloadRuntime:
             GPU): faster, but the peak then depends on how far the copy stream lags the compute
             stream. Waiting makes the measured peak the schedule's, whatever the machine's load;
             the time waited counts as exposed transfer time.
+        drain_before_prefetch: the host waits for the compute stream before queueing a prefetch's
+            copy (:meth:`prefetch`). Without it offloaded training was not exact on an H200; turning
+            it off is for reproducing that (``benchmarks/offload_device_variants.py``), not for training.
     """
 
-    def __init__(self, backend: Any, *, debug: bool = False, wait_for_stores: bool = False) -> None:
+    def __init__(
+        self, backend: Any, *, debug: bool = False, wait_for_stores: bool = False, drain_before_prefetch: bool = True
+    ) -> None:
         self.backend = backend
+        self.drain_before_prefetch = drain_before_prefetch
         self.debug = debug
         self.wait_for_stores = wait_for_stores
         self.stats = TransferStats()
@@ -184,7 +204,7 @@ class OffloadRuntime:
         # the copy stream reads x: it must wait for the compute work that writes it (on cpu-sim
         # compute is synchronous; on a GPU, without this the store copies a tensor still being
         # computed — seen on an H100 as offloaded training drifting from eager after one step)
-        event = self.backend.copy_async(host, x, copy_stream_after_compute(self.backend))
+        event = self.backend.copy_async(buffer, _span(x), copy_stream_after_compute(self.backend))
         key = _storage_key(host)
         returned = _alias(host)
         with self._lock:
@@ -219,6 +239,14 @@ class OffloadRuntime:
             self.released[_storage_key(x)] = (x, _storage_key(host))
 
     def prefetch(self, host: torch.Tensor) -> torch.Tensor:
+        # The host first waits for the compute stream (free on cpu-sim, whose compute is synchronous).
+        # By CUDA's rules the event wait below orders the copy after the compute issued so far, and that
+        # should be enough; on an H200 it was not: offloaded training went to NaN after one step unless
+        # the compute stream was idle when a prefetch's copy was queued (or the host waited at `wait`).
+        # The root cause is not found (docs/benchmarks.md, "GPU runs, third session"); this drain is
+        # what made offload bit-identical there, at the cost of the host's run-ahead at each prefetch.
+        if self.drain_before_prefetch:
+            self.backend.current_stream().synchronize()
         # the new device block may be one the compute stream freed with kernels still reading it:
         # the copy stream writes it only after the compute work issued so far
         stream = copy_stream_after_compute(self.backend)
@@ -230,8 +258,12 @@ class OffloadRuntime:
             self._prune()
         if store_event is not None and not store_event.query():
             stream.wait_event(store_event)  # never copy back before the store has completed
-        device = torch.empty_strided(host.size(), host.stride(), dtype=host.dtype, device=self.backend.device)
-        event = self.backend.copy_async(device, host, stream)
+        # the span back, viewed with the stored strides (a strided host-to-device copy would read the
+        # host buffer on this thread at once, in no order with the store queued to fill it)
+        span = _span(host)
+        flat = torch.empty(span.shape, dtype=host.dtype, device=self.backend.device)
+        event = self.backend.copy_async(flat, span, stream)
+        device = flat.as_strided(host.size(), host.stride())
         with self._lock:
             self._prefetched[_storage_key(device)] = (host, event)
         device = _alias(device)

@@ -36,7 +36,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from memfit.backends.base import Backend, is_out_of_memory_error, parse_oom_request_bytes
+from memfit.backends.base import Backend, check_copy_operands, is_out_of_memory_error, parse_oom_request_bytes
 from memfit.config import parse_size
 from memfit.errors import MemfitError
 from memfit.plugins import hookimpl
@@ -309,6 +309,7 @@ class AcceleratorBackend(Backend):
     def copy_async(self, dst: torch.Tensor, src: torch.Tensor, stream) -> torch.Event:  # type: ignore[override]
         import torch
 
+        check_copy_operands(dst, src)
         previous = torch.accelerator.current_stream(self._device)
         torch.accelerator.set_stream(stream)
         try:

@@ -75,6 +75,26 @@ def parse_oom_request_bytes(message: str) -> int | None:
     return round(float(found.group(1)) * _UNIT_BYTES[found.group(2).lower()])
 
 
+def check_copy_operands(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Raise :class:`memfit.errors.MemfitError` unless both operands of :meth:`Backend.copy_async` are contiguous.
+
+    torch copies a strided tensor between host and device through contiguous temporaries, and the
+    host side of that (a pageable buffer, the host tensor read or written) is done by the calling
+    thread at once, not in the copy stream's order: a strided copy back to the device reads its
+    host buffer before a copy queued earlier to fill it has run, and a strided copy to the host
+    blocks the caller. A contiguous copy is one queued DMA.
+    """
+    if not (dst.is_contiguous() and src.is_contiguous()):
+        from memfit.errors import MemfitError
+
+        raise MemfitError(
+            f"copy_async copies contiguous tensors only (destination strides {tuple(dst.stride())}, source strides "
+            f"{tuple(src.stride())}): a strided copy between host and device is staged by the calling thread outside "
+            "the stream's order. Copy the storage span the tensor covers instead (tensor.as_strided((n,), (1,), "
+            "tensor.storage_offset())) and view the copy with the tensor's strides"
+        )
+
+
 def is_out_of_memory_error(exc: BaseException) -> bool:
     """``torch.OutOfMemoryError``, or a ``RuntimeError`` whose text says "out of memory".
 
@@ -254,6 +274,8 @@ class Backend(abc.ABC):
         """Queue ``dst.copy_(src)`` on ``stream``; returns the event marking its completion.
 
         The caller must keep both tensors alive, and not write them, until the event completes.
+        Both must be contiguous (:func:`check_copy_operands`, which implementations call): only a
+        contiguous copy runs wholly on the stream.
         """
 
     @abc.abstractmethod

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
-from memfit.backends.base import Backend
+from memfit.backends.base import Backend, check_copy_operands
 from memfit.config import parse_size
 from memfit.errors import MemfitError
 from memfit.plugins import hookimpl
@@ -76,7 +76,7 @@ def _copy_without_threads(dst: torch.Tensor, src: torch.Tensor) -> Callable[[], 
     operator of the training thread pays futex wake-ups. Measured on 2 cores: after a
     few swaps, ~1,600 context switches per training step and every operator 1.5-2x slower, for
     the rest of the process. ``ctypes.memmove`` releases the GIL and is one plain ``memcpy``.
-    Copies ``memmove`` cannot do exactly (another dtype or layout, lazy conjugate or negative
+    Copies ``memmove`` cannot do exactly (another dtype or shape, lazy conjugate or negative
     bits) still go through ``copy_``.
     """
     nbytes = src.numel() * src.element_size()
@@ -346,6 +346,7 @@ class CpuSimBackend(Backend):
         return self._copy
 
     def copy_async(self, dst: torch.Tensor, src: torch.Tensor, stream) -> SimEvent:  # type: ignore[override]
+        check_copy_operands(dst, src)  # a device's contract (cpu-sim's worker would copy strided tensors in order)
         if isinstance(stream, HostStream):
             dst.copy_(src)
             return SimEvent(done=True)
