@@ -1,0 +1,121 @@
+"""memfit-parallel's predicted per-rank peak against one real device: allocated and reserved bytes.
+
+Predicts, then trains, the reference Llama (``--model`` with ``--layers`` blocks) on one process:
+FSDP2 with its bf16 mixed-precision policy over a mesh of one rank (``--mixed-precision``, the
+default: the per-rank layout of TorchTitan's FSDP rows — fp32 parameters, gradients and AdamW
+states, bf16 compute — without the sharding), or memfit-parallel's own one-device configuration
+(``--no-mixed-precision``: the whole model in ``param_dtype``). Checkpointing ``--ac`` (none, full,
+sac). Reports the prediction, the trainer's measured training peak (allocated bytes, as
+``memfit parallel run`` measures it), and on a device the caching allocator's max *reserved*
+bytes over the last step — what TorchTitan logs as "memory" (its launcher sets
+``PYTORCH_ALLOC_CONF=expandable_segments:True``; set it here the same way to compare).
+
+On a machine without an accelerator it runs on cpu-sim with gloo (a dry run of the same code; no
+reserved figure). Prints one JSON object as its last line.
+
+Run: python benchmarks/parallel_device_memory.py [--model llama3-8b] [--layers 8] [--batch 2]
+     [--seq 8192] [--ac sac] [--steps 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import time
+
+
+def fsdp_over_one_rank() -> None:
+    """Make ``parallelize`` wrap a one-device configuration as FSDP over a mesh of one rank (this process only)."""
+    import torch
+    from memfit_parallel import apply
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    def fsdp_of_one(part, recipe, config, mesh):
+        dtype = getattr(torch, config.param_dtype)
+        policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+        block_policy = MixedPrecisionPolicy(
+            param_dtype=dtype, reduce_dtype=torch.float32, cast_forward_inputs=recipe.cast_block_inputs
+        )
+        blocks = apply.block_modules(part, recipe.blocks)
+        for index, block in enumerate(blocks):  # as _apply_data_parallel: the last block stays gathered
+            reshard = index < len(blocks) - 1
+            fully_shard(block, mesh=mesh["dp_shard"], mp_policy=block_policy, reshard_after_forward=reshard)
+        fully_shard(part, mesh=mesh["dp_shard"], mp_policy=policy)
+
+    apply._data_parallel = lambda config: True
+    apply._apply_data_parallel = fsdp_of_one
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="llama3-8b", help="a reference Llama preset")
+    parser.add_argument("--layers", type=int, default=8, help="blocks (fewer than the preset's, to fit one device)")
+    parser.add_argument("--batch", type=int, default=2, help="sequences per step")
+    parser.add_argument("--seq", type=int, default=8192)
+    parser.add_argument("--ac", choices=("none", "full", "sac"), default="sac")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--mixed-precision", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--capacity", default="64GiB", help="cpu-sim's capacity (no accelerator)")
+    args = parser.parse_args()
+
+    import torch
+    import torch.distributed as dist
+    from memfit.models.llama import PRESETS
+    from memfit_parallel import predict
+    from memfit_parallel.config import ParallelConfig, Workload
+    from memfit_parallel.trainer import train_configs
+
+    if args.model not in PRESETS:
+        parser.error(f"unknown model {args.model!r}: one of {', '.join(PRESETS)}")
+    model = f"{args.model}-{args.layers}l"
+    PRESETS[model] = dataclasses.replace(PRESETS[args.model], n_layers=args.layers)  # this process only
+    if args.mixed_precision:
+        fsdp_over_one_rank()
+    device = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    extra = {"sac_memory_fraction": 0.5} if args.ac == "sac" else {}
+    config = ParallelConfig(dp_shard=1, activation_checkpoint=args.ac, param_dtype="bfloat16", **extra)
+    started = time.perf_counter()
+    # the prediction first: it captures under a fake process group of its own
+    p = predict(Workload(model=model, global_batch=args.batch, seq_len=args.seq), config,
+                "h200" if device is not None else "cpu")  # fmt: skip
+    predict_s = time.perf_counter() - started
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29517")
+    dist.init_process_group("nccl" if device is not None and device.type == "cuda" else "gloo", rank=0, world_size=1)
+    try:
+        report = train_configs([config], model=model, global_batch=args.batch, seq_len=args.seq, steps=args.steps,
+                               capacity=args.capacity, log=lambda m: print(m, flush=True))  # fmt: skip
+    finally:
+        dist.destroy_process_group()
+    run = report["runs"][0]
+    rank = run["ranks"][0]
+    out = {
+        "model": model, "global_batch": args.batch, "seq_len": args.seq, "config": p.config.describe(),
+        "mixed_precision": args.mixed_precision, "alloc_conf": os.environ.get("PYTORCH_ALLOC_CONF")
+        or os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+        "predicted_bytes": p.peak_bytes, "predicted_by_category": p.peak_by_category,
+        "measured_peak_bytes": rank["peak_bytes"], "measured_steady_bytes": rank["steady_peak_bytes"],
+        "error_vs_measured": p.peak_bytes / rank["steady_peak_bytes"] - 1,
+        "losses": run["losses"], "predict_s": predict_s, "train_s": run["seconds"], "device": report["device"],
+    }  # fmt: skip
+    if device is not None:  # the trainer resets the peaks before each step: these are the last step's
+        out["last_step_max_reserved_bytes"] = torch.accelerator.max_memory_reserved()
+        out["last_step_max_allocated_bytes"] = torch.accelerator.max_memory_allocated()
+        out["reserved_per_allocated"] = out["last_step_max_reserved_bytes"] / out["last_step_max_allocated_bytes"]
+        out["num_alloc_retries"] = torch.accelerator.memory_stats().get("num_alloc_retries")
+        out["device"] = getattr(torch, device.type).get_device_name()
+
+    def size(nbytes: int) -> str:
+        return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.2f} MiB"
+
+    print(f"{out['config']} ({model}, {args.batch} x {args.seq}): predicted {size(p.peak_bytes)}, measured "
+          f"{size(rank['steady_peak_bytes'])} allocated ({out['error_vs_measured']:+.1%})"
+          + (f", {size(out['last_step_max_reserved_bytes'])} reserved ({out['reserved_per_allocated']:.3f}x)"
+             if "reserved_per_allocated" in out else ""))  # fmt: skip
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
