@@ -588,3 +588,28 @@ def test_a_failed_run_says_what_each_rank_raised():
         "rank 1: memfit_executor.runtime.SwapOutOfMemoryError: out of memory under memfit's swap executor: raise it",
     ]
     assert rank_errors("ChildFailedError:\nsomething else") == []
+
+
+def test_a_rank_killed_by_a_signal_says_where():
+    """A native abort leaves no Python exception: its terminate message and faulthandler's stacks are kept."""
+    from memfit_parallel.launch import crash_lines
+
+    output = "\n".join([
+        "[rank0]: step 3: loss 5.1",
+        "terminate called after throwing an instance of 'gloo::IoException'",
+        "  what():  [gloo/transport/tcp/pair.cc:534] Connection closed by peer",
+        "Fatal Python error: Aborted",
+        "",
+        "Thread 0x00007f (most recent call first):",
+        '  File "trainer.py", line 230 in _train_step',
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:",
+        '  File "run.py", line 1 in main',
+    ])  # fmt: skip
+    assert crash_lines(output) == [
+        "terminate called after throwing an instance of 'gloo::IoException'",
+        "what():  [gloo/transport/tcp/pair.cc:534] Connection closed by peer",
+        "Fatal Python error: Aborted",
+        "Thread 0x00007f (most recent call first):",
+        'File "trainer.py", line 230 in _train_step',
+    ]
+    assert crash_lines("[rank0]: ValueError: bad\nChildFailedError:") == []

@@ -140,7 +140,7 @@ def launch(request: RunRequest, report_path: str | Path | None = None, *, timeou
             if process.poll() is None:
                 _kill_group(process)
         if process.returncode != 0 or not report.exists():
-            errors = rank_errors(output)
+            errors = rank_errors(output) + crash_lines(output)
             tail = "\n".join(output.splitlines()[-(15 if errors else 40) :])
             why = "".join(f"\n  {e}" for e in errors)
             raise MemfitError(
@@ -166,6 +166,28 @@ def rank_errors(output: str) -> list[str]:
         if match := _RANK_ERROR.match(line):
             last[int(match[1])] = match[2]
     return [f"rank {rank}: {text}" for rank, text in sorted(last.items())]
+
+
+_CRASH = re.compile(r"terminate called|what\(\):|Fatal Python error|Segmentation fault|double free|corrupted|free\(\)")
+_STACK = re.compile(r"^\s*(File \"|Thread 0x|Current thread 0x)")
+
+
+def crash_lines(output: str, limit: int = 24) -> list[str]:
+    """What a rank killed by a signal left in the output, which torchrun's summary (``SIGABRT``) does not say.
+
+    C++ ``terminate`` and allocator messages, and the Python stacks ``faulthandler`` dumps (the trainer enables it).
+    """
+    found: list[str] = []
+    in_dump = False  # inside faulthandler's dump, until torchrun's own traceback begins
+    for line in output.splitlines():
+        if "Traceback (most recent call last)" in line or "ChildFailedError" in line:
+            in_dump = False
+        elif _CRASH.search(line):
+            found.append(line.strip())
+            in_dump = in_dump or "Fatal Python error" in line
+        elif in_dump and _STACK.match(line):
+            found.append(line.strip())
+    return found[:limit]
 
 
 def _kill_group(process: subprocess.Popen) -> None:

@@ -282,11 +282,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
 
+    import faulthandler
+
     import torch
     import torch.distributed as dist
 
     from memfit_parallel.config import ParallelConfig
 
+    # a rank killed by a signal (a native abort, a segfault) prints its Python stacks: launch() shows them
+    faulthandler.enable(all_threads=True)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     backend = "gloo"
     if torch.accelerator.is_available():  # pragma: no cover - no accelerator in CI
