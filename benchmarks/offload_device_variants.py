@@ -23,7 +23,9 @@ Variants (the offload runtime is patched in this process only):
   reused).
 
 Prints one line per variant and, last, one JSON object ``{"eager_repeatable": bool, variant:
-{"first_loss_diff_step", "params_differing", "of", "losses", "seconds", "offloaded"} | {"error"}}``.
+{"first_loss_diff_step", "params_differing", "of", "losses", "seconds", "stores"} | {"error"}}``
+(``stores``: tensors copied to the host over the steps; 0 means the variant offloaded nothing and
+tested nothing).
 On cpu-sim (``--backend cpu-sim``) every variant should be exact: a dry run of the script.
 
 Run: python benchmarks/offload_device_variants.py [--backend cuda] [--model medium] [--batch 8]
@@ -107,7 +109,7 @@ def patched(device_backend, probe: str | None):
 
 
 def run_variant(args, device_backend, name: str | None):
-    """(losses, final parameters on the host, seconds, values offloaded) of one variant (None: eager)."""
+    """(losses, final parameters on the host, seconds, stores to the host) of one variant (None: eager)."""
     import memfit_offload
     import torch
     from memfit.models import build_training
@@ -126,8 +128,10 @@ def run_variant(args, device_backend, name: str | None):
         offload = memfit_offload.backend(device_backend=device_backend, order=order)
         offload.runtime.drain_before_prefetch = drain
         run.model.compile(backend=offload)
+    runtime = offload.runtime if offload is not None else None
     if optimizer:
-        memfit_offload.offload_optimizer(run.optimizer, backend=offload, device_backend=device_backend)
+        states = memfit_offload.offload_optimizer(run.optimizer, backend=offload, device_backend=device_backend)
+        runtime = states.runtime
     losses = []
     start = time.perf_counter()
     with patched(device_backend, probe):
@@ -136,8 +140,8 @@ def run_variant(args, device_backend, name: str | None):
         device_backend.synchronize()
     seconds = time.perf_counter() - start
     params = [p.detach().to("cpu", copy=True) for p in run.model.parameters()]
-    offloaded = sum(len(d.chosen) for d in offload.decisions) if offload is not None else 0
-    return losses, params, seconds, offloaded
+    stores = runtime.stats.stores if runtime is not None else 0  # tensors copied to the host over the steps
+    return losses, params, seconds, stores
 
 
 def main() -> None:
@@ -169,7 +173,7 @@ def main() -> None:
         print(f"eager: losses {eager_losses}; repeatable: {out['eager_repeatable']}", flush=True)
         for name in chosen:
             try:
-                losses, params, seconds, offloaded = run_variant(args, device_backend, name)
+                losses, params, seconds, stores = run_variant(args, device_backend, name)
             except Exception as exc:  # report it and go on with the other variants
                 out[name] = {"error": f"{type(exc).__name__}: {str(exc)[:400]}"}
                 print(f"{name}: {out[name]['error']}", flush=True)
@@ -177,9 +181,11 @@ def main() -> None:
             first = next((i for i, (a, b) in enumerate(zip(losses, eager_losses, strict=True)) if a != b), None)
             differing = sum(not torch.equal(a, b) for a, b in zip(params, eager_params, strict=True))
             out[name] = {"first_loss_diff_step": first, "params_differing": differing, "of": len(params),
-                         "losses": losses, "seconds": seconds, "offloaded": offloaded}  # fmt: skip
+                         "losses": losses, "seconds": seconds, "stores": stores}  # fmt: skip
             verdict = "exact" if first is None and differing == 0 else f"differs from step {first}"
-            print(f"{name}: {verdict} ({differing}/{len(params)} parameters differ; {offloaded} offloaded)", flush=True)
+            if stores == 0 and name != "none":
+                verdict += " — but nothing was offloaded, so this tested nothing (a larger --batch or --seq)"
+            print(f"{name}: {verdict} ({differing}/{len(params)} parameters differ; {stores} stores)", flush=True)
     print(json.dumps(out))
 
 

@@ -14,9 +14,9 @@ are the ones the targets (throughput within 20 %, memory within 10 %) apply to.
 
 Memory: the prediction is the peak of *allocated* bytes; TorchTitan logs the caching allocator's
 max *reserved* bytes (launched with ``expandable_segments:True``). ``predicted_reserved_gib`` is the
-prediction times ``RESERVED_PER_ALLOCATED``, the reserved/allocated ratio measured on a GPU for the
-8B rows' per-rank layout (``benchmarks/parallel_device_memory.py``, below); it was not measured
-for the 70B and 405B layouts.
+prediction times ``RESERVED_PER_ALLOCATED``, the reserved/allocated ratio measured on a GPU with
+Llama 3 8B unsharded (``benchmarks/parallel_device_memory.py``, below): an estimate of what
+TorchTitan would log, not a measurement of any row's layout (docs/benchmarks.md brackets it).
 
 The search rows run :func:`memfit_parallel.planning.search` for each table's model, devices and
 batch in a fresh process (nothing cached), and predict the thesis's own configuration beside it.
@@ -42,8 +42,8 @@ RESERVED_PER_ALLOCATED = 1.226
 """Max reserved / max allocated bytes of a training step on an NVIDIA H200 (torch 2.11, 2026-11-27):
 Llama 3 8B with 8 blocks, 2 x 8192 tokens, FSDP2 bf16 mixed precision over one rank, op-level SAC,
 ``PYTORCH_ALLOC_CONF=expandable_segments:True`` as TorchTitan launches (1.286 without it; 1.338 with
-4 blocks, 1 x 8192 and no checkpointing). memfit's prediction of the allocated peak was within
-0.1 % in all three runs. Measured by ``PYTORCH_ALLOC_CONF=expandable_segments:True python
+4 blocks, 1 x 8192, no checkpointing and the default allocator). memfit's prediction of the allocated
+peak was within 0.2 % in all three runs. Measured by ``PYTORCH_ALLOC_CONF=expandable_segments:True python
 benchmarks/parallel_device_memory.py --layers 8 --batch 2 --seq 8192 --ac sac``."""
 SAC = {"activation_checkpoint": "sac", "sac_memory_fraction": 0.5, "param_dtype": "bfloat16"}
 FULL = {"activation_checkpoint": "full", "param_dtype": "bfloat16"}

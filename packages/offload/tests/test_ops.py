@@ -20,12 +20,19 @@ def sim():
     dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.int64, torch.bool]),
     transpose=st.booleans(),
     offset=st.booleans(),
+    layout=st.sampled_from(["dense", "gapped", "expanded"]),
 )
-def test_stored_data_comes_back_bit_identical(sim, shape, dtype, transpose, offset):
-    # strided views and views at an offset too: the copies move the storage span (a strided copy is
-    # refused by the backend, as torch would stage it on the host outside the stream's order)
+def test_stored_data_comes_back_bit_identical(sim, shape, dtype, transpose, offset, layout):
+    # strided views, views at an offset, with gaps (every other row) and expanded (stride 0) too: the
+    # copies move the storage span (a strided copy is refused by the backend, as torch would stage it
+    # on the host outside the stream's order) and the prefetched tensor is viewed with the same strides
     with sim.activate(), OffloadRuntime(sim, debug=True).installed():
-        x = (torch.randn([shape[0] + offset, *shape[1:]]) * 100).to(dtype)[int(offset) :]
+        rows = shape[0] * (2 if layout == "gapped" else 1)
+        x = (torch.randn([rows + offset, *shape[1:]]) * 100).to(dtype)[int(offset) :]
+        if layout == "gapped":
+            x = x[::2]
+        elif layout == "expanded":
+            x = x[:1].expand(shape[0], *shape[1:])
         if transpose and x.dim() > 1:
             x = x.transpose(0, -1)
         host = torch.ops.memfit.store(x)

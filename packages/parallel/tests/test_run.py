@@ -591,25 +591,36 @@ def test_a_failed_run_says_what_each_rank_raised():
 
 
 def test_a_rank_killed_by_a_signal_says_where():
-    """A native abort leaves no Python exception: its terminate message and faulthandler's stacks are kept."""
+    """A native abort leaves no Python exception: its terminate message and faulthandler's stacks are kept,
+    the crashing thread's first (faulthandler prints it last, after every other thread)."""
     from memfit_parallel.launch import crash_lines
 
+    helper = [f'  File "worker.py", line {i} in run' for i in range(12)]
     output = "\n".join([
         "[rank0]: step 3: loss 5.1",
         "terminate called after throwing an instance of 'gloo::IoException'",
         "  what():  [gloo/transport/tcp/pair.cc:534] Connection closed by peer",
         "Fatal Python error: Aborted",
         "",
-        "Thread 0x00007f (most recent call first):",
+        "Thread 0x00007f01 (most recent call first):",
+        *helper,
+        "",
+        "Current thread 0x00007f00 (most recent call first):",
         '  File "trainer.py", line 230 in _train_step',
-        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:",
+        '  File "trainer.py", line 180 in train_configs',
+        "Traceback (most recent call last):",
         '  File "run.py", line 1 in main',
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:",
     ])  # fmt: skip
     assert crash_lines(output) == [
         "terminate called after throwing an instance of 'gloo::IoException'",
         "what():  [gloo/transport/tcp/pair.cc:534] Connection closed by peer",
         "Fatal Python error: Aborted",
-        "Thread 0x00007f (most recent call first):",
+        "Current thread 0x00007f00 (most recent call first):",
         'File "trainer.py", line 230 in _train_step',
+        'File "trainer.py", line 180 in train_configs',
+        "Thread 0x00007f01 (most recent call first):",
+        *[line.strip() for line in helper[:8]],
+        "... 4 more frame(s)",
     ]
     assert crash_lines("[rank0]: ValueError: bad\nChildFailedError:") == []

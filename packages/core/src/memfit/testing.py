@@ -309,6 +309,8 @@ class BackendContract:
         host = backend.host_empty((32, 64), torch.float32)
         with pytest.raises(MemfitError, match="contiguous"):
             backend.copy_async(host, device_tensor, backend.copy_stream())
+        with pytest.raises(MemfitError, match="contiguous"):  # a strided destination too
+            backend.copy_async(host.t(), device_tensor.t().contiguous(), backend.copy_stream())
 
     def test_copy_bandwidth_is_positive(self, backend):
         assert backend.copy_bandwidth() > 0

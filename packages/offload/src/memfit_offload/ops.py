@@ -220,7 +220,7 @@ class OffloadRuntime:
         # allocations cost tens of microseconds, and every step stores the same sizes again
         weakref.finalize(returned, self._stored.pop, key, None)
         weakref.finalize(returned, self._recycle, (numel, x.dtype), buffer, event)
-        self.stats.stored_bytes += x.numel() * x.element_size()
+        self.stats.stored_bytes += numel * x.element_size()  # the span moved (a view with gaps moves them too)
         self.stats.stores += 1
         return returned
 
@@ -267,7 +267,7 @@ class OffloadRuntime:
         with self._lock:
             self._prefetched[_storage_key(device)] = (host, event)
         device = _alias(device)
-        self.stats.prefetched_bytes += host.numel() * host.element_size()
+        self.stats.prefetched_bytes += span.numel() * span.element_size()
         self.stats.prefetches += 1
         if self.debug:
             self.unwaited.add(_storage_key(device))

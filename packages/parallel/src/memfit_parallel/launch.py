@@ -169,25 +169,40 @@ def rank_errors(output: str) -> list[str]:
 
 
 _CRASH = re.compile(r"terminate called|what\(\):|Fatal Python error|Segmentation fault|double free|corrupted|free\(\)")
-_STACK = re.compile(r"^\s*(File \"|Thread 0x|Current thread 0x)")
+_THREAD = re.compile(r"^\s*(Thread|Current thread) 0x")
+_FRAME = re.compile(r'^\s*File "')
 
 
-def crash_lines(output: str, limit: int = 24) -> list[str]:
+def crash_lines(output: str, frames_per_thread: int = 8, limit: int = 40) -> list[str]:
     """What a rank killed by a signal left in the output, which torchrun's summary (``SIGABRT``) does not say.
 
-    C++ ``terminate`` and allocator messages, and the Python stacks ``faulthandler`` dumps (the trainer enables it).
+    C++ ``terminate`` and allocator messages, and the Python stacks ``faulthandler`` dumps (the trainer enables
+    it): the crashing thread's ("Current thread", which faulthandler prints last) first, the innermost frames of
+    each thread, and how many lines were left out.
     """
-    found: list[str] = []
+    messages: list[str] = []
+    threads: list[list[str]] = []  # each: header, frames
     in_dump = False  # inside faulthandler's dump, until torchrun's own traceback begins
     for line in output.splitlines():
         if "Traceback (most recent call last)" in line or "ChildFailedError" in line:
             in_dump = False
         elif _CRASH.search(line):
-            found.append(line.strip())
+            messages.append(line.strip())
             in_dump = in_dump or "Fatal Python error" in line
-        elif in_dump and _STACK.match(line):
-            found.append(line.strip())
-    return found[:limit]
+        elif in_dump and _THREAD.match(line):
+            threads.append([line.strip()])
+        elif in_dump and _FRAME.match(line) and threads:
+            threads[-1].append(line.strip())
+    threads.sort(key=lambda t: not t[0].startswith("Current thread"))
+    found = list(messages)
+    for header, *frames in threads:
+        found.append(header)
+        found += frames[:frames_per_thread]  # faulthandler prints the innermost frame first
+        if len(frames) > frames_per_thread:
+            found.append(f"... {len(frames) - frames_per_thread} more frame(s)")
+    if len(found) > limit:
+        found = [*found[:limit], f"... {len(found) - limit} more line(s)"]
+    return found
 
 
 def _kill_group(process: subprocess.Popen) -> None:

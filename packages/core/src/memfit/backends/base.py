@@ -82,7 +82,9 @@ def check_copy_operands(dst: torch.Tensor, src: torch.Tensor) -> None:
     host side of that (a pageable buffer, the host tensor read or written) is done by the calling
     thread at once, not in the copy stream's order: a strided copy back to the device reads its
     host buffer before a copy queued earlier to fill it has run, and a strided copy to the host
-    blocks the caller. A contiguous copy is one queued DMA.
+    blocks the caller. A contiguous copy of the same dtype and shape (and no lazy conjugate or
+    negative bit) is one queued DMA; this checks contiguity only, and memfit's callers copy bytes of
+    one dtype.
     """
     if not (dst.is_contiguous() and src.is_contiguous()):
         from memfit.errors import MemfitError
@@ -90,8 +92,9 @@ def check_copy_operands(dst: torch.Tensor, src: torch.Tensor) -> None:
         raise MemfitError(
             f"copy_async copies contiguous tensors only (destination strides {tuple(dst.stride())}, source strides "
             f"{tuple(src.stride())}): a strided copy between host and device is staged by the calling thread outside "
-            "the stream's order. Copy the storage span the tensor covers instead (tensor.as_strided((n,), (1,), "
-            "tensor.storage_offset())) and view the copy with the tensor's strides"
+            "the stream's order. Copy the storage span the tensor covers instead, tensor.as_strided((n,), (1,), "
+            "tensor.storage_offset()) with n = 1 + sum((size - 1) * stride), and view the copy with the tensor's "
+            "strides"
         )
 
 
