@@ -10,16 +10,23 @@ sac). Reports the prediction, the trainer's measured training peak (allocated by
 bytes over the last step — what TorchTitan logs as "memory" (its launcher sets
 ``PYTORCH_ALLOC_CONF=expandable_segments:True``; set it here the same way to compare).
 
+``--fake-world N`` runs this process as rank 0 of an N-rank FSDP job under a fake process group
+(collectives return at once and move nothing): FSDP N's own per-rank memory — sharded states,
+all-gathered blocks, reduce-scatter buffers — with real tensors on one device, which is how to
+measure a published FSDP row's layout (Table 3.1: ``--layers 32 --batch 16 --fake-world 8``) on a
+single GPU. The losses are then meaningless (gradients are not reduced, weights not received).
+
 On a machine without an accelerator it runs on cpu-sim with gloo (a dry run of the same code; no
 reserved figure). Prints one JSON object as its last line.
 
 Run: python benchmarks/parallel_device_memory.py [--model llama3-8b] [--layers 8] [--batch 2]
-     [--seq 8192] [--ac sac] [--steps 3]
+     [--seq 8192] [--ac sac] [--steps 3] [--fake-world N] [--hardware h200]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -48,6 +55,17 @@ def fsdp_over_one_rank() -> None:
     apply._apply_data_parallel = fsdp_of_one
 
 
+@contextlib.contextmanager
+def _one_rank_group(backend: str):
+    import torch.distributed as dist
+
+    dist.init_process_group(backend, rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="llama3-8b", help="a reference Llama preset")
@@ -58,10 +76,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--mixed-precision", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--capacity", default="64GiB", help="cpu-sim's capacity (no accelerator)")
+    parser.add_argument("--fake-world", type=int, default=1, help="rank 0 of an FSDP job of this many ranks (above)")
+    parser.add_argument("--hardware", default=None, help="device spec of the prediction (default: h200; cpu-sim: cpu)")
     args = parser.parse_args()
 
     import torch
-    import torch.distributed as dist
     from memfit.models.llama import PRESETS
     from memfit_parallel import predict
     from memfit_parallel.config import ParallelConfig, Workload
@@ -71,28 +90,37 @@ def main() -> None:
         parser.error(f"unknown model {args.model!r}: one of {', '.join(PRESETS)}")
     model = f"{args.model}-{args.layers}l"
     PRESETS[model] = dataclasses.replace(PRESETS[args.model], n_layers=args.layers)  # this process only
-    if args.mixed_precision:
+    if args.fake_world < 1:
+        parser.error("--fake-world must be at least 1")
+    if args.mixed_precision and args.fake_world == 1:
         fsdp_over_one_rank()
     device = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
     extra = {"sac_memory_fraction": 0.5} if args.ac == "sac" else {}
-    config = ParallelConfig(dp_shard=1, activation_checkpoint=args.ac, param_dtype="bfloat16", **extra)
+    config = ParallelConfig(dp_shard=args.fake_world, activation_checkpoint=args.ac, param_dtype="bfloat16", **extra)
     started = time.perf_counter()
     # the prediction first: it captures under a fake process group of its own
-    p = predict(Workload(model=model, global_batch=args.batch, seq_len=args.seq), config,
-                "h200" if device is not None else "cpu")  # fmt: skip
+    hardware = args.hardware or ("h200" if device is not None else "cpu")
+    p = predict(Workload(model=model, global_batch=args.batch, seq_len=args.seq), config, hardware)
     predict_s = time.perf_counter() - started
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29517")
-    dist.init_process_group("nccl" if device is not None and device.type == "cuda" else "gloo", rank=0, world_size=1)
-    try:
+    if args.fake_world > 1:
+        from memfit_parallel import trainer
+        from memfit_parallel.fakepg import fake_process_group
+
+        # an all-gather under the fake group moves nothing: every rank's figures are this rank's own
+        trainer._gather_ints = lambda values, world, device: [list(values)] * world
+        group = fake_process_group(args.fake_world, rank=0)
+    else:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29517")
+        group = _one_rank_group("nccl" if device is not None and device.type == "cuda" else "gloo")
+    with group:
         report = train_configs([config], model=model, global_batch=args.batch, seq_len=args.seq, steps=args.steps,
                                capacity=args.capacity, log=lambda m: print(m, flush=True))  # fmt: skip
-    finally:
-        dist.destroy_process_group()
     run = report["runs"][0]
     rank = run["ranks"][0]
     out = {
         "model": model, "global_batch": args.batch, "seq_len": args.seq, "config": p.config.describe(),
+        "fake_world": args.fake_world, "hardware": hardware,
         "mixed_precision": args.mixed_precision, "alloc_conf": os.environ.get("PYTORCH_ALLOC_CONF")
         or os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
         "predicted_bytes": p.peak_bytes, "predicted_by_category": p.peak_by_category,
