@@ -63,13 +63,18 @@ def build(args: argparse.Namespace, device_backend, mode: str | None):
     return run, offload
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_run_arguments(parser: argparse.ArgumentParser, *, steps: int, steps_help: str) -> None:
+    """The options of a run on a device that this benchmark and ``offload_device_variants.py`` share."""
     parser.add_argument("--backend", default="cuda", help="cuda (or another accelerator type), or cpu-sim")
     parser.add_argument("--model", default="medium")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=1024)
-    parser.add_argument("--steps", type=int, default=8, help="measured steps (after --warmup)")
+    parser.add_argument("--steps", type=int, default=steps, help=steps_help)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_run_arguments(parser, steps=8, steps_help="measured steps (after --warmup)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument(
         "--deterministic", action="store_true", help="torch.use_deterministic_algorithms (eager repeatable)"

@@ -40,7 +40,7 @@ import json
 import os
 import time
 
-from offload_device import make_backend
+from offload_device import add_run_arguments, make_backend
 
 BASE = {  # name: (compile order, or None for an eager model; AdamW states offloaded)
     "none": ("none", False),
@@ -146,11 +146,7 @@ def run_variant(args, device_backend, name: str | None):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--backend", default="cuda", help="cuda (or another accelerator type), or cpu-sim")
-    parser.add_argument("--model", default="medium")
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=1024)
-    parser.add_argument("--steps", type=int, default=3)
+    add_run_arguments(parser, steps=3, steps_help="training steps compared with eager")
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of: {', '.join(VARIANTS)}")
     args = parser.parse_args()
     chosen = [v for v in args.variants.split(",") if v]
