@@ -513,7 +513,7 @@ PREDICTED_FOUR = (
     *(["fsdp_tp_autosac", "fsdp_bf16", "fsdp_bf16_autosac"] if HAS_AUTO_SAC else []),
 )  # fmt: skip
 # Not fsdp_pp_interleaved_full_ac: predicted 7.3 % over its measured peak (2,175,368 B against 2,027,892 B on
-# the last ranks, 2026-11-27; docs/packages/parallel.md), not explained.
+# the last ranks, 2026-11-27); data parallelism x interleaved x full AC only, not explained (docs/packages/parallel.md).
 
 
 @pytest.fixture
