@@ -34,25 +34,19 @@ import time
 
 
 def fsdp_over_one_rank() -> None:
-    """Make ``parallelize`` wrap a one-device configuration as FSDP over a mesh of one rank (this process only)."""
-    import torch
+    """Make ``parallelize`` wrap a one-device configuration as FSDP over a mesh of one rank (this process only).
+
+    ``parallelize`` wraps nothing without data parallelism, and takes plain DDP for one shard: its own
+    FSDP branch is reached by telling it the configuration is sharded (the mesh's ``dp_shard``
+    dimension, of size one, is what it then shards over).
+    """
     from memfit_parallel import apply
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    def fsdp_of_one(part, recipe, config, mesh):
-        dtype = getattr(torch, config.param_dtype)
-        policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-        block_policy = MixedPrecisionPolicy(
-            param_dtype=dtype, reduce_dtype=torch.float32, cast_forward_inputs=recipe.cast_block_inputs
-        )
-        blocks = apply.block_modules(part, recipe.blocks)
-        for index, block in enumerate(blocks):  # as _apply_data_parallel: the last block stays gathered
-            reshard = index < len(blocks) - 1
-            fully_shard(block, mesh=mesh["dp_shard"], mp_policy=block_policy, reshard_after_forward=reshard)
-        fully_shard(part, mesh=mesh["dp_shard"], mp_policy=policy)
-
+    apply_data_parallel = apply._apply_data_parallel
     apply._data_parallel = lambda config: True
-    apply._apply_data_parallel = fsdp_of_one
+    apply._apply_data_parallel = lambda part, recipe, config, mesh: apply_data_parallel(
+        part, recipe, config.model_copy(update={"dp_shard": 2}), mesh
+    )
 
 
 @contextlib.contextmanager
