@@ -126,6 +126,10 @@ def main() -> None:
         out["last_step_max_reserved_bytes"] = torch.accelerator.max_memory_reserved()
         out["last_step_max_allocated_bytes"] = torch.accelerator.max_memory_allocated()
         out["reserved_per_allocated"] = out["last_step_max_reserved_bytes"] / out["last_step_max_allocated_bytes"]
+        # the reserve over the bytes that come and go (the predicted peak's activations and temporaries)
+        transient = p.peak_by_category.get("activation", 0) + p.peak_by_category.get("temporary", 0)
+        reserve = out["last_step_max_reserved_bytes"] - out["last_step_max_allocated_bytes"]
+        out["reserve_per_transient"] = reserve / transient if transient else None
         out["num_alloc_retries"] = torch.accelerator.memory_stats().get("num_alloc_retries")
         out["device"] = getattr(torch, device.type).get_device_name()
 

@@ -15,8 +15,9 @@ are the ones the targets (throughput within 20 %, memory within 10 %) apply to.
 Memory: the prediction is the peak of *allocated* bytes; TorchTitan logs the caching allocator's
 max *reserved* bytes (launched with ``expandable_segments:True``). ``predicted_reserved_gib`` is the
 prediction times ``RESERVED_PER_ALLOCATED``, the reserved/allocated ratio measured on a GPU with
-Llama 3 8B unsharded (``benchmarks/parallel_device_memory.py``, below): an estimate of what
-TorchTitan would log, not a measurement of any row's layout (docs/benchmarks.md brackets it).
+Llama 3 8B unsharded (``benchmarks/parallel_device_memory.py``, below); ``predicted_reserved_transient_gib``
+adds ``RESERVE_PER_TRANSIENT`` times the row's predicted activations and temporaries instead. The two
+bracket what TorchTitan would log; neither is a measurement of any row's layout.
 
 The search rows run :func:`memfit_parallel.planning.search` for each table's model, devices and
 batch in a fresh process (nothing cached), and predict the thesis's own configuration beside it.
@@ -45,6 +46,10 @@ Llama 3 8B with 8 blocks, 2 x 8192 tokens, FSDP2 bf16 mixed precision over one r
 4 blocks, 1 x 8192, no checkpointing and the default allocator). memfit's prediction of the allocated
 peak was within 0.2 % in all three runs. Measured by ``PYTORCH_ALLOC_CONF=expandable_segments:True python
 benchmarks/parallel_device_memory.py --layers 8 --batch 2 --seq 8192 --ac sac``."""
+RESERVE_PER_TRANSIENT = 0.471
+"""The same run's reserve (reserved - allocated) over its predicted transient bytes (activations and
+temporaries at the peak), ``reserve_per_transient`` of that command: the other way of carrying the
+reserve over to a row (``predicted_reserved_transient_gib``; 0.745 without checkpointing)."""
 SAC = {"activation_checkpoint": "sac", "sac_memory_fraction": 0.5, "param_dtype": "bfloat16"}
 FULL = {"activation_checkpoint": "full", "param_dtype": "bfloat16"}
 
@@ -109,6 +114,15 @@ def predict_row(row: dict) -> dict:
         "predicted_tokens_per_s_per_gpu": round(p.tokens_per_s_per_device, 1),
         "predicted_gib": round(p.peak_bytes / GIB, 2),
         "predicted_reserved_gib": round(p.peak_bytes * RESERVED_PER_ALLOCATED / GIB, 2),
+        "predicted_reserved_transient_gib": round(
+            (
+                p.peak_bytes
+                + RESERVE_PER_TRANSIENT
+                * (p.peak_by_category.get("activation", 0) + p.peak_by_category.get("temporary", 0))
+            )
+            / GIB,
+            2,
+        ),
         "predicted_by_category_gib": {k: round(v / GIB, 2) for k, v in p.peak_by_category.items() if v},
         "seconds": {
             "step": p.step_s,
@@ -162,22 +176,24 @@ def main() -> None:
         for i in range(len(SEARCHES)):
             searches.append(run_trial(__file__, ["--child", str(i)], f"search {SEARCHES[i][:2]}"))
     print(f"{'table':5} {'configuration':58} {'tok/s meas':>10} {'pred':>8} {'err':>6} {'GiB meas':>8} {'pred':>6} "
-          f"{'err':>6} {'reserved':>8} {'err':>6}  not modelled")  # fmt: skip
+          f"{'err':>6} {'reserved':>8} {'err':>6} {'transient':>9} {'err':>6}  not modelled")  # fmt: skip
     for r in table:
         t_err = r["predicted_tokens_per_s_per_gpu"] / r["measured_tokens_per_s_per_gpu"] - 1
         m_err = r["predicted_gib"] / r["measured_gib"] - 1
         r_err = r["predicted_reserved_gib"] / r["measured_gib"] - 1
+        tr_err = r["predicted_reserved_transient_gib"] / r["measured_gib"] - 1
         print(f"{r['table']:5} {r['label'][:20] + ': ' + r['config']:58.58} {r['measured_tokens_per_s_per_gpu']:>10,} "
               f"{r['predicted_tokens_per_s_per_gpu']:>8,.0f} {t_err:>+6.0%} {r['measured_gib']:>8} "
-              f"{r['predicted_gib']:>6.1f} {m_err:>+6.0%} {r['predicted_reserved_gib']:>8.1f} {r_err:>+6.0%}  "
+              f"{r['predicted_gib']:>6.1f} {m_err:>+6.0%} {r['predicted_reserved_gib']:>8.1f} {r_err:>+6.0%} "
+              f"{r['predicted_reserved_transient_gib']:>9.1f} {tr_err:>+6.0%}  "
               f"{', '.join(r['not_modelled']) or '-'}")  # fmt: skip
     for s in searches:
         print(f"search {s['model']} on {s['devices']}: chose {s['chosen']} at {s['predicted_tokens_per_s_per_gpu']} "
               f"tok/s/GPU ({s['predicted_gib']} GiB) in {s['search_seconds']} s; the thesis's "
               f"{s['thesis_config']}: {s['thesis_config_predicted_tokens_per_s_per_gpu']} tok/s/GPU "
               f"({s['thesis_config_predicted_gib']} GiB)")  # fmt: skip
-    print(json.dumps({"hardware": HARDWARE, "reserved_per_allocated": RESERVED_PER_ALLOCATED, "rows": table,
-                      "search": searches}))  # fmt: skip
+    print(json.dumps({"hardware": HARDWARE, "reserved_per_allocated": RESERVED_PER_ALLOCATED,
+                      "reserve_per_transient": RESERVE_PER_TRANSIENT, "rows": table, "search": searches}))  # fmt: skip
 
 
 if __name__ == "__main__":
