@@ -142,17 +142,37 @@ def runs_by_name(report: dict, configs: dict[str, ParallelConfig]) -> dict[str, 
     return dict(zip(configs, report["runs"], strict=True))
 
 
+def launch_with_a_restart(run_request: RunRequest, report_path: Path, restarted: list[str]) -> dict:
+    """:func:`launch` allowed one restart of the whole group.
+
+    Twice so far (a full test run on 2026-11-26, CI on 2026-11-27) a launch lost a rank to a native
+    abort (SIGABRT) on a thread that is not Python's, with no message, while the main thread was in a
+    gloo collective; the cause is not known and dozens of launches did not reproduce it. It took
+    every test reading that launch with it. A restart trains everything again from the start, so what the
+    tests check is unchanged; a restart and what the failed attempt left go to the test summary
+    (``restarted_launches``).
+    """
+    report = launch(dataclasses.replace(run_request, max_restarts=1), report_path, timeout_s=LAUNCH_TIMEOUT_S)
+    if report["restarts"]:
+        described = ", ".join(c.describe() for c in run_request.configs)
+        restarted.append(f"{run_request.nproc} ranks ({described}) restarted {report['restarts']} time(s):")
+        restarted += [f"  {line}" for line in report["earlier_failures"]]
+    return report
+
+
 @pytest.fixture(scope="module")
-def two_rank_runs(tmp_path_factory) -> dict[str, dict]:
+def two_rank_runs(tmp_path_factory, restarted_launches) -> dict[str, dict]:
     folder = tmp_path_factory.mktemp("run2")
     sac = sac_plan(folder / "sac.json") if HAS_EXECUTOR else None
-    report = launch(request(2, TWO_RANKS, sac), folder / "report.json", timeout_s=LAUNCH_TIMEOUT_S)
+    report = launch_with_a_restart(request(2, TWO_RANKS, sac), folder / "report.json", restarted_launches)
     return runs_by_name(report, TWO_RANKS)
 
 
 @pytest.fixture(scope="module")
-def four_rank_runs(tmp_path_factory) -> dict[str, dict]:
-    report = launch(request(4, FOUR_RANKS), tmp_path_factory.mktemp("run4") / "report.json", timeout_s=LAUNCH_TIMEOUT_S)
+def four_rank_runs(tmp_path_factory, restarted_launches) -> dict[str, dict]:
+    report = launch_with_a_restart(
+        request(4, FOUR_RANKS), tmp_path_factory.mktemp("run4") / "report.json", restarted_launches
+    )
     return runs_by_name(report, FOUR_RANKS)
 
 
@@ -225,7 +245,7 @@ def test_full_activation_checkpointing_lowers_the_training_peak(two_rank_runs):
 
 
 @pytest.mark.skipif(not HAS_EXECUTOR, reason="swap=True runs memfit.swap (memfit-executor) on each rank")
-def test_two_ranks_swapping_to_fit_a_smaller_device_train_as_one_process(two_rank_runs, tmp_path):
+def test_two_ranks_swapping_to_fit_a_smaller_device_train_as_one_process(two_rank_runs, tmp_path, restarted_launches):
     """FSDP 2 under a per-rank capacity below its training peak: memfit.swap on each rank carries it.
 
     Its own launch (a capacity is per launch) with enough steps for the sessions to plan (Stable)."""
@@ -236,7 +256,7 @@ def test_two_ranks_swapping_to_fit_a_smaller_device_train_as_one_process(two_ran
         nproc=2, configs=[ParallelConfig(dp_shard=2, swap=True)], n_layers=N_LAYERS, global_batch=BATCH,
         seq_len=SEQ, steps=steps, seed=SEED, lr=LR, capacity=str(capacity),
     )  # fmt: skip
-    (run,) = launch(run_request, tmp_path / "report.json", timeout_s=LAUNCH_TIMEOUT_S)["runs"]
+    (run,) = launch_with_a_restart(run_request, tmp_path / "report.json", restarted_launches)["runs"]
     reference = build_training(MODEL, batch_size=BATCH, seq_len=SEQ, seed=SEED, lr=LR)
     for step, got in enumerate(run["losses"]):
         want = reference.step()
@@ -479,8 +499,16 @@ def test_bad_requests_fail_before_anything_launches(tmp_path):
 
 def test_the_launch_command_is_torchrun_standalone_with_the_trainer(tmp_path):
     command = trainer_command(RunRequest(nproc=3, n_layers=6), tmp_path / "c.json", tmp_path / "r.json")
-    assert command[1:6] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3"]
-    assert command[6:8] == ["-m", "memfit_parallel.trainer"] and command[-2:] == ["--n-layers", "6"]
+    assert command[1:8] == [
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "3",
+        "--max-restarts",
+        "0",
+    ]
+    assert command[8:10] == ["-m", "memfit_parallel.trainer"] and command[-2:] == ["--n-layers", "6"]
 
 
 def test_the_cli_reports_bad_input_without_launching(tmp_path, monkeypatch):
@@ -497,6 +525,7 @@ def test_the_cli_reports_bad_input_without_launching(tmp_path, monkeypatch):
         (["--nproc", "2", "--batch", "3"], "global batch 3 does not split over 2"),
         (["--nproc", "0"], "--nproc must be at least 1"),
         (["--nproc", "2", "--steps", "0"], "--steps must be at least 1"),
+        (["--nproc", "2", "--max-restarts", "-1"], "--max-restarts must be 0 or more"),
     ]
     for args, message in cases:
         result = runner.invoke(cli, ["parallel", "run", *args], terminal_width=200)
@@ -590,6 +619,48 @@ def test_a_failed_run_says_what_each_rank_raised():
     assert rank_errors("ChildFailedError:\nsomething else") == []
 
 
+STUB_WORKER = """
+import json, os, sys, time
+
+attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+if attempt == 0:
+    if os.environ["RANK"] == "1":
+        print("terminate called after throwing an instance of 'gloo::EnforceNotMet'", file=sys.stderr, flush=True)
+        os.abort()
+    time.sleep(600)  # rank 0 of the first attempt never reports: torchrun stops it when rank 1 dies
+if os.environ["RANK"] == "0":
+    with open(sys.argv[1], "w") as f:
+        json.dump({"runs": [], "restarts": attempt}, f)
+"""
+
+
+def test_a_launch_with_restarts_recovers_from_a_crashed_rank_and_says_what_happened(tmp_path, monkeypatch):
+    """torchrun restarts the whole group when a rank aborts (``max_restarts``); the report says how many times
+    and keeps what the failed attempt printed. Without restarts the launch fails with that message.
+
+    The ranks run a stub instead of the trainer (rank 1 aborts in the first attempt), under the launch's own
+    torchrun command line."""
+    import memfit_parallel.launch as launch_module
+
+    worker = tmp_path / "worker.py"
+    worker.write_text(STUB_WORKER)
+    real_command = launch_module.trainer_command
+
+    def stub_command(run_request, config_path, report_path):
+        command = real_command(run_request, config_path, report_path)
+        torchrun = command[: command.index("memfit_parallel.trainer") - 1]  # up to "-m memfit_parallel.trainer"
+        return [*torchrun, str(worker), str(report_path)]
+
+    monkeypatch.setattr(launch_module, "trainer_command", stub_command)
+    with pytest.raises(MemfitError, match="gloo::EnforceNotMet"):
+        launch(RunRequest(nproc=2), tmp_path / "failed.json", timeout_s=LAUNCH_TIMEOUT_S)
+    report = launch(RunRequest(nproc=2, max_restarts=1), tmp_path / "report.json", timeout_s=LAUNCH_TIMEOUT_S)
+    assert report["restarts"] == 1
+    assert "terminate called after throwing an instance of 'gloo::EnforceNotMet'" in report["earlier_failures"]
+    with pytest.raises(MemfitError, match="--max-restarts must be 0 or more"):
+        check_request(RunRequest(nproc=2, max_restarts=-1))
+
+
 def test_a_rank_killed_by_a_signal_says_where():
     """A native abort leaves no Python exception: its terminate message and faulthandler's stacks are kept,
     the crashing thread's first (faulthandler prints it last, after every other thread)."""
@@ -624,3 +695,13 @@ def test_a_rank_killed_by_a_signal_says_where():
         "... 4 more frame(s)",
     ]
     assert crash_lines("[rank0]: ValueError: bad\nChildFailedError:") == []
+    # glibc's own messages before an abort (the launch asks glibc for them on stderr: LIBC_FATAL_STDERR_)
+    glibc = [
+        "malloc(): unaligned tcache chunk detected",
+        "munmap_chunk(): invalid pointer",
+        "python: pthread_mutex_lock.c:94: ___pthread_mutex_lock: Assertion `mutex->__data.__owner == 0' failed.",
+    ]
+    assert crash_lines("\n".join(["[rank1]: step 2: loss 5.0", *glibc, "Fatal Python error: Aborted"])) == [
+        *glibc,
+        "Fatal Python error: Aborted",
+    ]

@@ -49,6 +49,9 @@ class RunRequest:
     sac_plan: Path | None = None
     """A memfit plan whose recompute actions ``activation_checkpoint="sac"`` applies instead of the op-level policy
     (``memfit_parallel.predict(..., recompute=...)`` captures the same plan when it is the same in every block)."""
+    max_restarts: int = 0
+    """Times torchrun restarts the whole group when a rank fails (``--max-restarts``); every attempt trains from
+    the start. The report's ``restarts`` says how many it took and ``earlier_failures`` what the failed ones left."""
 
 
 def check_request(request: RunRequest) -> None:
@@ -64,6 +67,8 @@ def check_request(request: RunRequest) -> None:
         raise MemfitError(f"--nproc must be at least 1, got {request.nproc}")
     if request.steps < 1:
         raise MemfitError(f"--steps must be at least 1, got {request.steps}")
+    if request.max_restarts < 0:
+        raise MemfitError(f"--max-restarts must be 0 or more, got {request.max_restarts}")
     parse_size(request.capacity, what="cpu-sim capacity")
     overrides = {"n_layers": request.n_layers} if request.n_layers else {}
     model_config = LlamaConfig.preset(request.model, **overrides)
@@ -99,6 +104,7 @@ def trainer_command(request: RunRequest, config_path: Path, report_path: Path) -
     """The torchrun command line that trains ``request`` (configurations read from ``config_path``)."""
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(request.nproc),
+        "--max-restarts", str(request.max_restarts),
         "-m", "memfit_parallel.trainer", "--config", str(config_path), "--report", str(report_path),
         "--model", request.model, "--batch", str(request.global_batch), "--seq", str(request.seq_len),
         "--steps", str(request.steps), "--seed", str(request.seed), "--lr", repr(request.lr),
@@ -127,7 +133,8 @@ def launch(request: RunRequest, report_path: str | Path | None = None, *, timeou
         report = Path(report_path) if report_path else Path(tmp) / "report.json"
         report.unlink(missing_ok=True)
         command = trainer_command(request, config_path, report)
-        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        # glibc writes its fatal heap-check messages to the terminal, where there is one, unless told otherwise
+        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "LIBC_FATAL_STDERR_": "1"}
         process = subprocess.Popen(
             command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
         )
@@ -148,6 +155,8 @@ def launch(request: RunRequest, report_path: str | Path | None = None, *, timeou
             )
         result = json.loads(report.read_text())
         result["log"] = output
+        if result.get("restarts"):  # the attempts before the one that reported: what their failing ranks left
+            result["earlier_failures"] = rank_errors(output) + crash_lines(output)
         return result
 
 
@@ -168,7 +177,12 @@ def rank_errors(output: str) -> list[str]:
     return [f"rank {rank}: {text}" for rank, text in sorted(last.items())]
 
 
-_CRASH = re.compile(r"terminate called|what\(\):|Fatal Python error|Segmentation fault|double free|corrupted|free\(\)")
+# C++ terminate, glibc's assertion and heap-check messages (malloc(): ..., free(): ..., munmap_chunk(): ...,
+# "corrupted size vs. prev_size", "stack smashing detected"), faulthandler's header
+_CRASH = re.compile(
+    r"terminate called|what\(\):|Fatal Python error|Segmentation fault|Assertion .* failed|double free|corrupted|"
+    r"\b(malloc|free|realloc|munmap_chunk|malloc_consolidate)\(\)|invalid pointer|tcache|stack smashing"
+)
 _THREAD = re.compile(r"^\s*(Thread|Current thread) 0x")
 _FRAME = re.compile(r'^\s*File "')
 
@@ -239,8 +253,19 @@ def _kill_group(process: subprocess.Popen) -> None:
     help='A memfit SAC plan (memfit plan --planner sac): activation_checkpoint="sac" applies it instead of '
     "TorchTitan's op-level policy.",
 )
+@click.option(
+    "--max-restarts",
+    type=int,
+    default=0,
+    show_default=True,
+    help="Restart the whole group this many times when a rank fails (torchrun's --max-restarts); "
+    "each attempt trains from the start.",
+)
 @click.option("--timeout", "timeout_s", type=float, default=DEFAULT_TIMEOUT_S, show_default=True, help="Seconds.")
-def run(config_path, nproc, model, n_layers, batch, seq, steps, seed, lr, capacity, report, sac_plan, timeout_s):
+def run(
+    config_path, nproc, model, n_layers, batch, seq, steps, seed, lr, capacity, report, sac_plan, max_restarts,
+    timeout_s,
+):  # fmt: skip
     """Train the reference Llama with a parallel configuration on NPROC local processes (torchrun)."""
     from memfit_parallel.trainer import load_configs
 
@@ -248,13 +273,17 @@ def run(config_path, nproc, model, n_layers, batch, seq, steps, seed, lr, capaci
         configs = load_configs(config_path) if config_path else []
         request = RunRequest(
             nproc=nproc, configs=configs, model=model, n_layers=n_layers, global_batch=batch, seq_len=seq,
-            steps=steps, seed=seed, lr=lr, capacity=capacity, sac_plan=sac_plan,
+            steps=steps, seed=seed, lr=lr, capacity=capacity, sac_plan=sac_plan, max_restarts=max_restarts,
         )  # fmt: skip
         check_request(request)
         click.echo(f"launching {nproc} processes: " + ", ".join(c.describe() for c in request.configs))
         result = launch(request, report, timeout_s=timeout_s)
     except MemfitError as exc:
         raise click.ClickException(str(exc)) from exc
+    if result.get("restarts"):
+        click.echo(f"restarted {result['restarts']} time(s) after a rank failed; the failed attempts left:")
+        for line in result["earlier_failures"]:
+            click.echo(f"  {line}")
     for entry in result["runs"]:
         click.echo(f"\n{entry['describe']}  ({entry['seconds']:.1f} s)")
         click.echo("  losses: " + ", ".join(f"{x:.6f}" for x in entry["losses"]))

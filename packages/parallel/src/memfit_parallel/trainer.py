@@ -314,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
             recompute=load_recompute(args.sac_plan) if args.sac_plan else None,
         )
         report["sac_plan"] = args.sac_plan
+        # torchrun's count of whole-group restarts before this attempt (launch's max_restarts)
+        report["restarts"] = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         report["seconds"] = time.perf_counter() - started
         if dist.get_rank() == 0:
             text = json.dumps(report, indent=2)
