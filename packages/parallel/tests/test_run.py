@@ -621,16 +621,25 @@ def test_a_failed_run_says_what_each_rank_raised():
 
 STUB_WORKER = """
 import json, os, sys, time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from memfit_parallel.trainer import init_process_group
 
 attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+init_process_group("gloo", timedelta(seconds=60))
+ranks = torch.ones(1)
+dist.all_reduce(ranks)  # every attempt's ranks reach each other
 if attempt == 0:
-    if os.environ["RANK"] == "1":
+    if dist.get_rank() == 1:
         print("terminate called after throwing an instance of 'gloo::EnforceNotMet'", file=sys.stderr, flush=True)
         os.abort()
     time.sleep(600)  # rank 0 of the first attempt never reports: torchrun stops it when rank 1 dies
-if os.environ["RANK"] == "0":
+if dist.get_rank() == 0:
     with open(sys.argv[1], "w") as f:
-        json.dump({"runs": [], "restarts": attempt}, f)
+        json.dump({"runs": [], "restarts": attempt, "ranks_reached": ranks.item()}, f)
+dist.destroy_process_group()
 """
 
 
@@ -639,7 +648,8 @@ def test_a_launch_with_restarts_recovers_from_a_crashed_rank_and_says_what_happe
     and keeps what the failed attempt printed. Without restarts the launch fails with that message.
 
     The ranks run a stub instead of the trainer (rank 1 aborts in the first attempt), under the launch's own
-    torchrun command line."""
+    torchrun command line, and join the process group as the trainer does: torchrun keeps the failed attempt's
+    keys in its store, which the trainer's ``init_process_group`` must not read."""
     import memfit_parallel.launch as launch_module
 
     worker = tmp_path / "worker.py"
@@ -655,7 +665,7 @@ def test_a_launch_with_restarts_recovers_from_a_crashed_rank_and_says_what_happe
     with pytest.raises(MemfitError, match="gloo::EnforceNotMet"):
         launch(RunRequest(nproc=2), tmp_path / "failed.json", timeout_s=LAUNCH_TIMEOUT_S)
     report = launch(RunRequest(nproc=2, max_restarts=1), tmp_path / "report.json", timeout_s=LAUNCH_TIMEOUT_S)
-    assert report["restarts"] == 1
+    assert report["restarts"] == 1 and report["ranks_reached"] == 2
     assert "terminate called after throwing an instance of 'gloo::EnforceNotMet'" in report["earlier_failures"]
     with pytest.raises(MemfitError, match="--max-restarts must be 0 or more"):
         check_request(RunRequest(nproc=2, max_restarts=-1))

@@ -263,6 +263,22 @@ def _gather_ints(values: list[int], world: int, device) -> list[list[int]]:
     return [[int(v) for v in t.tolist()] for t in out]
 
 
+def init_process_group(backend: str, timeout: timedelta) -> None:
+    """``torch.distributed.init_process_group`` under torchrun, in a store of this attempt's own.
+
+    torchrun's restarts (``--max-restarts``) keep the agent's store, which holds the keys the failed
+    attempt's ranks wrote: the new ranks then read a dead rank's address and cannot connect (torch
+    2.13 with gloo: "Gloo connectFullMesh failed ... Connection refused"). Prefixing the store with
+    the restart count gives each attempt keys of its own.
+    """
+    import torch.distributed as dist
+
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
+    store = dist.PrefixStore(f"memfit/attempt_{attempt}", store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Command line of ``python -m memfit_parallel.trainer`` (under torchrun); writes the report on rank 0."""
     parser = argparse.ArgumentParser(prog="python -m memfit_parallel.trainer", description=__doc__.split("\n\n")[0])
@@ -295,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     backend = "gloo"
     if torch.accelerator.is_available():  # pragma: no cover - no accelerator in CI
         backend = {"cuda": "nccl", "npu": "hccl"}.get(torch.accelerator.current_accelerator().type, "gloo")
-    dist.init_process_group(backend, timeout=timedelta(seconds=600))
+    init_process_group(backend, timedelta(seconds=600))
     started = time.perf_counter()
     try:
         world = dist.get_world_size()
