@@ -9,8 +9,10 @@
   ``ScheduleInterleaved1F1B`` warm-up). The rank is applied by :func:`memfit_parallel.apply.parallelize`,
   the trainer's own path. Two microbatches are captured in the rank's schedule order
   (:func:`capture_order`; so FSDP2's unsharded gradient accumulation between them is real), the stage
-  keeping its output and a receive buffer per microbatch as ``torch.distributed.pipelining`` does;
-  further in-flight microbatches add the captured activation bytes of one each, further receive
+  keeping its output and a receive buffer per microbatch as ``torch.distributed.pipelining`` does; an
+  interleaved rank of one round (``m = pp``) runs its stages' backwards one stage after the other, as
+  the schedule does (:func:`capture_groups`: its last stage's loss runs without its other stages'
+  gradients); further in-flight microbatches add the captured activation bytes of one each, further receive
   buffers (:func:`receive_buffers`) one microbatch of hidden states each.
 * **compute**: the simulator's time model per captured operator (calibrated on ``cpu``, roofline from
   the spec's figures on other devices); operators of activation-checkpoint recomputation are
@@ -48,6 +50,7 @@ whose per-rank attention is the causal ``1/cp`` share and whose K/V passes overl
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -240,7 +243,8 @@ def capture_config(config: ParallelConfig) -> ParallelConfig:
     A pipeline rank is captured as the first or last stage of a pipeline of two; an interleaved rank as
     one stage holding all its blocks (a real run applies ``stages_per_rank`` stages of a pipeline of
     ``pp × stages_per_rank``; their activations and buffers are counted by :func:`in_flight` and
-    :func:`receive_buffers`). Not validated: it only shapes the capture.
+    :func:`receive_buffers`, their order of backwards by :func:`capture_groups`). Not validated: it only
+    shapes the capture.
     """
     update: dict[str, Any] = {"swap": False}  # swapping is modelled on the capture (swap_activations)
     if config.pp > 1:
@@ -255,6 +259,23 @@ def capture_mesh(config: ParallelConfig) -> tuple[tuple[str, ...], tuple[int, ..
     names, sizes = capture_config(config).mesh_shape()
     kept = [(n, d) for n, d in zip(names, sizes, strict=True) if n != "pp"]
     return tuple(n for n, _ in kept), tuple(d for _, d in kept)
+
+
+def capture_groups(config: ParallelConfig) -> int:
+    """The rank's pipeline stages whose backwards the capture runs one stage after the other (1: none).
+
+    With one round of microbatches (``microbatches == pp``), torch's ``ScheduleInterleaved1F1B`` runs
+    every microbatch's backward of a rank's later stage before any of its earlier stage's, reducing
+    (FSDP, DDP) and freeing the later stage's gradients in between: while the last stage computes its
+    loss and backward, the rank holds no gradient of its other stages. The capture's stage holds all
+    the rank's blocks, so it splits them into ``stages_per_rank`` consecutive groups, cuts the graph
+    between them (each group's input a leaf, as a received tensor is) and runs the groups' backwards in
+    that order (:func:`capture_stage`). With more rounds, later rounds run with every stage's
+    gradients, as one stage of all the blocks does.
+    """
+    if config.pp > 1 and config.pp_schedule == "interleaved_1f1b" and config.microbatches == config.pp:
+        return config.stages_per_rank
+    return 1
 
 
 def capture_order(config: ParallelConfig, kind: str) -> tuple[int, bool]:
@@ -305,6 +326,7 @@ def _profile_key(workload: Workload, config: ParallelConfig, spec: HardwareSpec,
         config.sac_plan, workload.model, workload.seq_len, config.local_batch(workload) // max(config.microbatches, 1),
         config.dp_replicate, config.dp_shard, config.cp, config.tp, config.pp > 1, config.activation_checkpoint,
         config.sac_memory_fraction, config.param_dtype, _spec_key(spec), blocks, kind, capture_order(config, kind),
+        capture_groups(config),
     )  # fmt: skip
 
 
@@ -321,14 +343,15 @@ def capture_stage(
     The model is the reference Llama with ``blocks`` blocks per pipeline stage, applied by
     :func:`memfit_parallel.apply.parallelize` (what ``memfit parallel run`` trains) with the stage of
     the first or last pipeline rank; the step is the trainer's (:meth:`ParallelModel.train_step`
-    without a pipeline; the schedule's order of microbatches on that rank with one).
+    without a pipeline; the schedule's order of microbatches on that rank with one). An interleaved
+    rank of one round runs its stages' backwards one stage after the other (:func:`capture_groups`).
     """
     key = _profile_key(workload, config, spec, blocks, kind)
     if key in _CACHE:
         return _CACHE[key]
     from memfit_simulator.simulation import make_optimizer
 
-    from memfit_parallel.apply import llama_recipe, parallelize
+    from memfit_parallel.apply import block_modules, llama_recipe, parallelize, split_blocks
     from memfit_parallel.capture import capture_parallel_step
 
     applied = capture_config(config)
@@ -339,13 +362,28 @@ def capture_stage(
     act_dtype = getattr(torch, config.param_dtype)
     stage_ids = None if kind == "whole" else [0 if kind == "first" else applied.stages - 1]
     k, forwards_first = capture_order(config, kind)
-    holder: dict[str, Any] = {}
+    n_groups = capture_groups(config)
+    holder: dict[str, Any] = {"cuts": []}
 
     local_seq = seq // config.tp if config.tp > 1 else seq
+
+    def cut(group, module, args):
+        # the group's input as the stage of that group receives it: a leaf, its graph cut from the group before
+        x = args[0]
+        leaf = x.detach().requires_grad_(x.requires_grad)
+        holder["cuts"][-1][group] = (x, leaf)
+        return (leaf, *args[1:])
 
     def setup(mesh, fake):
         pm = parallelize(recipe, applied, device="cpu", mesh=mesh, stage_ids=stage_ids, init=lambda: fake)
         holder["pm"] = pm
+        if n_groups > 1:  # the rank's stages: consecutive groups of its blocks (capture_groups)
+            layers = block_modules(pm.parts[0], recipe.blocks)
+            ranges = split_blocks(len(layers), n_groups)
+            holder["groups"] = [[layers[i] for i in r] for r in ranges]
+            for g in range(1, n_groups):
+                # before FSDP's pre-forward hook, which must see the leaf to reduce the group's first block
+                layers[ranges[g].start].register_forward_pre_hook(functools.partial(cut, g), prepend=True)
         with fake:
             tokens = torch.randint(0, llama.vocab_size, (micro, seq + 1))
             if kind in ("whole", "first"):
@@ -362,9 +400,18 @@ def capture_stage(
         pm = holder["pm"]
         inputs, targets, grads = data
         fsdp = hasattr(net, "set_requires_gradient_sync")
+        cuts = holder["cuts"]
+        last_group = n_groups - 1
+        # the FSDP modules of each group; the stage root's parameters (embedding, or norm and head) are its end's
+        owned = [list(g) for g in holder.get("groups", [[]])]
+        owned[0 if kind == "first" else last_group].append(net)
+        if k > 1 and fsdp and n_groups > 1:  # nothing is reduced before a group's own last backward
+            net.set_requires_gradient_sync(False)
+            net.set_reshard_after_backward(False)
 
         def forward(index):
             x = inputs[min(index, len(inputs) - 1)]
+            cuts.append({})
             if kind == "first":
                 return net(x), None
             with pm.loss_context():
@@ -373,11 +420,18 @@ def capture_stage(
             # a pipeline stage keeps its output until the microbatch's backward (the schedule's forward cache)
             return loss, out if kind == "last" else None
 
-        def backward(result, index):
-            out, _ = result
+        def backward(result, index, group=last_group):
             if k > 1 and fsdp:  # as torch.distributed.pipelining drives FSDP2: reduce after the last microbatch
-                net.set_requires_gradient_sync(index == k - 1)
-                net.set_reshard_after_backward(index == k - 1)
+                last = index == k - 1
+                for module in owned[group] if n_groups > 1 else [net]:
+                    module.set_requires_gradient_sync(last, recurse=n_groups == 1)
+                    module.set_reshard_after_backward(last, recurse=n_groups == 1)
+            if group < last_group:  # an earlier group: from the gradient its next group computed for its input
+                x, leaf = cuts[index].pop(group + 1)
+                torch.autograd.backward(x, leaf.grad)
+                del x, leaf
+                return
+            out, _ = result
             if kind == "first":
                 out.backward(grads[index])
             else:
@@ -394,6 +448,10 @@ def capture_stage(
                 result = forward(index)
                 backward(result, index)
                 del result
+        for group in range(last_group - 1, -1, -1):  # the rank's earlier stages, after its later ones
+            for index in range(k):
+                backward(None, index, group)
+        cuts.clear()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -548,15 +606,21 @@ def peak_regions(captured: Any) -> dict[str, dict[str, float]]:
 def stage_profile(
     workload: Workload, config: ParallelConfig, spec: HardwareSpec, kind: str, exact_layers: int = EXACT_LAYERS
 ) -> StageProfile:
-    """The stage's profile: captured whole when small, else from 2 and 3 captured blocks (module docs)."""
+    """The stage's profile: captured whole when small, else from 2 and 3 captured blocks (module docs).
+
+    A rank whose stages' backwards are captured one after the other (:func:`capture_groups`) is captured
+    with 2 and 3 blocks in each of its stages.
+    """
     n_layers = model_config(workload.model, workload.seq_len).n_layers
     blocks = n_layers if kind == "whole" else stage_layers(n_layers, config)
-    if blocks <= max(exact_layers, 3):
+    # the rank's stages run their backwards one after the other (capture_groups): blocks of each, in step
+    groups = capture_groups(config) if kind != "whole" else 1
+    if blocks <= exact_layers or blocks <= 3 * groups:
         return capture_stage(workload, config, spec, blocks, kind)
-    # two and three blocks: with one, the first block a phase runs is also its last, and regions blur
-    two = capture_stage(workload, config, spec, 2, kind)
-    three = capture_stage(workload, config, spec, 3, kind)
-    return two.combine(three, blocks - 2, blocks)
+    # two and three blocks (a stage): with one, the first block a phase runs is also its last, and regions blur
+    two = capture_stage(workload, config, spec, 2 * groups, kind)
+    three = capture_stage(workload, config, spec, 3 * groups, kind)
+    return two.combine(three, blocks // groups - 2, blocks)
 
 
 # -- assembling a step -----------------------------------------------------------------------------
