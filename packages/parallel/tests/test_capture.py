@@ -18,7 +18,7 @@ TINY = LlamaConfig.preset("tiny")
 BATCH, SEQ = 8, 128
 
 
-def capture(config: ParallelConfig):
+def capture(config: ParallelConfig, **options):
     """Rank 0 of ``config`` applied by the trainer's ``parallelize`` and stepped as the trainer steps it."""
     recipe = llama_recipe("tiny")
     names, sizes = capture_mesh(config)
@@ -38,8 +38,9 @@ def capture(config: ParallelConfig):
         opt.zero_grad(set_to_none=True)
 
     return capture_parallel_step(
-        setup, step, mesh_names=names, mesh_sizes=sizes, make_optimizer=lambda params: make_optimizer("adamw", params)
-    )
+        setup, step, mesh_names=names, mesh_sizes=sizes, make_optimizer=lambda params: make_optimizer("adamw", params),
+        **options,
+    )  # fmt: skip
 
 
 def block_params(c: LlamaConfig) -> int:
@@ -82,6 +83,27 @@ def test_fsdp_shards_the_state_and_gathers_each_block_as_derived_by_hand():
         ("reduce_scatter", "dp_shard", root): 1,
     }
     assert {c.group_size for c in rank.collectives} == {2}
+
+
+def test_gloos_scratch_buffers_are_one_whole_output_or_input_per_gather_and_scatter():
+    """gloo gathers into a flat copy of the whole output and reduce-scatters a clone of the whole input
+    (measured on cpu-sim: docs/packages/parallel.md): with ``collective_scratch`` each is a temporary of that size,
+    allocated and freed at its collective; without it (NCCL, HCCL) there are none."""
+    params = TINY.num_parameters()
+    block, root = 4 * block_params(TINY), 4 * (params - TINY.n_layers * block_params(TINY))
+
+    def scratch(rank) -> Counter:
+        return Counter(
+            s.nbytes for s in rank.step.storages if s.category == "temporary" and s.created == s.freed >= 0
+            and rank.step.op_names[s.created].split("::")[0] in ("c10d", "_c10d_functional")
+        )  # fmt: skip
+
+    plain, gloo = capture(ParallelConfig(dp_shard=2)), capture(ParallelConfig(dp_shard=2), collective_scratch=True)
+    assert scratch(plain) == Counter()
+    # the gathers (2 per block but the last, 2 of the root) and the reduce-scatters (one per unit), by hand
+    assert scratch(gloo) == Counter({block: 2 * TINY.n_layers - 1 + TINY.n_layers, root: 2 + 1})
+    assert gloo.memory.peak_bytes >= plain.memory.peak_bytes
+    assert len(gloo.step.op_names) == len(plain.step.op_names)  # nothing else changed
 
 
 def test_tp_with_sequence_parallelism_issues_four_collectives_per_block_and_pass():

@@ -21,6 +21,12 @@ attributes operators to modules; here it is taught three more things:
 * **collectives**: each ``c10d`` / ``_c10d_functional`` operator is recorded with its kind, the bytes
   the comm model takes (all-gather: output; reduce-scatter: input; all-reduce: the buffer), its group
   size and the mesh dimension of its group.
+* **gloo's scratch buffers** (``collective_scratch=True``, the capture of a CPU run): gloo, which
+  memfit trains with on the CPU, does not gather or reduce-scatter in place. Its all-gather receives
+  into a flat tensor of the whole output and copies it out; its reduce-scatter all-reduces a clone of
+  the whole input and copies the rank's chunk out (``ProcessGroupGloo``; measured with cpu-sim: one
+  output's, one input's bytes more at the peak of the call, none for an all-reduce). Each is recorded
+  as a temporary of that size, live at its collective. NCCL and HCCL work in place: not recorded.
 
 Operators run inside activation-checkpoint recomputation are flagged (a block's forward running
 during backward), so recomputation is timed apart.
@@ -113,9 +119,10 @@ def _unboxed_group_name(boxed: Any) -> str:
 class _ParallelRecorder(_Recorder):
     """The simulator's recorder, seeing through DTensor, storage resizes and collectives (module docs)."""
 
-    def __init__(self, groups: dict[str, str]) -> None:
+    def __init__(self, groups: dict[str, str], collective_scratch: bool = False) -> None:
         super().__init__(keep_args=True)
         self.groups = groups  # group name -> mesh dimension
+        self.collective_scratch = collective_scratch  # gloo's whole-size buffers (module docs)
         self.collectives: list[Collective] = []
         self.communication: list[bool] = []
         self.recompute: list[bool] = []
@@ -176,6 +183,14 @@ class _ParallelRecorder(_Recorder):
         self.collectives.append(
             Collective(kind, int(size), group_size, dim, self._phase(), len(self.names), self._op_module or "")
         )
+        if self.collective_scratch and kind in ("all_gather", "reduce_scatter") and group_size > 1 and size:
+            from memfit_simulator.capture import _Storage
+
+            # the collective's own operator (recorded next) is where the buffer lives: allocated and freed inside it
+            scratch = _Storage(int(size), "uint8", (int(size),), len(self.names), self._phase(), self._op_module)
+            scratch.freed = scratch.created
+            scratch.category = "temporary"
+            self.storages.append(scratch)
 
     def dims_of_ranks(self, ranks: list[int]) -> str:
         """The mesh dimension(s) along which a group's ranks differ (``init_device_mesh`` numbers ranks row-major)."""
@@ -324,6 +339,7 @@ def capture_parallel_step(
     mesh_sizes: tuple[int, ...],
     make_optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer],
     granularity: int = 1,
+    collective_scratch: bool = False,
 ) -> RankCapture:
     """Capture rank 0 of a ``prod(mesh_sizes)``-rank job (module docs).
 
@@ -336,6 +352,8 @@ def capture_parallel_step(
         mesh_sizes: the size of each dimension.
         make_optimizer: builds the optimizer over the parallelized parameters.
         granularity: the device allocator's block size (memory is rounded up to it).
+        collective_scratch: record gloo's whole-size all-gather and reduce-scatter buffers (module docs): the
+            capture of a run on the CPU, which trains with gloo.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.device_mesh import init_device_mesh
@@ -364,7 +382,7 @@ def capture_parallel_step(
                             pass
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         model, batch = setup(mesh, fake)
-        recorder = _ParallelRecorder(groups)
+        recorder = _ParallelRecorder(groups, collective_scratch)
         recorder.mesh = dict(zip(mesh_names, mesh_sizes, strict=True))
         try:
             with fake:

@@ -463,6 +463,7 @@ def capture_stage(
         mesh_sizes=sizes,
         make_optimizer=lambda params: make_optimizer("adamw", params),
         granularity=spec.allocation_granularity,
+        collective_scratch=spec.name == "cpu",  # memfit trains with gloo on the CPU (the trainer's backend)
     )
     # forward, backward, forward, backward: only the first microbatch's activations are counted as such
     profile = _profile(captured, config, spec, blocks, k, activation_microbatches=k if forwards_first else 1)
