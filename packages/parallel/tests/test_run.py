@@ -152,7 +152,8 @@ def launch_with_a_restart(run_request: RunRequest, report_path: Path, restarted:
     tests check is unchanged; a restart and what the failed attempt left go to the test summary
     (``restarted_launches``).
     """
-    report = launch(dataclasses.replace(run_request, max_restarts=1), report_path, timeout_s=LAUNCH_TIMEOUT_S)
+    # each attempt may take the whole of a launch's time
+    report = launch(dataclasses.replace(run_request, max_restarts=1), report_path, timeout_s=2 * LAUNCH_TIMEOUT_S)
     if report["restarts"]:
         described = ", ".join(c.describe() for c in run_request.configs)
         restarted.append(f"{run_request.nproc} ranks ({described}) restarted {report['restarts']} time(s):")

@@ -51,7 +51,8 @@ class RunRequest:
     (``memfit_parallel.predict(..., recompute=...)`` captures the same plan when it is the same in every block)."""
     max_restarts: int = 0
     """Times torchrun restarts the whole group when a rank fails (``--max-restarts``); every attempt trains from
-    the start. The report's ``restarts`` says how many it took and ``earlier_failures`` what the failed ones left."""
+    the start. The report's ``restarts`` says how many it took and ``earlier_failures`` what the failed ones left
+    (read from the whole output; the attempt that reported printed no failure)."""
 
 
 def check_request(request: RunRequest) -> None:
@@ -180,8 +181,9 @@ def rank_errors(output: str) -> list[str]:
 # C++ terminate, glibc's assertion and heap-check messages (malloc(): ..., free(): ..., munmap_chunk(): ...,
 # "corrupted size vs. prev_size", "stack smashing detected"), faulthandler's header
 _CRASH = re.compile(
-    r"terminate called|what\(\):|Fatal Python error|Segmentation fault|Assertion .* failed|double free|corrupted|"
-    r"\b(malloc|free|realloc|munmap_chunk|malloc_consolidate)\(\)|invalid pointer|tcache|stack smashing"
+    r"terminate called|what\(\):|Fatal Python error|Segmentation fault|Assertion `.*' failed|double free or corruption|"
+    r"corrupted (size|double-linked|unsorted)|(^|\s)(malloc|free|realloc|munmap_chunk|malloc_consolidate)\(\): |"
+    r"stack smashing detected"
 )
 _THREAD = re.compile(r"^\s*(Thread|Current thread) 0x")
 _FRAME = re.compile(r'^\s*File "')
