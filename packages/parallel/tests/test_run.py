@@ -147,7 +147,7 @@ def launch_with_a_restart(run_request: RunRequest, report_path: Path, restarted:
 
     Twice so far (a full test run on 2026-11-26, CI on 2026-11-27) a launch lost a rank to a native
     abort (SIGABRT) on a thread that is not Python's, with no message, while the main thread was in a
-    gloo collective; the cause is not known and dozens of launches did not reproduce it. It took
+    gloo collective; the cause is not known and about 25 launches here did not reproduce it. It took
     every test reading that launch with it. A restart trains everything again from the start, so what the
     tests check is unchanged; a restart and what the failed attempt left go to the test summary
     (``restarted_launches``).

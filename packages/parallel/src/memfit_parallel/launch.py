@@ -148,7 +148,7 @@ def launch(request: RunRequest, report_path: str | Path | None = None, *, timeou
             if process.poll() is None:
                 _kill_group(process)
         if process.returncode != 0 or not report.exists():
-            errors = rank_errors(output) + crash_lines(output)
+            errors = failure_lines(output)
             tail = "\n".join(output.splitlines()[-(15 if errors else 40) :])
             why = "".join(f"\n  {e}" for e in errors)
             raise MemfitError(
@@ -157,7 +157,7 @@ def launch(request: RunRequest, report_path: str | Path | None = None, *, timeou
         result = json.loads(report.read_text())
         result["log"] = output
         if result.get("restarts"):  # the attempts before the one that reported: what their failing ranks left
-            result["earlier_failures"] = rank_errors(output) + crash_lines(output)
+            result["earlier_failures"] = failure_lines(output)
         return result
 
 
@@ -219,6 +219,11 @@ def crash_lines(output: str, frames_per_thread: int = 8, limit: int = 40) -> lis
     if len(found) > limit:
         found = [*found[:limit], f"... {len(found) - limit} more line(s)"]
     return found
+
+
+def failure_lines(output: str) -> list[str]:
+    """What failing ranks left in the output: exceptions (:func:`rank_errors`), then crashes (:func:`crash_lines`)."""
+    return rank_errors(output) + crash_lines(output)
 
 
 def _kill_group(process: subprocess.Popen) -> None:
