@@ -13,7 +13,12 @@
   interleaved rank of one round (``m = pp``) runs its stages' backwards one stage after the other, as
   the schedule does (:func:`capture_groups`: its last stage's loss runs without its other stages'
   gradients); further in-flight microbatches add the captured activation bytes of one each, further receive
-  buffers (:func:`receive_buffers`) one microbatch of hidden states each.
+  buffers (:func:`receive_buffers`) one microbatch of hidden states each. An interleaved rank of two or
+  more rounds (``m ≥ 2·pp``) is captured running torch's schedule for the first or last rank of a
+  pipeline of two ranks and four microbatches, its stages applied and driven as the trainer's
+  (:func:`capture_schedule`: the steady state holds every stage's gradients with the warm-up's
+  microbatches in flight, and the sends hold their tensors until the step ends); what a deeper or
+  longer pipeline holds more at that point is added by following its schedule (:func:`schedule_held`).
 * **compute**: the simulator's time model per captured operator (calibrated on ``cpu``, roofline from
   the spec's figures on other devices); operators of activation-checkpoint recomputation are
   reported as recomputation.
@@ -52,7 +57,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Sequence
+import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,6 +103,10 @@ class StageProfile:
     attention_s: tuple[float, float, float] = (0.0, 0.0, 0.0)
     """Of ``forward_s``, ``backward_s`` and ``recompute_s``, the seconds of attention kernels (the
     search's screening scales them for context parallelism: :func:`memfit_parallel.planning.screen`)."""
+    stage_activation_bytes: tuple[float, ...] = ()
+    """A capture of the rank's own schedule (:func:`capture_schedule`): the activations one microbatch
+    leaves in each of the rank's stages (``()``: another capture). :func:`assemble` adds what the real
+    pipeline holds more than the captured one at the peak (:func:`schedule_held`)."""
 
     @property
     def peak_bytes(self) -> float:
@@ -142,6 +152,9 @@ class StageProfile:
             captured_microbatches=self.captured_microbatches,
             regions=regions,
             attention_s=tuple(mix(a, b) for a, b in zip(self.attention_s, other.attention_s, strict=True)),
+            stage_activation_bytes=tuple(
+                mix(a, b) for a, b in zip(self.stage_activation_bytes, other.stage_activation_bytes, strict=True)
+            ),
         )
 
 
@@ -243,8 +256,9 @@ def capture_config(config: ParallelConfig) -> ParallelConfig:
     A pipeline rank is captured as the first or last stage of a pipeline of two; an interleaved rank as
     one stage holding all its blocks (a real run applies ``stages_per_rank`` stages of a pipeline of
     ``pp × stages_per_rank``; their activations and buffers are counted by :func:`in_flight` and
-    :func:`receive_buffers`, their order of backwards by :func:`capture_groups`). Not validated: it only
-    shapes the capture.
+    :func:`receive_buffers`, their order of backwards by :func:`capture_groups`), or with two rounds or
+    more as its stages of :func:`schedule_config`'s pipeline (:func:`capture_schedule`). Not validated:
+    it only shapes the capture.
     """
     update: dict[str, Any] = {"swap": False}  # swapping is modelled on the capture (swap_activations)
     if config.pp > 1:
@@ -270,12 +284,92 @@ def capture_groups(config: ParallelConfig) -> int:
     loss and backward, the rank holds no gradient of its other stages. The capture's stage holds all
     the rank's blocks, so it splits them into ``stages_per_rank`` consecutive groups, cuts the graph
     between them (each group's input a leaf, as a received tensor is) and runs the groups' backwards in
-    that order (:func:`capture_stage`). With more rounds, later rounds run with every stage's
-    gradients, as one stage of all the blocks does.
+    that order (:func:`capture_stage`). With more rounds, the capture applies the rank's stages as
+    separate modules and runs torch's schedule for them (:func:`capture_schedule`): ``stages_per_rank``
+    too, for the extrapolation in depth (:func:`stage_profile`).
     """
     if config.pp > 1 and config.pp_schedule == "interleaved_1f1b" and config.microbatches == config.pp:
         return config.stages_per_rank
+    if multi_round(config):  # captured as separate stages running torch's schedule (capture_schedule)
+        return config.stages_per_rank
     return 1
+
+
+SCHEDULE_PP = 2
+SCHEDULE_MICROBATCHES = 4
+"""A rank of interleaved 1F1B with several rounds of microbatches is captured running torch's schedule
+for that rank in a pipeline of ``SCHEDULE_PP`` ranks and ``SCHEDULE_MICROBATCHES`` microbatches (two rounds:
+warm-up, steady state, cool-down; :func:`capture_schedule`)."""
+
+
+def multi_round(config: ParallelConfig) -> bool:
+    """Interleaved 1F1B with two or more rounds of microbatches (``microbatches >= 2·pp``)."""
+    return config.pp > 1 and config.pp_schedule == "interleaved_1f1b" and config.microbatches >= 2 * config.pp
+
+
+def schedule_config(config: ParallelConfig) -> ParallelConfig:
+    """The pipeline a multi-round interleaved rank is captured in (:data:`SCHEDULE_PP` ranks, two rounds)."""
+    return config.model_copy(update={"pp": SCHEDULE_PP, "microbatches": SCHEDULE_MICROBATCHES})
+
+
+def warmup_chunks(config: ParallelConfig, rank: int) -> int:
+    """Chunk forwards pipeline rank ``rank`` of interleaved 1F1B runs before its first backward (torch's warm-up)."""
+    m, pp, v = config.microbatches, config.pp, config.stages_per_rank
+    rounds = max(1, m // pp)
+    return min((v - 1) * (m // rounds) + 2 * (pp - 1 - rank), m * v)
+
+
+def interleaved_order(config: ParallelConfig, rank: int) -> list[tuple[str, int, int]]:
+    """Pipeline rank ``rank``'s actions under torch's ``ScheduleInterleaved1F1B``, as its runtime runs them.
+
+    ``("F", local stage, microbatch)``, ``("B", local stage, microbatch)`` and, after a local stage's last
+    backward, ``("R", local stage, -1)`` (its ``REDUCE_GRAD``: FSDP reduces the accumulated gradients).
+    The rank runs ``W`` (:func:`warmup_chunks`) forwards, then a forward and a backward in turn, then
+    the remaining backwards. Forwards go through the local stages a round of microbatches at a time,
+    backwards the same from the last local stage down (depth first).
+    """
+    m, pp, v = config.microbatches, config.pp, config.stages_per_rank
+    per_round = m // max(1, m // pp)
+    total = m * v
+    warmup = warmup_chunks(config, rank)
+
+    def chunk(step: int, backward: bool) -> tuple[int, int]:
+        local = (step // per_round) % v
+        return (v - 1 - local if backward else local), (step // (per_round * v)) * per_round + step % per_round
+
+    order: list[tuple[str, int, int]] = []
+    done = dict.fromkeys(range(v), 0)
+
+    def backward(step: int) -> None:
+        stage, mb = chunk(step, True)
+        order.append(("B", stage, mb))
+        done[stage] += 1
+        if done[stage] == m:
+            order.append(("R", stage, -1))
+
+    for step in range(warmup):
+        order.append(("F", *chunk(step, False)))
+    for step in range(total - warmup):
+        order.append(("F", *chunk(warmup + step, False)))
+        backward(step)
+    for step in range(total - warmup, total):
+        backward(step)
+    return order
+
+
+def capture_schedule(config: ParallelConfig, kind: str) -> list[tuple[str, int, int]] | None:
+    """The actions a multi-round interleaved rank is captured running (``None``: another kind of capture).
+
+    The first or last rank of :func:`schedule_config`'s pipeline, ``kind`` ``first`` or ``last``: its
+    steady state holds the gradients of all its stages with the warm-up's microbatches in flight, and
+    its sends (each stage's output, each input's gradient) hold their tensors until the step ends, as
+    torch's ``_PipelineScheduleRuntime`` waits on them only then. What a deeper or longer pipeline holds
+    more at that point, :func:`assemble` adds (:func:`schedule_held`).
+    """
+    if kind == "whole" or not multi_round(config):
+        return None
+    applied = schedule_config(config)
+    return interleaved_order(applied, 0 if kind == "first" else applied.pp - 1)
 
 
 def capture_order(config: ParallelConfig, kind: str) -> tuple[int, bool]:
@@ -286,6 +380,8 @@ def capture_order(config: ParallelConfig, kind: str) -> tuple[int, bool]:
     """
     if config.pp == 1:
         return 1, True
+    if multi_round(config):  # torch's schedule of the rank (capture_schedule)
+        return SCHEDULE_MICROBATCHES, True
     k = min(2, config.microbatches)
     rank = 0 if kind == "first" else config.pp - 1
     return k, in_flight(config, rank) >= 2
@@ -326,7 +422,7 @@ def _profile_key(workload: Workload, config: ParallelConfig, spec: HardwareSpec,
         config.sac_plan, workload.model, workload.seq_len, config.local_batch(workload) // max(config.microbatches, 1),
         config.dp_replicate, config.dp_shard, config.cp, config.tp, config.pp > 1, config.activation_checkpoint,
         config.sac_memory_fraction, config.param_dtype, _spec_key(spec), blocks, kind, capture_order(config, kind),
-        capture_groups(config),
+        capture_groups(config), multi_round(config),
     )  # fmt: skip
 
 
@@ -348,6 +444,9 @@ def capture_stage(
     """
     key = _profile_key(workload, config, spec, blocks, kind)
     if key in _CACHE:
+        return _CACHE[key]
+    if capture_schedule(config, kind) is not None:
+        _CACHE[key] = _capture_schedule_stage(workload, config, spec, blocks, kind)
         return _CACHE[key]
     from memfit_simulator.simulation import make_optimizer
 
@@ -471,6 +570,170 @@ def capture_stage(
     return profile
 
 
+class _RankStages(torch.nn.Module):
+    """A rank's pipeline stages as one module for the capture: ``forward(stage, x)`` runs one of them."""
+
+    def __init__(self, parts: Sequence[torch.nn.Module]) -> None:
+        super().__init__()
+        self.parts = torch.nn.ModuleList(parts)
+
+    def forward(self, stage: int, x: torch.Tensor) -> torch.Tensor:
+        return self.parts[stage](x)
+
+
+def _reduce_grad(stage: torch.nn.Module, microbatches: int) -> None:
+    """The ``REDUCE_GRAD`` action of torch's pipeline schedules on a stage's module (``perform_reduce_grad``)."""
+    import types
+
+    from torch.distributed.pipelining.stage import _PipelineStageBase
+
+    shim = types.SimpleNamespace(submod=stage)  # all the action reads of a stage
+    shim.scale_grads = functools.partial(_PipelineStageBase.scale_grads, shim)
+    _PipelineStageBase.perform_reduce_grad(shim, microbatches)
+
+
+_STAGE_BLOCK = re.compile(r"^parts\.\d+\.layers\.(\d+)")
+
+
+def _capture_schedule_stage(
+    workload: Workload, config: ParallelConfig, spec: HardwareSpec, blocks: int, kind: str
+) -> StageProfile:
+    """A multi-round interleaved rank running torch's schedule for it (:func:`capture_schedule`).
+
+    The rank's ``stages_per_rank`` stages are applied as the trainer applies them (one module each,
+    each its own FSDP root), and the step runs the schedule's actions as ``_PipelineScheduleRuntime``
+    does: a stage's forward keeps its output (and its input) until the microbatch's backward; every
+    backward accumulates gradients without reducing them (FSDP, DDP); ``REDUCE_GRAD`` after a stage's
+    last backward reduces and reshards it (torch's ``perform_reduce_grad``). What the stage sends (its
+    output, its input's gradient) stays held until the step's end, when the schedule waits on its sends.
+    Receive buffers: the first rank's last stage receives output gradients into one buffer per microbatch,
+    the last rank's first stage its inputs; the other stages' buffers are counted by :func:`assemble`.
+    """
+    from memfit_simulator.simulation import make_optimizer
+
+    from memfit_parallel.apply import llama_recipe, parallelize
+    from memfit_parallel.capture import capture_parallel_step
+
+    applied = schedule_config(capture_config(config)).model_copy(
+        update={"stages_per_rank": config.stages_per_rank, "pp_schedule": "interleaved_1f1b"}
+    )
+    order = capture_schedule(config, kind)
+    assert order is not None
+    v = config.stages_per_rank
+    per_stage = blocks // v
+    rank = 0 if kind == "first" else applied.pp - 1
+    stage_ids = [rank + i * applied.pp for i in range(v)]
+    llama = model_config(workload.model, workload.seq_len)
+    recipe = llama_recipe(workload.model, n_layers=per_stage * applied.stages, max_seq_len=llama.max_seq_len)
+    micro = config.local_batch(workload) // config.microbatches
+    seq = workload.seq_len // config.cp
+    local_seq = seq // config.tp if config.tp > 1 else seq
+    act_dtype = getattr(torch, config.param_dtype)
+    k = SCHEDULE_MICROBATCHES
+    holder: dict[str, Any] = {}
+
+    def setup(mesh, fake):
+        # one stage at a time: parallelize deep-copies the model for several, and a deep copy of a fake tensor
+        # gives its views storages of their own (torch 2.13), which the capture would count as new bytes
+        pms = [
+            parallelize(recipe, applied, device="cpu", mesh=mesh, stage_ids=[stage], init=lambda: fake)
+            for stage in stage_ids
+        ]
+        holder["pm"] = pms[0]
+        with fake:
+            tokens = torch.randint(0, llama.vocab_size, (micro, seq + 1))
+            shape = (micro, local_seq, llama.dim)
+            if kind == "first":  # the schedule's microbatches are views of the batch
+                inputs = [tokens[:, :-1].contiguous()]
+                # the last stage's receive buffers for the gradients the next rank sends back
+                grads = [torch.ones(shape, dtype=act_dtype) for _ in range(k)]
+            else:  # the first stage's receive buffers for the previous rank's outputs
+                inputs = [torch.randn(shape, dtype=act_dtype, requires_grad=True) for _ in range(k)]
+                grads = []
+        return _RankStages([pm.parts[0] for pm in pms]), (inputs, tokens[:, 1:].contiguous(), grads)
+
+    def step(net, opt, data):
+        pm = holder["pm"]
+        inputs, targets, grads = data
+        parts = list(net.parts)
+        last = v - 1
+        fsdp = hasattr(parts[0], "set_requires_gradient_sync")
+        # the stages' forward caches until the backward: what to differentiate, the input, the output
+        cache: dict[tuple[int, int], tuple[Any, Any, Any]] = {}
+        input_grads: dict[tuple[int, int], torch.Tensor] = {}
+        sent: list[torch.Tensor] = []  # what the sends hold until the step's end
+        for action, stage, mb in order:
+            part = parts[stage]
+            if action == "F":
+                if stage == 0:
+                    x = inputs[min(mb, len(inputs) - 1)]
+                else:  # received from the previous rank into a buffer of its own (counted by assemble): an alias
+                    x = cache[(stage - 1, mb)][2].detach().requires_grad_(True)
+                if kind == "last" and stage == last:
+                    with pm.loss_context():
+                        out = net(stage, x)
+                        cache[(stage, mb)] = (recipe.loss_fn(out, targets), x, out)
+                else:
+                    out = net(stage, x)
+                    cache[(stage, mb)] = (out, x, out)
+                del x, out
+            elif action == "B":
+                root, x, out = cache.pop((stage, mb))
+                if fsdp:  # torch's backward_maybe_with_nosync: accumulate, reduce at REDUCE_GRAD
+                    part.set_is_last_backward(False)
+                    part.set_reshard_after_backward(False)
+                    part.set_requires_gradient_sync(False)
+                if kind == "last" and stage == last:
+                    with pm.loss_context():
+                        root.backward()
+                else:
+                    # the next rank's gradient, received into a buffer (the last stage's: grads); an alias
+                    grad = grads[mb] if stage == last else input_grads.pop((stage + 1, mb))
+                    torch.autograd.backward(root, grad)
+                    sent.append(out)  # the output was sent to the next rank
+                del root, out
+                if x.requires_grad:  # the input's gradient, sent to the previous rank (stage_backward)
+                    input_grads[(stage, mb)] = x.grad
+                    sent.append(x.grad)
+                    x.grad = None
+                del x
+            else:
+                _reduce_grad(part, config.microbatches)
+        sent.clear()
+        input_grads.clear()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    names, sizes = capture_mesh(config)
+    captured = capture_parallel_step(
+        setup,
+        step,
+        mesh_names=names,
+        mesh_sizes=sizes,
+        make_optimizer=lambda params: make_optimizer("adamw", params),
+        granularity=spec.allocation_granularity,
+        collective_scratch=spec.name == "cpu",
+    )
+
+    # regions (peak_regions) by a block's place in its stage: every stage's chunks pass over their blocks
+    # again and again, and the peak is where a chunk's forward ends or its backward starts, in any stage
+    def block(module: str) -> int | None:
+        match = _STAGE_BLOCK.match(module)
+        return int(match.group(1)) % per_stage if match else None
+
+    profile = _profile(captured, config, spec, blocks, k, block=block)
+    # one microbatch's activations in each stage: what its forwards before the first backward leave (only
+    # their storages are activations), per forward
+    first_backward = next(i for i, (action, _, _) in enumerate(order) if action == "B")
+    by_stage = []
+    for stage in range(v):
+        forwards = sum(1 for action, s, _ in order[:first_backward] if action == "F" and s == stage)
+        owned = re.compile(rf"^parts\.{stage}(\.|$)")
+        nbytes = sum(b for name, b in captured.memory.activation_bytes_by_module.items() if owned.match(name))
+        by_stage.append(nbytes / forwards if forwards else 0.0)
+    return dataclasses.replace(profile, activation_bytes=sum(by_stage), stage_activation_bytes=tuple(by_stage))
+
+
 def _op_seconds(captured: Any, config: ParallelConfig, spec: HardwareSpec) -> tuple[np.ndarray, np.ndarray]:
     """Each captured operator's predicted seconds, and which operators are attention kernels."""
     from memfit_simulator.calibration import attention_flops
@@ -515,7 +778,13 @@ def collective_seconds(kind: str, nbytes: float, group: int, dim: str, config: P
 
 
 def _profile(
-    captured: Any, config: ParallelConfig, spec: HardwareSpec, blocks: int, k: int = 1, activation_microbatches: int = 1
+    captured: Any,
+    config: ParallelConfig,
+    spec: HardwareSpec,
+    blocks: int,
+    k: int = 1,
+    activation_microbatches: int = 1,
+    block: Callable[[str], int | None] | None = None,
 ) -> StageProfile:
     """Per-microbatch figures of a capture of ``k`` microbatches (per-step ones: optimizer, data-parallel comm)."""
     from memfit.types import Phase
@@ -550,7 +819,7 @@ def _profile(
         else:
             blocking += t
     memory = captured.memory
-    regions = peak_regions(captured)
+    regions = peak_regions(captured, block)
     return StageProfile(
         peak_by_category={k: float(memory.peak_by_category.get(k, 0)) for k in CATEGORIES},
         activation_bytes=float(memory.activation_bytes) / activation_microbatches,
@@ -569,22 +838,26 @@ def _profile(
     )
 
 
-def peak_regions(captured: Any) -> dict[str, dict[str, float]]:
+def peak_regions(captured: Any, block: Callable[[str], int | None] | None = None) -> dict[str, dict[str, float]]:
     """Per region of the step, the bytes by category at its highest point.
 
     A region is a phase (forward, backward, optimizer) and a position in it: before the first block,
     in the first block it runs, in the last block it runs, after the blocks. Each region's peak grows
     linearly with the block count, while which region holds the step's peak may change with it.
+    ``block``: the block an operator's module is in (default: ``N`` of ``layers.N...``; ``None``: none).
     """
-    import re
-
     memory = captured.memory
     totals = memory.total
-    pattern = re.compile(r"^layers\.(\d+)")
+    if block is None:
+        pattern = re.compile(r"^layers\.(\d+)")
+
+        def block(module: str) -> int | None:
+            match = pattern.match(module)
+            return int(match.group(1)) if match else None
+
     by_phase: dict[int, list[tuple[int, int | None]]] = {}
     for index, (phase, module) in enumerate(zip(captured.step.phases.tolist(), captured.step.op_modules, strict=True)):
-        match = pattern.match(module or "")
-        by_phase.setdefault(phase, []).append((index, int(match.group(1)) if match else None))
+        by_phase.setdefault(phase, []).append((index, block(module or "")))
     regions: dict[str, dict[str, float]] = {}
     for phase, ops in by_phase.items():
         blocks = [b for _, b in ops if b is not None]
@@ -656,6 +929,37 @@ def receive_buffers(config: ParallelConfig, rank: int) -> int:
     stages = [rank + k * config.pp for k in range(config.stages_per_rank)]
     last = config.stages - 1
     return config.microbatches * sum((s > 0) + (s < last) for s in stages)
+
+
+def schedule_held(
+    config: ParallelConfig, rank: int, stage_bytes: Sequence[float], send_bytes: float
+) -> tuple[float, float]:
+    """Activations and send buffers pipeline rank ``rank`` holds at its peak under interleaved 1F1B.
+
+    The rank's actions (:func:`interleaved_order`) are followed: a forward leaves ``stage_bytes[s]``
+    of activations in its stage until the microbatch's backward; after the backward, what the stage sent
+    stays held until the step ends (torch's ``_PipelineScheduleRuntime`` waits on its sends then): its
+    output (all stages but the pipeline's last) and its input's gradient (all but the first), each
+    ``send_bytes``. The peak is taken at the start of a backward once every stage has its gradients
+    (each has run a backward), where the most is held.
+    """
+    v, pp = config.stages_per_rank, config.pp
+    stages = [rank + i * pp for i in range(v)]
+    held = [0] * v
+    sends = 0
+    best = (0.0, 0.0)
+    with_gradients: set[int] = set()
+    for action, stage, _ in interleaved_order(config, rank):
+        if action == "F":
+            held[stage] += 1
+        elif action == "B":
+            state = (sum(n * b for n, b in zip(held, stage_bytes, strict=True)), sends * send_bytes)
+            if len(with_gradients) == v and sum(state) > sum(best):
+                best = state
+            held[stage] -= 1
+            sends += (stages[stage] < config.stages - 1) + (stages[stage] > 0)
+            with_gradients.add(stage)
+    return best
 
 
 def _dp_exposed(profile: StageProfile, config: ParallelConfig) -> float:
@@ -774,9 +1078,16 @@ def assemble(
     micro_b = {r: p.backward_s + p.recompute_s + p.blocking_comm_s * 2 / 3 for r, p in stages.items()}
     swapping = None  # swap=True: one rank (ParallelConfig refuses swap with a pipeline)
     for rank, p in stages.items():
-        extra = max(in_flight(config, rank) - p.captured_microbatches, 0.0) * p.activation_bytes
         cats = dict(p.peak_by_category)
-        cats["activation"] = cats["activation"] + extra
+        if p.stage_activation_bytes:  # the rank's schedule captured: what the real one holds more at its peak
+            schedule = schedule_config(config)
+            captured_rank = 0 if rank == 0 else schedule.pp - 1
+            real = schedule_held(config, rank, p.stage_activation_bytes, buffer_bytes)
+            captured = schedule_held(schedule, captured_rank, p.stage_activation_bytes, buffer_bytes)
+            cats["activation"] += real[0] - captured[0]
+            cats["input"] += real[1] - captured[1]
+        else:
+            cats["activation"] += max(in_flight(config, rank) - p.captured_microbatches, 0.0) * p.activation_bytes
         cats["input"] = cats["input"] + max(receive_buffers(config, rank) - p.captured_microbatches, 0) * buffer_bytes
         if config.swap:
             swapping = swap_activations(cats, p, spec, micro_f[rank], micro_b[rank])
