@@ -97,7 +97,9 @@ class StageProfile:
     """Per collective kind and mesh dimension: count and bytes (the captured rank, extrapolated)."""
     captured_blocks: tuple[int, ...] = ()
     captured_microbatches: int = 1
-    """Microbatches in flight in the capture (their activations are in ``peak_by_category``)."""
+    """Microbatches the capture ran (each with its receive buffers)."""
+    captured_in_flight: int = 1
+    """Microbatches in flight at the capture's peak (their activations are in ``peak_by_category``)."""
     regions: dict[str, dict[str, float]] = field(default_factory=dict)
     """The peak by category of each region of the step (:func:`peak_regions`), for extrapolation in depth."""
     attention_s: tuple[float, float, float] = (0.0, 0.0, 0.0)
@@ -150,6 +152,7 @@ class StageProfile:
             collectives=sorted(coll.values(), key=lambda c: (c["dim"], c["kind"])),
             captured_blocks=self.captured_blocks + other.captured_blocks,
             captured_microbatches=self.captured_microbatches,
+            captured_in_flight=self.captured_in_flight,
             regions=regions,
             attention_s=tuple(mix(a, b) for a, b in zip(self.attention_s, other.attention_s, strict=True)),
             stage_activation_bytes=tuple(
@@ -372,19 +375,26 @@ def capture_schedule(config: ParallelConfig, kind: str) -> list[tuple[str, int, 
     return interleaved_order(applied, 0 if kind == "first" else applied.pp - 1)
 
 
-def capture_order(config: ParallelConfig, kind: str) -> tuple[int, bool]:
-    """Microbatches captured and whether their forwards all run before their backwards (module docs).
+def capture_order(config: ParallelConfig, kind: str) -> tuple[int, int]:
+    """Microbatches captured, and how many forwards run before the first backward (module docs).
 
-    A pipeline rank holding two or more microbatches in flight runs forward, forward, backward,
-    backward; one holding one (1F1B's last rank) runs forward, backward, forward, backward.
+    After those, the capture runs a backward and then the next forward, as 1F1B's steady state does.
+    A pipeline rank holding two or more microbatches in flight runs two forwards first; one holding one
+    (1F1B's last rank) runs forward, backward, forward, backward. The first rank of 1F1B with more
+    microbatches than stages reaches its steady state, where a forward adds a microbatch's activations
+    to the gradients the backwards before it accumulated: forward, forward, backward, forward,
+    backward, backward.
     """
     if config.pp == 1:
-        return 1, True
+        return 1, 1
     if multi_round(config):  # torch's schedule of the rank (capture_schedule)
-        return SCHEDULE_MICROBATCHES, True
-    k = min(2, config.microbatches)
+        return SCHEDULE_MICROBATCHES, SCHEDULE_MICROBATCHES
     rank = 0 if kind == "first" else config.pp - 1
-    return k, in_flight(config, rank) >= 2
+    warmup = 2 if in_flight(config, rank) >= 2 else 1
+    k = min(2, config.microbatches)
+    if config.pp_schedule == "1f1b" and rank == 0 and config.microbatches > config.pp:
+        k = 3
+    return k, min(warmup, k)
 
 
 def block_plan(actions: Sequence[Recompute], n_layers: int) -> tuple[BlockRecompute, ...]:
@@ -460,7 +470,7 @@ def capture_stage(
     seq = workload.seq_len // config.cp
     act_dtype = getattr(torch, config.param_dtype)
     stage_ids = None if kind == "whole" else [0 if kind == "first" else applied.stages - 1]
-    k, forwards_first = capture_order(config, kind)
+    k, warmup = capture_order(config, kind)
     n_groups = capture_groups(config)
     holder: dict[str, Any] = {"cuts": []}
 
@@ -537,16 +547,11 @@ def capture_stage(
                 with pm.loss_context():
                     out.backward()
 
-        if forwards_first:
-            results = [forward(i) for i in range(k)]
-            for index in range(k):
-                backward(results[index], index)
-                results[index] = None
-        else:
-            for index in range(k):
-                result = forward(index)
-                backward(result, index)
-                del result
+        results = {index: forward(index) for index in range(warmup)}
+        for index in range(k):
+            backward(results.pop(index), index)
+            if index + warmup < k:
+                results[index + warmup] = forward(index + warmup)
         for group in range(last_group - 1, -1, -1):  # the rank's earlier stages, after its later ones
             for index in range(k):
                 backward(None, index, group)
@@ -564,8 +569,8 @@ def capture_stage(
         granularity=spec.allocation_granularity,
         collective_scratch=spec.name == "cpu",  # memfit trains with gloo on the CPU (the trainer's backend)
     )
-    # forward, backward, forward, backward: only the first microbatch's activations are counted as such
-    profile = _profile(captured, config, spec, blocks, k, activation_microbatches=k if forwards_first else 1)
+    # only the activations of the forwards before the first backward are counted as such
+    profile = _profile(captured, config, spec, blocks, k, activation_microbatches=warmup)
     _CACHE[key] = profile
     return profile
 
@@ -829,6 +834,7 @@ def _profile(
         optimizer_s=opt,
         blocking_comm_s=blocking / k,
         captured_microbatches=k,
+        captured_in_flight=activation_microbatches,
         fsdp=fsdp,
         blocks=blocks,
         collectives=sorted(summary.values(), key=lambda c: (c["dim"], c["kind"])),
@@ -1079,15 +1085,19 @@ def assemble(
     swapping = None  # swap=True: one rank (ParallelConfig refuses swap with a pipeline)
     for rank, p in stages.items():
         cats = dict(p.peak_by_category)
-        if p.stage_activation_bytes:  # the rank's schedule captured: what the real one holds more at its peak
-            schedule = schedule_config(config)
-            captured_rank = 0 if rank == 0 else schedule.pp - 1
-            real = schedule_held(config, rank, p.stage_activation_bytes, buffer_bytes)
-            captured = schedule_held(schedule, captured_rank, p.stage_activation_bytes, buffer_bytes)
+        if multi_round(config):  # what the rank's schedule holds at its peak, less what the profile holds
+            v = config.stages_per_rank
+            stage_bytes = p.stage_activation_bytes or (p.activation_bytes / v,) * v
+            real = schedule_held(config, rank, stage_bytes, buffer_bytes)
+            if p.stage_activation_bytes:  # captured running the schedule of a smaller pipeline (capture_schedule)
+                schedule = schedule_config(config)
+                captured = schedule_held(schedule, 0 if rank == 0 else schedule.pp - 1, stage_bytes, buffer_bytes)
+            else:  # the search's screening: one microbatch's activations, no sends
+                captured = (p.captured_in_flight * p.activation_bytes, 0.0)
             cats["activation"] += real[0] - captured[0]
             cats["input"] += real[1] - captured[1]
         else:
-            cats["activation"] += max(in_flight(config, rank) - p.captured_microbatches, 0.0) * p.activation_bytes
+            cats["activation"] += max(in_flight(config, rank) - p.captured_in_flight, 0.0) * p.activation_bytes
         cats["input"] = cats["input"] + max(receive_buffers(config, rank) - p.captured_microbatches, 0) * buffer_bytes
         if config.swap:
             swapping = swap_activations(cats, p, spec, micro_f[rank], micro_b[rank])
