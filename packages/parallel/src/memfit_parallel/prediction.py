@@ -99,7 +99,8 @@ class StageProfile:
     captured_microbatches: int = 1
     """Microbatches the capture ran (each with its receive buffers)."""
     captured_in_flight: int = 1
-    """Microbatches in flight at the capture's peak (their activations are in ``peak_by_category``)."""
+    """Microbatches whose activations the capture's peak counts: ``in_flight`` beyond them is added
+    (:func:`assemble`). The microbatches captured, but in 1F1B's steady state the two of its warm-up."""
     regions: dict[str, dict[str, float]] = field(default_factory=dict)
     """The peak by category of each region of the step (:func:`peak_regions`), for extrapolation in depth."""
     attention_s: tuple[float, float, float] = (0.0, 0.0, 0.0)
@@ -570,7 +571,9 @@ def capture_stage(
         collective_scratch=spec.name == "cpu",  # memfit trains with gloo on the CPU (the trainer's backend)
     )
     # only the activations of the forwards before the first backward are counted as such
-    profile = _profile(captured, config, spec, blocks, k, activation_microbatches=warmup)
+    # in flight at the peak: all k, but in 1F1B's steady state (k = 3), the two its warm-up left
+    in_flight_captured = warmup if k > 2 else k
+    profile = _profile(captured, config, spec, blocks, k, activation_microbatches=warmup, in_flight=in_flight_captured)
     _CACHE[key] = profile
     return profile
 
@@ -789,6 +792,7 @@ def _profile(
     blocks: int,
     k: int = 1,
     activation_microbatches: int = 1,
+    in_flight: int | None = None,
     block: Callable[[str], int | None] | None = None,
 ) -> StageProfile:
     """Per-microbatch figures of a capture of ``k`` microbatches (per-step ones: optimizer, data-parallel comm)."""
@@ -834,7 +838,7 @@ def _profile(
         optimizer_s=opt,
         blocking_comm_s=blocking / k,
         captured_microbatches=k,
-        captured_in_flight=activation_microbatches,
+        captured_in_flight=k if in_flight is None else in_flight,
         fsdp=fsdp,
         blocks=blocks,
         collectives=sorted(summary.values(), key=lambda c: (c["dim"], c["kind"])),
