@@ -7,8 +7,10 @@
   1F1B the first rank holds ``min(m, pp)``, under GPipe all ``m``, under interleaved 1F1B
   ``((v−1)·pp + 2·(pp−1) + 1)`` chunk-activations of ``1/v`` of its layers each (torch's
   ``ScheduleInterleaved1F1B`` warm-up). The rank is applied by :func:`memfit_parallel.apply.parallelize`,
-  the trainer's own path. Two microbatches are captured in the rank's schedule order
-  (:func:`capture_order`; so FSDP2's unsharded gradient accumulation between them is real), the stage
+  the trainer's own path. Two microbatches are captured in the rank's schedule order, three for
+  1F1B's first rank with more microbatches than stages, whose steady state holds the gradients the
+  earlier backwards accumulated with its microbatches in flight (:func:`capture_order`; so FSDP2's
+  unsharded gradient accumulation between them is real), the stage
   keeping its output and a receive buffer per microbatch as ``torch.distributed.pipelining`` does; an
   interleaved rank of one round (``m = pp``) runs its stages' backwards one stage after the other, as
   the schedule does (:func:`capture_groups`: its last stage's loss runs without its other stages'
