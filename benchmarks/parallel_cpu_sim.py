@@ -37,6 +37,9 @@ TWO = [
     {"dp_shard": 2, "param_dtype": "bfloat16"},
     {"cp": 2},
     {"cp": 2, "activation_checkpoint": "full"},
+    # steady states: 1F1B's first rank with more microbatches than stages, interleaved 1F1B of two rounds
+    {"pp": 2, "microbatches": 4},
+    {"pp": 2, "microbatches": 4, "pp_schedule": "interleaved_1f1b", "stages_per_rank": 2},
 ]
 FOUR = [
     {"dp_shard": 2, "tp": 2},
@@ -49,6 +52,15 @@ FOUR = [
     {"cp": 2, "pp": 2, "microbatches": 2},
     {"dp_replicate": 2, "cp": 2},
     {"cp": 2, "tp": 2, "activation_checkpoint": "sac", "sac_memory_fraction": 0.5},
+    {"dp_shard": 2, "pp": 2, "microbatches": 4},
+    {
+        "dp_shard": 2,
+        "pp": 2,
+        "microbatches": 4,
+        "pp_schedule": "interleaved_1f1b",
+        "stages_per_rank": 2,
+        "activation_checkpoint": "full",
+    },
 ]
 
 # context parallelism beyond 4 ranks, and 3-D meshes with it (opt-in: --nproc 8)
