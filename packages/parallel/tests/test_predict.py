@@ -290,11 +290,14 @@ def test_a_multi_round_interleaved_rank_is_predicted_as_measured(tiny_blocks, ba
 
     workload = Workload(model=tiny_blocks(4), global_batch=batch, seq_len=32)
     predicted = predict(workload, config, "cpu")
-    assert predicted.peak_bytes == pytest.approx(max(first, last), rel=0.005)
-    # the first rank's capture: every stage's gradients and the warm-up's five chunks at its peak
-    profile = stage_profile(workload, config, get_spec("cpu"), "first")
-    assert profile.captured_microbatches == 4 and len(profile.stage_activation_bytes) == 2
-    assert profile.peak_by_category["gradient"] > 0
+    assert predicted.peak_bytes_by_rank[0] == pytest.approx(first, rel=0.005)
+    assert predicted.peak_bytes_by_rank[1] == pytest.approx(last, rel=0.005)
+    # a microbatch's activations in each stage, as cpu-sim traced them on the real ranks (see
+    # test_what_a_multi_round_rank_holds_at_its_peak_follows_its_schedule; the last stage's logits and loss
+    # belong to no stage's blocks)
+    spec = get_spec("cpu")
+    assert stage_profile(workload, config, spec, "first").stage_activation_bytes == (380_416, 364_032)
+    assert stage_profile(workload, config, spec, "last").stage_activation_bytes[0] == 364_032
 
 
 # measured with `memfit parallel run --n-layers 4 --seq 32 --batch 16 --steps 5` (cpu-sim, torch 2.13, gloo):

@@ -143,3 +143,26 @@ def test_the_screening_counts_the_activations_tp_keeps_whole():
         fitted, scaled = (screen(workload, config, spec, r).peak_by_category["activation"] for r in (with_tp, plain))
         assert fitted == pytest.approx(captured, rel=0.02)
         assert scaled < 0.9 * captured
+
+
+def test_a_pipelined_family_the_confirmations_put_over_the_capacity_is_not_captured_again():
+    """Figures of the Llama 3 70B search on 256 × h100-95gb (GiB, screened → captured): FSDP 16 × TP 8 ×
+    PP 2 interleaved 101.32 → 105.16 and its HSDP 2 × 8 variant 104.40 → 108.24 (ratios 1.038, 1.037)."""
+    from memfit_parallel.planning import _FamilyErrors
+
+    gib, capacity = 2**30, 95 * 2**30
+    interleaved = {"pp": 2, "pp_schedule": "interleaved_1f1b", "stages_per_rank": 2, "microbatches": 32}
+    fsdp = ParallelConfig(dp_shard=16, tp=8, param_dtype="bfloat16", **interleaved)
+    hsdp = ParallelConfig(dp_replicate=2, dp_shard=8, tp=8, param_dtype="bfloat16", **interleaved)
+    errors = _FamilyErrors()
+    assert not errors.over(hsdp, 104.40 * gib, capacity)  # nothing confirmed yet: confirm it
+    errors.observe(fsdp, 101.32 * gib, 105.16 * gib)
+    assert errors.over(hsdp, 104.40 * gib, capacity)  # 104.40 × 1.038 = 108.4 GiB
+    assert not errors.over(hsdp, 90.0 * gib, capacity)  # 93.4 GiB: may fit
+    one_f_one_b = hsdp.model_copy(update={"pp_schedule": "1f1b", "stages_per_rank": 1})
+    assert not errors.over(one_f_one_b, 104.40 * gib, capacity)  # another family
+    errors.observe(hsdp, 90.0 * gib, 90.0 * gib)  # a more favourable confirmation of the family wins
+    assert not errors.over(hsdp, 94.0 * gib, capacity)
+    flat = ParallelConfig(dp_shard=32, tp=8, param_dtype="bfloat16")  # no pipeline: swapping may fit it
+    errors.observe(flat, 50.0 * gib, 100.0 * gib)
+    assert not errors.over(flat, 90.0 * gib, capacity)

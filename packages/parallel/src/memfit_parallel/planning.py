@@ -62,6 +62,7 @@ from memfit_parallel.prediction import (
     collective_seconds,
     model_config,
     model_shape,
+    multi_round,
     predict,
     stage_layers,
 )
@@ -227,8 +228,10 @@ class _Reference:
         what it keeps whole) through the two smallest captured degrees: a TP plan shards or replicates
         each saved tensor, so a rank's saved bytes are linear in ``1/tp`` (on Llama 3 70B the fit
         through degrees 2 and 4 gives degree 8's capture within 0.6 % with checkpointing none, full or
-        SAC; degree 1 is off that line, as it gathers nothing). Temporaries, a peak rather than a sum,
-        are the capture without TP divided by ``tp``.
+        SAC; degree 1 is off that line, as it gathers nothing). With one captured degree ``d`` (the
+        search captures the pool's two smallest, so only when it has one) another is bounded from above:
+        ``q(d)`` for ``tp > d``, ``q(d)·d/tp`` below. Temporaries, a peak rather than a sum, are the
+        capture without TP divided by ``tp``.
         """
         out = {
             "block_activation": self.block.activation_bytes / tp,
@@ -239,9 +242,11 @@ class _Reference:
         if tp == 1 or not self.under_tp:
             return out
         degrees = sorted(self.under_tp)
-        if tp in self.under_tp or len(degrees) == 1:
-            degree = tp if tp in self.under_tp else degrees[0]
-            block, rest = (v * degree / tp for v in self.under_tp[degree])
+        if tp in self.under_tp:
+            block, rest = self.under_tp[tp]
+        elif len(degrees) == 1:  # B/t + C from one point: an upper bound (C, kept whole, is not divided)
+            degree = degrees[0]
+            block, rest = (v * (degree / tp if tp < degree else 1.0) for v in self.under_tp[degree])
         else:  # q(t) = B/t + C through the two smallest degrees
             a, b = degrees[:2]
             weight = (1 / tp - 1 / a) / (1 / b - 1 / a)
@@ -296,7 +301,7 @@ def _with_tp(
 ) -> _Reference:
     """``ref`` with a block's and the remainder's activations captured under each TP degree of ``degrees``.
 
-    Captured without data parallelism, which changes no activation and costs a third of the capture.
+    Captured without data parallelism, which changes no activation and takes about a third less time.
     """
     ac, fraction, plan = mode
     base = ParallelConfig(activation_checkpoint=ac, sac_memory_fraction=fraction, sac_plan=plan, param_dtype=dtype)
@@ -382,9 +387,15 @@ def screen(workload: Workload, config: ParallelConfig, spec: HardwareSpec, ref: 
         if config.dp_replicate > 1:
             grads = 4 * params / (tp * shard)
             comm["ar"] = collective_seconds("all_reduce", grads, config.dp_replicate, "dp_replicate", config, spec)
+        stage_bytes: tuple[float, ...] = ()
+        if multi_round(config):  # the rank's stages for its schedule (assemble): the head and loss on the last
+            v = config.stages_per_rank
+            head = mb * head_share * memory["rest_activation"] / cp
+            blocks_bytes = mb * n / v * memory["block_activation"] / cp
+            stage_bytes = tuple(blocks_bytes + (head if s == v - 1 else 0) for s in range(v))
         profiles[rank] = StageProfile(
             peak_by_category=cats, activation_bytes=act_one, forward_s=fwd, backward_s=bwd, recompute_s=rec,
-            optimizer_s=opt, blocking_comm_s=blocking, fsdp=comm, blocks=n,
+            optimizer_s=opt, blocking_comm_s=blocking, fsdp=comm, blocks=n, stage_activation_bytes=stage_bytes,
         )  # fmt: skip
     return assemble(workload, config, spec, profiles, exact_pipeline=False)
 
@@ -449,19 +460,20 @@ def search(
     rejected: list[tuple[str, int]] = []
     confirmed = 0
     deadline = started + confirm_until_s
-    # per family of candidates, the largest captured / screened peak confirmed so far (_family)
-    error: dict[tuple[Any, ...], float] = {}
+    errors = _FamilyErrors()
+    over_like_family = 0
     for screened_s, screened_bytes, config in fitting:
         if ranked and time.perf_counter() > deadline:
             break
         best_s = min(p.step_s for p in ranked) if ranked else float("inf")
         if len(ranked) >= top and screened_s > CONFIRM_BAND * best_s:
             break  # the screening's error band: nothing further down can beat the best confirmed
-        if config.swap_problems() and screened_bytes * error.get(_family(config), 0.0) > capacity:
-            continue  # its family's confirmations say it would not fit either, and swapping cannot rescue it
+        if errors.over(config, screened_bytes, capacity):
+            over_like_family += 1
+            continue
         p = predict(workload, config, spec)
         confirmed += 1
-        error[_family(config)] = max(error.get(_family(config), 0.0), p.peak_bytes / screened_bytes)
+        errors.observe(config, screened_bytes, p.peak_bytes)
         if not p.fits:
             rejected.append((config.describe(), p.peak_bytes))
             if not config.swap_problems():  # the same capture, swapping what is over (modelled: no capture)
@@ -476,6 +488,13 @@ def search(
             f"({least[2].describe()}). Use more devices, a smaller global batch or sequence, or a device with "
             "more memory"
         )
+    notes = [skipped] if skipped else []
+    if over_like_family:
+        notes.append(
+            f"{over_like_family} pipelined candidates not confirmed: screened within the margin, but over the "
+            "capacity by the smallest captured / screened peak of their family's confirmations (same schedule, "
+            "checkpointing, CP and TP use)"
+        )
     ranked += _fill_auto_sac(workload, spec, ranked, started + fill_until_s)
     ranked.sort(key=lambda p: p.step_s)
     for _ in range(len(ranked)):  # ties within 0.1 %: the configuration with fewer parallel dimensions first
@@ -487,7 +506,7 @@ def search(
     return SearchResult(
         workload=workload, hardware=spec.name, devices=devices, ranked=ranked, candidates=len(pool),
         screened_fitting=len(fitting), confirmed=confirmed, seconds=time.perf_counter() - started,
-        rejected=rejected, notes=[skipped] if skipped else [],
+        rejected=rejected, notes=notes,
     )  # fmt: skip
 
 
@@ -526,11 +545,33 @@ def _fill_auto_sac(
     return found
 
 
+@dataclass
+class _FamilyErrors:
+    """The screening's error on each family of pipelined candidates (:func:`_family`), from their confirmations.
+
+    A pipeline cannot swap what is over instead, so a pipelined candidate that even its family's most
+    favourable confirmation (the smallest captured / screened peak) puts over the capacity is not worth
+    a capture. Other candidates are always confirmed: swapping may still fit them.
+    """
+
+    ratios: dict[tuple[Any, ...], float] = field(default_factory=dict)
+
+    def observe(self, config: ParallelConfig, screened_bytes: float, captured_bytes: float) -> None:
+        if config.pp > 1:
+            family = _family(config)
+            self.ratios[family] = min(self.ratios.get(family, math.inf), captured_bytes / screened_bytes)
+
+    def over(self, config: ParallelConfig, screened_bytes: float, capacity: int) -> bool:
+        ratio = self.ratios.get(_family(config)) if config.pp > 1 else None
+        return ratio is not None and screened_bytes * ratio > capacity
+
+
 def _family(config: ParallelConfig) -> tuple[Any, ...]:
     """Candidates the screening errs alike on: the pipeline schedule, checkpointing, and whether CP and TP are used.
 
-    Measured on Llama 3 70B, the captured / screened peak is within about 2 % inside a family and
-    0.89-1.11 across them: a family's confirmations tell how far over its other candidates are.
+    Measured on Llama 3 70B, the captured / screened peak is within 0.3 % inside a family (FSDP or HSDP
+    over the same TP, CP and pipeline) and 0.89-1.11 across them: a family's confirmations tell how far
+    over its other candidates are.
     """
     return (config.pp > 1 and config.pp_schedule, _mode(config), config.cp > 1, config.tp > 1)
 

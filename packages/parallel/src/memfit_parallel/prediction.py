@@ -109,9 +109,12 @@ class StageProfile:
     """Of ``forward_s``, ``backward_s`` and ``recompute_s``, the seconds of attention kernels (the
     search's screening scales them for context parallelism: :func:`memfit_parallel.planning.screen`)."""
     stage_activation_bytes: tuple[float, ...] = ()
-    """A capture of the rank's own schedule (:func:`capture_schedule`): the activations one microbatch
-    leaves in each of the rank's stages (``()``: another capture). :func:`assemble` adds what the real
-    pipeline holds more than the captured one at the peak (:func:`schedule_held`)."""
+    """Multi-round interleaved 1F1B: the activations one microbatch leaves in each of the rank's stages
+    (``()``: the rank's activations split evenly). :func:`assemble` follows the schedule with them
+    (:func:`schedule_held`)."""
+    captured_schedule: bool = False
+    """Captured running the rank's schedule in a smaller pipeline (:func:`capture_schedule`): what it
+    holds at the peak is in ``peak_by_category``, and :func:`assemble` adds what the real one holds more."""
 
     @property
     def peak_bytes(self) -> float:
@@ -161,6 +164,7 @@ class StageProfile:
             stage_activation_bytes=tuple(
                 mix(a, b) for a, b in zip(self.stage_activation_bytes, other.stage_activation_bytes, strict=True)
             ),
+            captured_schedule=self.captured_schedule,
         )
 
 
@@ -190,6 +194,9 @@ class Prediction:
     """Activation swapping's transfers that compute does not hide (``swap=True``; :func:`swap_activations`)."""
     swapped_bytes: int = 0
     """Activation bytes a step swaps out to host memory (and back) on the most loaded rank."""
+    peak_bytes_by_rank: dict[int, int] = field(default_factory=dict)
+    """The peak of each predicted pipeline rank: the first (``0``, whose peak every rank but the last
+    shares or is below) and the last (``pp − 1``); rank ``0`` alone without a pipeline."""
 
     @property
     def peak_bytes(self) -> int:
@@ -212,6 +219,7 @@ class Prediction:
             "hardware": self.hardware,
             "peak_bytes": self.peak_bytes,
             "peak_by_category": self.peak_by_category,
+            "peak_bytes_by_rank": self.peak_bytes_by_rank,
             "capacity_bytes": self.capacity_bytes,
             "fits": self.fits,
             "step_seconds": self.step_s,
@@ -390,7 +398,7 @@ def capture_order(config: ParallelConfig, kind: str) -> tuple[int, int]:
     """
     if config.pp == 1:
         return 1, 1
-    if multi_round(config):  # torch's schedule of the rank (capture_schedule)
+    if multi_round(config):  # torch's schedule of the rank (capture_schedule): this pair only tells captures apart
         return SCHEDULE_MICROBATCHES, SCHEDULE_MICROBATCHES
     rank = 0 if kind == "first" else config.pp - 1
     warmup = 2 if in_flight(config, rank) >= 2 else 1
@@ -618,6 +626,9 @@ def _capture_schedule_stage(
     output, its input's gradient) stays held until the step's end, when the schedule waits on its sends.
     Receive buffers: the first rank's last stage receives output gradients into one buffer per microbatch,
     the last rank's first stage its inputs; the other stages' buffers are counted by :func:`assemble`.
+    Not replayed: torch's ``UNSHARD``/``RESHARD`` actions, which with ``stages_per_rank > 3`` reshard an FSDP
+    stage between its chunks (``max_active_stages=3``); the capture keeps every stage gathered, an
+    over-prediction for such ranks (the search proposes two stages per rank).
     """
     from memfit_simulator.simulation import make_optimizer
 
@@ -738,10 +749,14 @@ def _capture_schedule_stage(
     by_stage = []
     for stage in range(v):
         forwards = sum(1 for action, s, _ in order[:first_backward] if action == "F" and s == stage)
+        # the loss's saved tensors (module "") are in no stage: the last rank holds one chunk of its last stage
+        # at the peak in the real and in the captured schedule alike, so they are in peak_by_category already
         owned = re.compile(rf"^parts\.{stage}(\.|$)")
         nbytes = sum(b for name, b in captured.memory.activation_bytes_by_module.items() if owned.match(name))
         by_stage.append(nbytes / forwards if forwards else 0.0)
-    return dataclasses.replace(profile, activation_bytes=sum(by_stage), stage_activation_bytes=tuple(by_stage))
+    return dataclasses.replace(
+        profile, activation_bytes=sum(by_stage), stage_activation_bytes=tuple(by_stage), captured_schedule=True
+    )
 
 
 def _op_seconds(captured: Any, config: ParallelConfig, spec: HardwareSpec) -> tuple[np.ndarray, np.ndarray]:
@@ -1095,7 +1110,7 @@ def assemble(
             v = config.stages_per_rank
             stage_bytes = p.stage_activation_bytes or (p.activation_bytes / v,) * v
             real = schedule_held(config, rank, stage_bytes, buffer_bytes)
-            if p.stage_activation_bytes:  # captured running the schedule of a smaller pipeline (capture_schedule)
+            if p.captured_schedule:  # captured running the schedule of a smaller pipeline (capture_schedule)
                 schedule = schedule_config(config)
                 captured = schedule_held(schedule, 0 if rank == 0 else schedule.pp - 1, stage_bytes, buffer_bytes)
             else:  # the search's screening: one microbatch's activations, no sends
@@ -1155,6 +1170,7 @@ def assemble(
         capacity_bytes=spec.capacity_bytes, compute_s=compute, exposed_comm_s=exposed, bubble_s=bubble,
         recompute_s=recompute, step_s=step, collectives=collectives, notes=notes, swap_s=swap_s,
         swapped_bytes=int(swapping.microbatch_bytes) if swapping is not None else 0,
+        peak_bytes_by_rank={rank: sum(cats.values()) for rank, cats in sorted(peaks.items())},
     )  # fmt: skip
 
 
