@@ -17,9 +17,10 @@ microbatches in flight).
    (:func:`memfit_parallel.prediction.capture_stage`). A block's temporaries and compute divide by
    ``tp·cp`` (CP's attention twice that: all-gather CP's masked SDPA computes the masked half of its
    ``(S/cp)×S`` scores too, as the confirming capture costs it), its activations by ``cp`` and TP's
-   own way: the modes with a TP candidate that may fit are captured again under the two smallest TP
-   degrees of the candidates, and further degrees fitted (:meth:`_Reference.memory`), as TP keeps the
-   all-gathered inputs of its column-parallel projections whole; all multiply by the microbatch size.
+   own way: TP keeps the all-gathered inputs of its column-parallel projections whole, so a mode's
+   reference is captured again under the two smallest TP degrees of the candidates (further degrees
+   fitted: :meth:`_Reference.memory`) when the confirmation reaches its first TP candidate, which
+   until then is screened at ``1/tp`` of the reference, a lower bound; all multiply by the microbatch size.
    Parameters, gradients (float32 where FSDP accumulates them under a pipeline) and optimizer states
    are counted from the shapes and sharded by ``tp·dp_shard·cp``; what a pipeline rank holds in
    flight follows its schedule (:func:`memfit_parallel.prediction.assemble`); FSDP, TP and pipeline
@@ -33,7 +34,8 @@ microbatches in flight).
    on the same capture: no further capture, so swapping takes nothing from the time budget). Only
    confirmed predictions are ranked and shown: the search never proposes a configuration whose
    captured prediction does not fit.
-3. **Fill** the memory the fastest Auto-SAC configuration leaves: its keep fraction is bisected between
+3. **Fill** (as soon as ``top`` fit, before step 2's further confirmations within its band) the memory
+   the fastest Auto-SAC configuration leaves: its keep fraction is bisected between
    its budget and the next one of the grid (three captured predictions, while the search is under
    50 s), and those faster than it that fit with the planning margin to spare join the ranking.
 """
@@ -441,20 +443,15 @@ def search(
         )
     capacity = spec.capacity_bytes
     refs = {mode: _reference(workload, spec, mode, dtype) for mode in checkpointing_modes(sac_plans)}
-    # TP keeps some activations whole: the reference scaled by 1/tp is a lower bound. The modes with a TP
-    # candidate that may fit get references under TP (two degrees; the others are fitted: _Reference.memory).
-    tp_degrees = sorted({c.tp for c in pool if c.tp > 1})[:2]
-    need_tp = set()
-    for config in pool:
-        if config.tp > 1 and _mode(config) not in need_tp:
-            if screen(workload, config, spec, refs[_mode(config)]).peak_bytes <= SCREEN_MARGIN * capacity:
-                need_tp.add(_mode(config))
-    for mode in need_tp:
-        refs[mode] = _with_tp(workload, spec, mode, dtype, refs[mode], tp_degrees)
     screened = []
     for config in pool:
         p = screen(workload, config, spec, refs[_mode(config)])
         screened.append((p.step_s, p.peak_bytes, config))
+    # TP keeps some activations whole, so until a mode's reference is captured under TP (_with_tp) its TP
+    # candidates are screened at a lower bound of their peak (1/tp of the reference); the capture waits for
+    # the first of them the confirmation reaches, as most modes never get there
+    tp_degrees = sorted({c.tp for c in pool if c.tp > 1})[:2]
+    with_tp: set[CheckpointMode] = set()
     fitting = sorted((s for s in screened if s[1] <= SCREEN_MARGIN * capacity), key=lambda s: s[0])
     ranked: list[Prediction] = []
     rejected: list[tuple[str, int]] = []
@@ -462,7 +459,23 @@ def search(
     deadline = started + confirm_until_s
     errors = _FamilyErrors()
     over_like_family = 0
-    for screened_s, screened_bytes, config in fitting:
+    filled = False  # step 3 runs once ``top`` fit, or after the confirmation
+    index = 0
+    while index < len(fitting):
+        screened_s, screened_bytes, config = fitting[index]
+        if config.tp > 1 and _mode(config) not in with_tp:
+            mode = _mode(config)
+            with_tp.add(mode)
+            refs[mode] = _with_tp(workload, spec, mode, dtype, refs[mode], tp_degrees)
+            rescreened = []  # the mode's TP candidates again; their times do not change, their peaks may
+            for entry in fitting[index:]:
+                if entry[2].tp > 1 and _mode(entry[2]) == mode:
+                    entry = (entry[0], screen(workload, entry[2], spec, refs[mode]).peak_bytes, entry[2])
+                if entry[1] <= SCREEN_MARGIN * capacity:
+                    rescreened.append(entry)
+            fitting[index:] = rescreened
+            continue
+        index += 1
         if ranked and time.perf_counter() > deadline:
             break
         best_s = min(p.step_s for p in ranked) if ranked else float("inf")
@@ -480,6 +493,9 @@ def search(
                 p = predict(workload, config.model_copy(update={"swap": True}), spec)
         if p.fits:
             ranked.append(p)
+        if len(ranked) >= top and not filled:  # before the band's further confirmations: it improves the choice
+            ranked += _fill_auto_sac(workload, spec, ranked, started + fill_until_s)
+            filled = True
     if not ranked:
         least = min(screened, key=lambda s: s[1])
         raise MemfitError(
@@ -495,7 +511,8 @@ def search(
             "capacity by the smallest captured / screened peak of their family's confirmations (same schedule, "
             "checkpointing, CP and TP use)"
         )
-    ranked += _fill_auto_sac(workload, spec, ranked, started + fill_until_s)
+    if not filled:
+        ranked += _fill_auto_sac(workload, spec, ranked, started + fill_until_s)
     ranked.sort(key=lambda p: p.step_s)
     for _ in range(len(ranked)):  # ties within 0.1 %: the configuration with fewer parallel dimensions first
         for i in range(len(ranked) - 1):
