@@ -469,10 +469,8 @@ def capture_stage(
     if capture_schedule(config, kind) is not None:
         _CACHE[key] = _capture_schedule_stage(workload, config, spec, blocks, kind)
         return _CACHE[key]
-    from memfit_simulator.simulation import make_optimizer
 
     from memfit_parallel.apply import block_modules, llama_recipe, parallelize, split_blocks
-    from memfit_parallel.capture import capture_parallel_step
 
     applied = capture_config(config)
     llama = model_config(workload.model, workload.seq_len)
@@ -570,8 +568,23 @@ def capture_stage(
         opt.step()
         opt.zero_grad(set_to_none=True)
 
+    captured = _capture_rank(config, spec, setup, step)
+    # only the activations of the forwards before the first backward are counted as such
+    # in flight at the peak: all k, but in 1F1B's steady state (k = 3), the two its warm-up left
+    in_flight_captured = warmup if k > 2 else k
+    profile = _profile(captured, config, spec, blocks, k, activation_microbatches=warmup, in_flight=in_flight_captured)
+    _CACHE[key] = profile
+    return profile
+
+
+def _capture_rank(config: ParallelConfig, spec: HardwareSpec, setup: Callable, step: Callable) -> Any:
+    """One rank of ``config``'s mesh (:func:`capture_mesh`) running ``step`` with AdamW on ``spec``'s allocator."""
+    from memfit_simulator.simulation import make_optimizer
+
+    from memfit_parallel.capture import capture_parallel_step
+
     names, sizes = capture_mesh(config)
-    captured = capture_parallel_step(
+    return capture_parallel_step(
         setup,
         step,
         mesh_names=names,
@@ -580,12 +593,6 @@ def capture_stage(
         granularity=spec.allocation_granularity,
         collective_scratch=spec.name == "cpu",  # memfit trains with gloo on the CPU (the trainer's backend)
     )
-    # only the activations of the forwards before the first backward are counted as such
-    # in flight at the peak: all k, but in 1F1B's steady state (k = 3), the two its warm-up left
-    in_flight_captured = warmup if k > 2 else k
-    profile = _profile(captured, config, spec, blocks, k, activation_microbatches=warmup, in_flight=in_flight_captured)
-    _CACHE[key] = profile
-    return profile
 
 
 class _RankStages(torch.nn.Module):
@@ -630,10 +637,7 @@ def _capture_schedule_stage(
     stage between its chunks (``max_active_stages=3``); the capture keeps every stage gathered, an
     over-prediction for such ranks (the search proposes two stages per rank).
     """
-    from memfit_simulator.simulation import make_optimizer
-
     from memfit_parallel.apply import llama_recipe, parallelize
-    from memfit_parallel.capture import capture_parallel_step
 
     applied = schedule_config(capture_config(config)).model_copy(
         update={"stages_per_rank": config.stages_per_rank, "pp_schedule": "interleaved_1f1b"}
@@ -725,16 +729,7 @@ def _capture_schedule_stage(
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    names, sizes = capture_mesh(config)
-    captured = capture_parallel_step(
-        setup,
-        step,
-        mesh_names=names,
-        mesh_sizes=sizes,
-        make_optimizer=lambda params: make_optimizer("adamw", params),
-        granularity=spec.allocation_granularity,
-        collective_scratch=spec.name == "cpu",
-    )
+    captured = _capture_rank(config, spec, setup, step)
 
     # regions (peak_regions) by a block's place in its stage: every stage's chunks pass over their blocks
     # again and again, and the peak is where a chunk's forward ends or its backward starts, in any stage
