@@ -451,7 +451,6 @@ def search(
     # candidates are screened at a lower bound of their peak (1/tp of the reference); the capture waits for
     # the first of them the confirmation reaches, as most modes never get there
     tp_degrees = sorted({c.tp for c in pool if c.tp > 1})[:2]
-    with_tp: set[CheckpointMode] = set()
     fitting = sorted((s for s in screened if s[1] <= SCREEN_MARGIN * capacity), key=lambda s: s[0])
     ranked: list[Prediction] = []
     rejected: list[tuple[str, int]] = []
@@ -463,17 +462,10 @@ def search(
     index = 0
     while index < len(fitting):
         screened_s, screened_bytes, config = fitting[index]
-        if config.tp > 1 and _mode(config) not in with_tp:
-            mode = _mode(config)
-            with_tp.add(mode)
+        mode = _mode(config)
+        if config.tp > 1 and not refs[mode].under_tp:
             refs[mode] = _with_tp(workload, spec, mode, dtype, refs[mode], tp_degrees)
-            rescreened = []  # the mode's TP candidates again; their times do not change, their peaks may
-            for entry in fitting[index:]:
-                if entry[2].tp > 1 and _mode(entry[2]) == mode:
-                    entry = (entry[0], screen(workload, entry[2], spec, refs[mode]).peak_bytes, entry[2])
-                if entry[1] <= SCREEN_MARGIN * capacity:
-                    rescreened.append(entry)
-            fitting[index:] = rescreened
+            fitting[index:] = _rescreen_under_tp(workload, spec, mode, refs[mode], fitting[index:])
             continue
         index += 1
         if ranked and time.perf_counter() > deadline:
@@ -560,6 +552,22 @@ def _fill_auto_sac(
         else:
             high = keep
     return found
+
+
+def _rescreen_under_tp(
+    workload: Workload, spec: HardwareSpec, mode: CheckpointMode, ref: _Reference, entries: list[tuple[Any, ...]]
+) -> list[tuple[Any, ...]]:
+    """``entries`` (screened seconds, peak, config) with ``mode``'s TP candidates screened on ``ref`` again.
+
+    Their times do not change, their peaks may: those now over the screening's margin are dropped.
+    """
+    rescreened = []
+    for step_s, peak, config in entries:
+        if config.tp > 1 and _mode(config) == mode:
+            peak = screen(workload, config, spec, ref).peak_bytes
+        if peak <= SCREEN_MARGIN * spec.capacity_bytes:
+            rescreened.append((step_s, peak, config))
+    return rescreened
 
 
 @dataclass

@@ -302,9 +302,8 @@ def capture_groups(config: ParallelConfig) -> int:
     separate modules and runs torch's schedule for them (:func:`capture_schedule`): ``stages_per_rank``
     too, for the extrapolation in depth (:func:`stage_profile`).
     """
-    if config.pp > 1 and config.pp_schedule == "interleaved_1f1b" and config.microbatches == config.pp:
-        return config.stages_per_rank
-    if multi_round(config):  # captured as separate stages running torch's schedule (capture_schedule)
+    interleaved = config.pp > 1 and config.pp_schedule == "interleaved_1f1b"
+    if interleaved and (config.microbatches == config.pp or multi_round(config)):
         return config.stages_per_rank
     return 1
 
@@ -929,8 +928,7 @@ def in_flight(config: ParallelConfig, rank: int) -> float:
         return float(m)
     if config.pp_schedule == "1f1b":
         return float(min(m, pp - rank))
-    chunks = min(m * v, (v - 1) * pp + 2 * (pp - 1 - rank) + 1)
-    return chunks / v
+    return min(m * v, warmup_chunks(config, rank) + 1) / v  # the warm-up and the steady state's next forward
 
 
 def m_total(config: ParallelConfig) -> int:
