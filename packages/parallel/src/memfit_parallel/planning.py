@@ -594,9 +594,9 @@ class _FamilyErrors:
 def _family(config: ParallelConfig) -> tuple[Any, ...]:
     """Candidates the screening errs alike on: the pipeline schedule, checkpointing, and whether CP and TP are used.
 
-    Measured on Llama 3 70B, the captured / screened peak is within 0.3 % inside a family (FSDP or HSDP
-    over the same TP, CP and pipeline) and 0.89-1.11 across them: a family's confirmations tell how far
-    over its other candidates are.
+    Measured on Llama 3 70B (``benchmarks/parallel_screening.py``), the screened / captured peak is within
+    1 % inside a family (FSDP or HSDP over the same TP, CP and pipeline) and 0.89-1.11 across them: a
+    family's confirmations tell how far over its other candidates are.
     """
     return (config.pp > 1 and config.pp_schedule, _mode(config), config.cp > 1, config.tp > 1)
 
