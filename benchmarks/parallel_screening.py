@@ -1,16 +1,19 @@
-"""memfit-parallel's search screening against the captured prediction (``predict``), per-rank peak.
+"""memfit-parallel's search screening against the captured prediction (``predict``): per-rank peak and step time.
 
 The search screens every candidate from a few reference captures scaled to it
 (:func:`memfit_parallel.planning.screen`) and confirms the fastest with a capture of their own
-(:func:`memfit_parallel.predict`). The screening's error decides how many confirmations are spent on
-candidates that do not fit. This sets both side by side on Llama 3 70B (global batch 512 × 8192 tokens,
+(:func:`memfit_parallel.predict`). The screening's error on the peak decides how many confirmations are
+spent on candidates that do not fit; its error on the step time, in which order they are confirmed
+(the search stops confirming at its deadline, so a fast candidate screened slow may never be reached).
+This sets both side by side on Llama 3 70B (global batch 512 × 8192 tokens,
 h100-95gb, bf16) for checkpointing none, full and TorchTitan's SAC 50 %, over TP, CP and pipelines, and
 for each mode the screening without the references under TP (``1/tp`` of the reference, what the
 search screened with before the references under TP, and still does until the confirmation reaches a
 mode's TP candidates).
 
 Prints a table and one JSON object ``{"rows": [{"config", "screened_gib", "screened_without_tp_gib",
-"captured_gib", "ratio", "ratio_without_tp"}]}`` (ratio: screened / captured).
+"captured_gib", "ratio", "ratio_without_tp", "screened_step_s", "captured_step_s", "step_ratio"}]}``
+(ratios: screened / captured).
 
 Run: python benchmarks/parallel_screening.py   (about 5 min on 2 cores)
 """
@@ -59,9 +62,11 @@ def main() -> None:
                 microbatches=microbatches, activation_checkpoint=ac, sac_memory_fraction=fraction,
                 param_dtype="bfloat16",
             )  # fmt: skip
-            screened = screen(workload, config, spec, with_tp).peak_bytes
+            screening = screen(workload, config, spec, with_tp)
+            screened = screening.peak_bytes
             without_tp = screen(workload, config, spec, plain).peak_bytes
-            captured = predict(workload, config, spec).peak_bytes
+            prediction = predict(workload, config, spec)
+            captured = prediction.peak_bytes
             row = {
                 "config": config.describe(),
                 "screened_gib": round(screened / GIB, 2),
@@ -69,12 +74,16 @@ def main() -> None:
                 "captured_gib": round(captured / GIB, 2),
                 "ratio": round(screened / captured, 3),
                 "ratio_without_tp": round(without_tp / captured, 3),
+                "screened_step_s": round(screening.step_s, 3),
+                "captured_step_s": round(prediction.step_s, 3),
+                "step_ratio": round(screening.step_s / prediction.step_s, 3),
             }
             rows.append(row)
             print(
                 f"{row['config']:78s} screened {row['screened_gib']:8.2f} (without TP references "
                 f"{row['screened_without_tp_gib']:8.2f})  captured {row['captured_gib']:8.2f} GiB  "
-                f"ratio {row['ratio']:.3f} ({row['ratio_without_tp']:.3f})",
+                f"ratio {row['ratio']:.3f} ({row['ratio_without_tp']:.3f});  step {row['screened_step_s']:.2f} / "
+                f"{row['captured_step_s']:.2f} s = {row['step_ratio']:.3f}",
                 flush=True,
             )
     print(json.dumps({"rows": rows}))

@@ -14,13 +14,21 @@ microbatches in flight).
 
 1. **Screen** every candidate with a model scaled from a few real captures: the whole model with 1
    and 2 blocks, one sequence, no TP/CP, FSDP over 2 ranks, per checkpointing mode
-   (:func:`memfit_parallel.prediction.capture_stage`). A block's temporaries and compute divide by
-   ``tp·cp`` (CP's attention twice that: all-gather CP's masked SDPA computes the masked half of its
-   ``(S/cp)×S`` scores too, as the confirming capture costs it), its activations by ``cp`` and TP's
-   own way: TP keeps the all-gathered inputs of its column-parallel projections whole, so a mode's
-   reference is captured again under the two smallest TP degrees of the candidates (further degrees
-   fitted: :meth:`_Reference.memory`) when the confirmation reaches its first TP candidate, which
-   until then is screened at ``1/tp`` of the reference, a lower bound; all multiply by the microbatch size.
+   (:func:`memfit_parallel.prediction.capture_stage`). A block's temporaries divide by ``tp·cp``, its
+   activations by ``cp`` and TP's own way: TP keeps the all-gathered inputs of its column-parallel
+   projections whole, so a mode's reference is captured again under the two smallest TP degrees of the
+   candidates (further degrees fitted: :meth:`_Reference.memory`) when the confirmation reaches its
+   first TP candidate, which until then is screened at ``1/tp`` of the reference, a lower bound; all
+   multiply by the microbatch size. Compute is taken apart as it scales (:meth:`_Reference.seconds`):
+   the kernels grow with the microbatch's tokens and TP divides them its own way (fitted over the same
+   references; CP's attention costs twice its share: all-gather CP's masked SDPA computes the masked
+   half of its ``(S/cp)×S`` scores too, as the confirming capture costs it), the per-operator overheads
+   are paid once a microbatch, FSDP's parameter copies once a gather (a microbatch, or a step under a
+   pipeline, where the microbatches accumulate their gradients: :func:`_accumulation_s`) and shrink
+   with the FSDP degree (captured at degrees 2 and 4, fitted). Scaling the whole reference by the
+   microbatch size and ``1/tp`` had put Llama 3 70B's FSDP 256 with full checkpointing 10 % over its
+   capture and FSDP 16 × TP 8 × PP 2 11 % under, so the search confirmed the pipeline first and stopped
+   with it, 20 % slower than the FSDP configuration it never reached.
    Parameters, gradients (float32 where FSDP accumulates them under a pipeline) and optimizer states
    are counted from the shapes and sharded by ``tp·dp_shard·cp``; what a pipeline rank holds in
    flight follows its schedule (:func:`memfit_parallel.prediction.assemble`); FSDP, TP and pipeline
@@ -45,7 +53,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -209,31 +217,68 @@ def candidates(
 
 
 # -- screening ---------------------------------------------------------------------------------------
+PHASES = range(3)
+"""Forward, backward, recomputation: the phases of :attr:`StageProfile.overhead_s` and its kin."""
+
+
+def _kernel_s(p: StageProfile) -> tuple[float, ...]:
+    """Per phase, ``p``'s seconds that grow with the tokens: its kernels but FSDP's parameter copies."""
+    total = (p.forward_s, p.backward_s, p.recompute_s)
+    return tuple(total[i] - p.overhead_s[i] - p.param_copy_s[i] for i in PHASES)
+
+
+def _inverse_fit(degree: int, points: dict[int, float]) -> float:
+    """A rank's quantity at a TP or FSDP degree from captures at the degrees of ``points``.
+
+    Captured at ``degree``, or fitted as ``B/degree + C`` (what the degree shards plus what it does not)
+    through the two smallest captured degrees: a TP plan shards or replicates each saved tensor and each
+    kernel's work, and FSDP copies its local shard and the whole gathered parameters, so such a quantity
+    is linear in ``1/degree`` (TP degree 1 is off that line, as it gathers nothing). With one captured
+    degree ``d`` (the search captures the pool's two smallest TP degrees, so only when it has one) another
+    is bounded from above: ``q(d)`` for larger degrees, ``q(d)·d/degree`` below.
+    """
+    if degree in points:
+        return points[degree]
+    degrees = sorted(points)
+    if len(degrees) == 1:
+        d = degrees[0]
+        return points[d] * (d / degree if degree < d else 1.0)
+    a, b = degrees[:2]
+    return points[a] + (points[b] - points[a]) * (1 / degree - 1 / a) / (1 / b - 1 / a)
+
+
 @dataclass(frozen=True)
 class _Reference:
     """One checkpointing mode's captured block and remainder (embedding, norm, head, loss), one sequence.
 
-    ``block`` and ``rest`` are captured without TP. ``under_tp`` holds the activations of a block and
-    of the remainder captured under TP degrees of the candidates (:meth:`memory`): TP does not divide
-    every activation by its degree, as DTensor's sequence parallelism all-gathers the inputs of the
-    column-parallel projections and autograd saves them whole.
+    ``block`` and ``rest`` are captured without TP, with FSDP over two ranks. ``under_tp`` holds a block
+    and the remainder captured under TP degrees of the candidates, without data parallelism (:meth:`memory`,
+    :meth:`seconds`): TP does not divide every activation and kernel by its degree, as DTensor's sequence
+    parallelism all-gathers the inputs of the column-parallel projections (autograd saves them whole,
+    and the kernels around the gathers run on the whole tensor), and its redistributions add operators.
+    ``copies_by_shard`` holds FSDP's parameter copies of a block and of the remainder per phase
+    (:attr:`StageProfile.param_copy_s`) at FSDP degrees 2 and 4, without TP: they copy the local shard
+    and the whole gathered parameters, so they fit as ``B/degree + C`` (:meth:`seconds`).
     """
 
     block: StageProfile
     rest: StageProfile
-    under_tp: dict[int, tuple[float, float]] = field(default_factory=dict)
+    copies_by_shard: dict[int, tuple[tuple[float, ...], tuple[float, ...]]]
+    under_tp: dict[int, tuple[StageProfile, StageProfile]] = field(default_factory=dict)
+
+    def _under(self, tp: int, value: Callable[[StageProfile], float]) -> tuple[float, float]:
+        """``value`` of a block and of the remainder at TP degree ``tp`` (:func:`_inverse_fit`)."""
+        return tuple(  # type: ignore[return-value]
+            _inverse_fit(tp, {d: value(profiles[part]) for d, profiles in self.under_tp.items()}) for part in (0, 1)
+        )
 
     def memory(self, tp: int) -> dict[str, float]:
         """One TP rank's activations and temporaries of a block and of the remainder, per sequence.
 
-        Activations are captured at TP degree ``tp`` or fitted as ``B/tp + C`` (what TP shards plus
-        what it keeps whole) through the two smallest captured degrees: a TP plan shards or replicates
-        each saved tensor, so a rank's saved bytes are linear in ``1/tp`` (on Llama 3 70B the fit
+        Activations are captured at TP degree ``tp`` or fitted (:func:`_inverse_fit`; on Llama 3 70B the fit
         through degrees 2 and 4 gives degree 8's capture within 0.6 % with checkpointing none, full or
-        SAC; degree 1 is off that line, as it gathers nothing). With one captured degree ``d`` (the
-        search captures the pool's two smallest, so only when it has one) another is bounded from above:
-        ``q(d)`` for ``tp > d``, ``q(d)·d/tp`` below. Temporaries, a peak rather than a sum, are the
-        capture without TP divided by ``tp``.
+        SAC); until the references under TP are captured, the capture without TP divided by ``tp``, a
+        lower bound. Temporaries, a peak rather than a sum, are the capture without TP divided by ``tp``.
         """
         out = {
             "block_activation": self.block.activation_bytes / tp,
@@ -243,17 +288,43 @@ class _Reference:
         }
         if tp == 1 or not self.under_tp:
             return out
-        degrees = sorted(self.under_tp)
-        if tp in self.under_tp:
-            block, rest = self.under_tp[tp]
-        elif len(degrees) == 1:  # B/t + C from one point: an upper bound (C, kept whole, is not divided)
-            degree = degrees[0]
-            block, rest = (v * (degree / tp if tp < degree else 1.0) for v in self.under_tp[degree])
-        else:  # q(t) = B/t + C through the two smallest degrees
-            a, b = degrees[:2]
-            weight = (1 / tp - 1 / a) / (1 / b - 1 / a)
-            block, rest = (qa + (qb - qa) * weight for qa, qb in zip(self.under_tp[a], self.under_tp[b], strict=True))
+        block, rest = self._under(tp, lambda p: p.activation_bytes)
         return out | {"block_activation": block, "rest_activation": rest}
+
+    def seconds(self, tp: int, shard: int) -> tuple[dict[str, tuple[float, ...]], dict[str, tuple[float, ...]]]:
+        """One TP rank's compute of a block and of the remainder, per phase, in three parts.
+
+        ``kernel``: per sequence, what grows with the tokens (:func:`_kernel_s`), fitted over the
+        references under TP as :meth:`memory` (until they are captured, the capture without TP divided
+        by ``tp``); ``overhead``: per microbatch, the per-operator overheads (under TP fitted alike: its
+        redistributions add operators); ``param_copy``: per FSDP gather of the parameters over ``shard``
+        ranks, FSDP's copies (fitted over :attr:`copies_by_shard`), which TP divides.
+        """
+        out = []
+        for part, base in enumerate((self.block, self.rest)):
+            kernel, overhead = _kernel_s(base), base.overhead_s
+            if tp > 1 and self.under_tp:
+                kernel = tuple(self._under(tp, lambda p, i=i: _kernel_s(p)[i])[part] for i in PHASES)
+                overhead = tuple(self._under(tp, lambda p, i=i: p.overhead_s[i])[part] for i in PHASES)
+            elif tp > 1:
+                kernel = tuple(k / tp for k in kernel)
+            param_copy = tuple(
+                _inverse_fit(shard, {d: copies[part][i] for d, copies in self.copies_by_shard.items()}) / tp
+                for i in PHASES
+            )
+            out.append({"kernel": kernel, "overhead": overhead, "param_copy": param_copy})
+        return out[0], out[1]
+
+
+_TIMES = ("forward_s", "backward_s", "recompute_s", "optimizer_s")
+_PHASE_TIMES = ("attention_s", "overhead_s", "param_copy_s")
+
+
+def _difference(a: StageProfile, b: StageProfile) -> dict[str, Any]:
+    """The per-microbatch times of ``a − b``, as :class:`StageProfile` fields."""
+    return {name: getattr(a, name) - getattr(b, name) for name in _TIMES} | {
+        name: tuple(x - y for x, y in zip(getattr(a, name), getattr(b, name), strict=True)) for name in _PHASE_TIMES
+    }
 
 
 def _block_and_rest(workload: Workload, spec: HardwareSpec, base: ParallelConfig) -> tuple[StageProfile, StageProfile]:
@@ -263,29 +334,16 @@ def _block_and_rest(workload: Workload, spec: HardwareSpec, base: ParallelConfig
     two = capture_stage(one_seq, base, spec, 2, "whole")
     block = one.combine(two, 1.0, 1)  # two, as a profile
     diff = {k: max(block.peak_by_category[k] - one.peak_by_category[k], 0.0) for k in CATEGORIES}
-
-    def minus(a: StageProfile, b: StageProfile, factor: float = 1.0) -> StageProfile:
-        return StageProfile(
-            peak_by_category={k: a.peak_by_category[k] - factor * diff[k] for k in CATEGORIES},
-            activation_bytes=a.activation_bytes - factor * (b.activation_bytes - a.activation_bytes),
-            forward_s=a.forward_s - factor * (b.forward_s - a.forward_s),
-            backward_s=a.backward_s - factor * (b.backward_s - a.backward_s),
-            recompute_s=a.recompute_s - factor * (b.recompute_s - a.recompute_s),
-            optimizer_s=a.optimizer_s - factor * (b.optimizer_s - a.optimizer_s),
-            blocking_comm_s=0.0,
-            fsdp={},
-            blocks=0,
-            attention_s=tuple(x - factor * (y - x) for x, y in zip(a.attention_s, b.attention_s, strict=True)),
-        )
-
     per_block = StageProfile(
         peak_by_category=diff, activation_bytes=two.activation_bytes - one.activation_bytes,
-        forward_s=two.forward_s - one.forward_s, backward_s=two.backward_s - one.backward_s,
-        recompute_s=two.recompute_s - one.recompute_s, optimizer_s=two.optimizer_s - one.optimizer_s,
-        blocking_comm_s=0.0, fsdp={}, blocks=1,
-        attention_s=tuple(y - x for x, y in zip(one.attention_s, two.attention_s, strict=True)),
+        blocking_comm_s=0.0, fsdp={}, blocks=1, **_difference(two, one),
     )  # fmt: skip
-    return per_block, minus(one, two)
+    rest = StageProfile(
+        peak_by_category={k: one.peak_by_category[k] - diff[k] for k in CATEGORIES},
+        activation_bytes=one.activation_bytes - per_block.activation_bytes,
+        blocking_comm_s=0.0, fsdp={}, blocks=0, **_difference(one, per_block),
+    )  # fmt: skip
+    return per_block, rest
 
 
 def _reference(workload: Workload, spec: HardwareSpec, mode: CheckpointMode, dtype: str) -> _Reference:
@@ -295,23 +353,45 @@ def _reference(workload: Workload, spec: HardwareSpec, mode: CheckpointMode, dty
         dp_shard=2, activation_checkpoint=ac, sac_memory_fraction=fraction, sac_plan=plan, param_dtype=dtype
     )
     block, rest = _block_and_rest(workload, spec, base)
-    return _Reference(block=block, rest=rest)
+    # FSDP's copies do not depend on the checkpointing (the copies of mode none serve every mode, captured once)
+    copies = {2: (block.param_copy_s, rest.param_copy_s)}
+    block4, rest4 = _block_and_rest(workload, spec, ParallelConfig(dp_shard=4, param_dtype=dtype))
+    copies[4] = (block4.param_copy_s, rest4.param_copy_s)
+    return _Reference(block=block, rest=rest, copies_by_shard=copies)
 
 
 def _with_tp(
     workload: Workload, spec: HardwareSpec, mode: CheckpointMode, dtype: str, ref: _Reference, degrees: Sequence[int]
 ) -> _Reference:
-    """``ref`` with a block's and the remainder's activations captured under each TP degree of ``degrees``.
+    """``ref`` with a block and the remainder captured under each TP degree of ``degrees``.
 
     Captured without data parallelism, which changes no activation and takes about a third less time.
     """
     ac, fraction, plan = mode
     base = ParallelConfig(activation_checkpoint=ac, sac_memory_fraction=fraction, sac_plan=plan, param_dtype=dtype)
-    under_tp = {}
-    for tp in degrees:
-        block, rest = _block_and_rest(workload, spec, base.model_copy(update={"tp": tp}))
-        under_tp[tp] = (block.activation_bytes, rest.activation_bytes)
+    under_tp = {tp: _block_and_rest(workload, spec, base.model_copy(update={"tp": tp})) for tp in degrees}
     return dataclasses.replace(ref, under_tp=under_tp)
+
+
+def _accumulation_s(spec: HardwareSpec, params: float, itemsize: int, microbatches: int) -> float:
+    """A microbatch's share of accumulating FSDP's unsharded gradients of ``params`` parameters under a pipeline.
+
+    FSDP reduces once a step there, so autograd accumulates in its reduce dtype, float32: the first
+    microbatch's gradients are cast to it, each further one is added to them in place (as captured:
+    ``_to_copy`` once, then ``add_`` of a float32 and a ``param_dtype`` gradient), memory-bound kernels
+    costed by the device's time model.
+    """
+    from memfit_simulator.timing import OpCost, category, time_model
+
+    n = int(params)
+    low = "bfloat16" if itemsize == 2 else "float32"
+    out = (((n,), "float32"),)
+    cast = OpCost(
+        "aten::_to_copy", category("aten::_to_copy"), 1, 0.0, n * (itemsize + 4), "float32", (((n,), low),), out
+    )
+    add = OpCost("aten::add_", category("aten::add_"), 1, 0.0, n * (itemsize + 8), "float32", out + (((n,), low),), out)
+    cast_s, add_s = time_model(spec).predict([cast, add])
+    return float(cast_s + (microbatches - 1) * add_s) / microbatches
 
 
 def _param_counts(workload: Workload) -> tuple[int, int, int]:
@@ -357,13 +437,24 @@ def screen(workload: Workload, config: ParallelConfig, spec: HardwareSpec, ref: 
         act_one = mb * (n * memory["block_activation"] + head_share * memory["rest_activation"]) / cp
         cats["activation"] = act_one
         cats["temporary"] = mb * (head_share * memory["rest_temporary"] + memory["block_temporary"]) / cp
-        fwd = mb * (n * blk.forward_s + head_share * rest.forward_s) / split
-        bwd = mb * (n * blk.backward_s + head_share * rest.backward_s) / split
-        rec = mb * n * blk.recompute_s / split
+        # per phase: the kernels scale with the microbatch's tokens on this rank, the per-operator overheads
+        # are paid per microbatch, FSDP's copies per gather: once a step under a pipeline (ZeRO-2), else
+        # once a microbatch (the step's one)
+        gathers = (1 / config.microbatches if config.pp > 1 else 1.0) if fsdp else 0.0
+        block_s, rest_s = ref.seconds(tp, shard)
+        fwd, bwd, rec = (
+            sum(
+                weight * (mb * part["kernel"][i] / cp + part["overhead"][i] + gathers * part["param_copy"][i])
+                for weight, part in ((n, block_s), (head_share, rest_s))
+            )
+            for i in PHASES
+        )
         if cp > 1:
             # The reference's causal attention (a flash kernel's half of S×S) shared by cp is the ring's
             # cost; all-gather CP's masked SDPA computes the whole (S/cp)×S, the masked half too: twice it.
             fwd, bwd, rec = (t + mb * n * a / split for t, a in zip((fwd, bwd, rec), blk.attention_s, strict=True))
+        if fsdp and config.pp > 1:  # the microbatches accumulate their gradients (ZeRO-2: reduced once a step)
+            bwd += _accumulation_s(spec, params / tp, low, config.microbatches)
         opt = (n * blk.optimizer_s + rest.optimizer_s) * 2 / (tp * shard if fsdp else tp / 2)
         blocking = 0.0
         if tp > 1:
@@ -462,17 +553,17 @@ def search(
     index = 0
     while index < len(fitting):
         screened_s, screened_bytes, config = fitting[index]
+        if ranked and time.perf_counter() > deadline:
+            break
+        best_s = min(p.step_s for p in ranked) if ranked else float("inf")
+        if len(ranked) >= top and screened_s > CONFIRM_BAND * best_s:
+            break  # the screening's error band: nothing further down can beat the best confirmed
         mode = _mode(config)
         if config.tp > 1 and not refs[mode].under_tp:
             refs[mode] = _with_tp(workload, spec, mode, dtype, refs[mode], tp_degrees)
             fitting[index:] = _rescreen_under_tp(workload, spec, mode, refs[mode], fitting[index:])
             continue
         index += 1
-        if ranked and time.perf_counter() > deadline:
-            break
-        best_s = min(p.step_s for p in ranked) if ranked else float("inf")
-        if len(ranked) >= top and screened_s > CONFIRM_BAND * best_s:
-            break  # the screening's error band: nothing further down can beat the best confirmed
         if errors.over(config, screened_bytes, capacity):
             over_like_family += 1
             continue
@@ -526,10 +617,10 @@ def _fill_auto_sac(
 
     The budgets are a grid (:data:`AUTO_SAC_KEEP`): a configuration that fits at one and not at the
     next leaves memory unused, which keeping more would turn into less recomputation. Bisect the
-    keep fraction between the two (:data:`REFINE_STEPS` predictions, each a capture, until
-    ``deadline``) and return the predictions faster than the grid's that fit with memfit's planning
-    margin to spare (:func:`memfit.plan.default_margin`, as the swap model keeps): filling the device
-    to the byte would stake the run on the prediction's last percent.
+    keep fraction between the two (:data:`REFINE_STEPS` predictions, each a capture, while the last
+    one's duration still ends before ``deadline``) and return the predictions faster than the grid's
+    that fit with memfit's planning margin to spare (:func:`memfit.plan.default_margin`, as the swap
+    model keeps): filling the device to the byte would stake the run on the prediction's last percent.
     """
     auto = [p for p in ranked if p.config.sac_plan is not None and p.config.sac_memory_fraction is not None]
     if not auto:
@@ -540,11 +631,14 @@ def _fill_auto_sac(
     low = best.config.sac_memory_fraction
     high = min([k for k in AUTO_SAC_KEEP if k > low], default=1.0)
     found = []
+    last_s = 0.0  # the previous step's seconds: a step that would end past the deadline is not started
     for _ in range(REFINE_STEPS):
-        if time.perf_counter() > deadline:
+        if time.perf_counter() + last_s > deadline:
             break
         keep = round((low + high) / 2, 4)
+        started = time.perf_counter()
         p = predict(workload, auto_sac(best.config, workload, spec, keep), spec)
+        last_s = time.perf_counter() - started
         if p.peak_bytes <= spec.capacity_bytes - default_margin(spec.capacity_bytes):
             low = keep
             if p.step_s < (found[-1] if found else best).step_s:  # found is fastest last
@@ -559,15 +653,17 @@ def _rescreen_under_tp(
 ) -> list[tuple[Any, ...]]:
     """``entries`` (screened seconds, peak, config) with ``mode``'s TP candidates screened on ``ref`` again.
 
-    Their times do not change, their peaks may: those now over the screening's margin are dropped.
+    Their peaks and times change: those now over the screening's margin are dropped, the rest ordered
+    by their screened time again.
     """
     rescreened = []
     for step_s, peak, config in entries:
         if config.tp > 1 and _mode(config) == mode:
-            peak = screen(workload, config, spec, ref).peak_bytes
+            p = screen(workload, config, spec, ref)
+            step_s, peak = p.step_s, p.peak_bytes
         if peak <= SCREEN_MARGIN * spec.capacity_bytes:
             rescreened.append((step_s, peak, config))
-    return rescreened
+    return sorted(rescreened, key=lambda s: s[0])
 
 
 @dataclass
