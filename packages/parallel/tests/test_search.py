@@ -146,8 +146,9 @@ def test_the_screening_counts_the_activations_tp_keeps_whole():
 
 
 def test_a_pipelined_family_the_confirmations_put_over_the_capacity_is_not_captured_again():
-    """Figures of the Llama 3 70B search on 256 × h100-95gb (GiB, screened → captured): FSDP 16 × TP 8 ×
-    PP 2 interleaved 101.32 → 105.16 and its HSDP 2 × 8 variant 104.40 → 108.24 (ratios 1.038, 1.037)."""
+    """Figures of the Llama 3 70B search on 256 × h100-95gb before its screening counted the embedding's
+    gradient whole (GiB, screened → captured): FSDP 16 × TP 8 × PP 2 interleaved 101.32 → 105.16 and its
+    HSDP 2 × 8 variant 104.40 → 108.24 (ratios 1.038, 1.037)."""
     from memfit_parallel.planning import _FamilyErrors
 
     gib, capacity = 2**30, 95 * 2**30

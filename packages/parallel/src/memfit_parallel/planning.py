@@ -418,6 +418,10 @@ def screen(workload: Workload, config: ParallelConfig, spec: HardwareSpec, ref: 
         if rank in profiles:
             continue
         params = n * block_params + (embed_params if first else 0) + (head_params if last else 0)
+        # FSDP's unsharded gradients, accumulated under a pipeline: DTensor's backward of the vocabulary-
+        # sharded embedding gives every TP rank the whole vocabulary's gradient, which FSDP accumulates whole
+        # (as captured: 3.4 GiB more than 1/tp of it on Llama 3 70B's first stage under TP 8)
+        grad_params = params / tp + (embed_params * (1 - 1 / tp) if first else 0)
         blk, rest = ref.block, ref.rest
         head_share = 1.0 if last else 0.0  # the remainder is mostly the output head and loss
         cats = dict.fromkeys(CATEGORIES, 0.0)
@@ -426,7 +430,7 @@ def screen(workload: Workload, config: ParallelConfig, spec: HardwareSpec, ref: 
             cats["optimizer_state"] = 8 * params / (tp * shard)
             if config.pp > 1:  # ZeRO-2: the stage stays gathered; unsharded gradients accumulate
                 cats["parameter"] += low * params / tp
-                cats["gradient"] = 4 * params / tp  # in FSDP's reduce dtype, float32 (apply._apply_data_parallel)
+                cats["gradient"] = 4 * grad_params  # in FSDP's reduce dtype, float32 (apply._apply_data_parallel)
             else:
                 cats["parameter"] += 2 * low * block_params / tp
         else:
@@ -454,7 +458,7 @@ def screen(workload: Workload, config: ParallelConfig, spec: HardwareSpec, ref: 
             # cost; all-gather CP's masked SDPA computes the whole (S/cp)×S, the masked half too: twice it.
             fwd, bwd, rec = (t + mb * n * a / split for t, a in zip((fwd, bwd, rec), blk.attention_s, strict=True))
         if fsdp and config.pp > 1:  # the microbatches accumulate their gradients (ZeRO-2: reduced once a step)
-            bwd += _accumulation_s(spec, params / tp, low, config.microbatches)
+            bwd += _accumulation_s(spec, grad_params, low, config.microbatches)
         opt = (n * blk.optimizer_s + rest.optimizer_s) * 2 / (tp * shard if fsdp else tp / 2)
         blocking = 0.0
         if tp > 1:
@@ -691,7 +695,7 @@ def _family(config: ParallelConfig) -> tuple[Any, ...]:
     """Candidates the screening errs alike on: the pipeline schedule, checkpointing, and whether CP and TP are used.
 
     Measured on Llama 3 70B (``benchmarks/parallel_screening.py``), the screened / captured peak is within
-    1 % inside a family (FSDP or HSDP over the same TP, CP and pipeline) and 0.89-1.11 across them: a
+    1 % inside a family (FSDP or HSDP over the same TP, CP and pipeline) and 0.92-1.11 across them: a
     family's confirmations tell how far over its other candidates are.
     """
     return (config.pp > 1 and config.pp_schedule, _mode(config), config.cp > 1, config.tp > 1)
