@@ -329,3 +329,44 @@ def test_a_multi_round_interleaved_rank_extrapolates_in_depth_as_captured_whole(
     assert any("extrapolated from captures of (4, 6) blocks" in note for note in scaled.notes)
     assert scaled.peak_bytes == pytest.approx(whole.peak_bytes, rel=1e-3)
     assert scaled.step_s == pytest.approx(whole.step_s, rel=1e-3)
+
+
+def test_fsdp_copies_under_a_pipeline_are_paid_once_a_step():
+    """Under a pipeline FSDP gathers a stage once a step and reduces it once (ZeRO-2), so the parameter
+    copies a capture records are one step's, however many microbatches it runs: ``k`` times the
+    per-microbatch share is the same for every capture kind (1F1B's first rank runs 3 microbatches, its
+    last 2, interleaved one round 2, several rounds torch's schedule with 4). The step pays them once:
+    counted once a microbatch (before 2026-11-27) they cost ``m/k`` times that."""
+    import dataclasses
+
+    from memfit_parallel.prediction import assemble, capture_stage
+
+    spec = get_spec("h100-95gb")
+    workload = Workload(model="tiny", global_batch=16, seq_len=64)
+    shapes = (
+        {"pp_schedule": "1f1b", "microbatches": 8},
+        {"pp_schedule": "interleaved_1f1b", "stages_per_rank": 2, "microbatches": 2},
+        {"pp_schedule": "interleaved_1f1b", "stages_per_rank": 2, "microbatches": 4},
+    )
+    per_step = []
+    for shape in shapes:
+        config = ParallelConfig(dp_shard=2, pp=2, param_dtype="bfloat16", **shape)
+        stages = {r: capture_stage(workload, config, spec, 2, kind) for r, kind in ((0, "first"), (1, "last"))}
+        per_step += [p.captured_microbatches * sum(p.param_copy_s) for p in stages.values()]
+        if shape["pp_schedule"] == "1f1b":
+            assert {p.captured_microbatches for p in stages.values()} == {3, 2}
+            copies = max(per_step)
+            # the same stages with the copies taken out of their microbatches' times: the step differs by them once
+            without = {
+                r: dataclasses.replace(
+                    p,
+                    forward_s=p.forward_s - p.param_copy_s[0],
+                    backward_s=p.backward_s - p.param_copy_s[1],
+                    recompute_s=p.recompute_s - p.param_copy_s[2],
+                    param_copy_s=(0.0, 0.0, 0.0),
+                )  # fmt: skip
+                for r, p in stages.items()
+            }
+            paid = assemble(workload, config, spec, stages).step_s - assemble(workload, config, spec, without).step_s
+            assert paid == pytest.approx(copies, rel=1e-6)
+    assert min(per_step) > 0 and max(per_step) == pytest.approx(min(per_step), rel=1e-4)

@@ -200,3 +200,16 @@ def test_the_screening_times_steps_as_their_captures():
     assert ratios == pytest.approx({"fsdp": 1.0, "pipeline": 1.0}, abs=0.02), ratios
     # the first stage's embedding gradient, whole on every TP rank and accumulated by FSDP: 0.972 when /tp
     assert peaks["pipeline"] == pytest.approx(1.0, abs=0.015), peaks
+
+
+def test_a_quantity_of_a_tp_or_fsdp_degree_is_fitted_as_b_over_d_plus_c():
+    from memfit_parallel.planning import _inverse_fit
+
+    b, c = 12.0, 3.0
+    points = {d: b / d + c for d in (2, 4)}
+    assert _inverse_fit(4, points) == points[4]  # captured: as captured
+    assert _inverse_fit(8, points) == pytest.approx(b / 8 + c)
+    assert _inverse_fit(256, points) == pytest.approx(b / 256 + c)
+    assert _inverse_fit(8, points | {16: 1.0}) == pytest.approx(b / 8 + c)  # through the two smallest degrees
+    # one captured degree: bounded from above by what it shards (q(d) for larger degrees, q(d)·d/t below)
+    assert _inverse_fit(8, {4: 6.0}) == 6.0 and _inverse_fit(2, {4: 6.0}) == 12.0

@@ -43,9 +43,10 @@ microbatches in flight).
    confirmed predictions are ranked and shown: the search never proposes a configuration whose
    captured prediction does not fit.
 3. **Fill** (as soon as ``top`` fit, before step 2's further confirmations within its band) the memory
-   the fastest Auto-SAC configuration leaves: its keep fraction is bisected between
-   its budget and the next one of the grid (three captured predictions, while the search is under
-   50 s), and those faster than it that fit with the planning margin to spare join the ranking.
+   the fastest Auto-SAC configuration leaves: its keep fraction is bisected between its budget and
+   the next one of the grid (three captured predictions; one starts only if the previous one's
+   duration still ends before the search's 50th second), and those faster than it that fit with the
+   planning margin to spare join the ranking.
 """
 
 from __future__ import annotations
@@ -258,7 +259,8 @@ class _Reference:
     and the kernels around the gathers run on the whole tensor), and its redistributions add operators.
     ``copies_by_shard`` holds FSDP's parameter copies of a block and of the remainder per phase
     (:attr:`StageProfile.param_copy_s`) at FSDP degrees 2 and 4, without TP: they copy the local shard
-    and the whole gathered parameters, so they fit as ``B/degree + C`` (:meth:`seconds`).
+    and the whole gathered parameters, so they fit as ``B/degree + C`` (:meth:`seconds`); and DDP's
+    (degree 1, FSDP2's ``replicate``: no gather, only the reduction's copy).
     """
 
     block: StageProfile
@@ -308,9 +310,10 @@ class _Reference:
                 overhead = tuple(self._under(tp, lambda p, i=i: p.overhead_s[i])[part] for i in PHASES)
             elif tp > 1:
                 kernel = tuple(k / tp for k in kernel)
+            # DDP (degree 1) gathers nothing: off the line of the FSDP degrees, captured on its own
+            degrees = [d for d in self.copies_by_shard if d == shard or d > 1]
             param_copy = tuple(
-                _inverse_fit(shard, {d: copies[part][i] for d, copies in self.copies_by_shard.items()}) / tp
-                for i in PHASES
+                _inverse_fit(shard, {d: self.copies_by_shard[d][part][i] for d in degrees}) / tp for i in PHASES
             )
             out.append({"kernel": kernel, "overhead": overhead, "param_copy": param_copy})
         return out[0], out[1]
@@ -355,8 +358,9 @@ def _reference(workload: Workload, spec: HardwareSpec, mode: CheckpointMode, dty
     block, rest = _block_and_rest(workload, spec, base)
     # FSDP's copies do not depend on the checkpointing (the copies of mode none serve every mode, captured once)
     copies = {2: (block.param_copy_s, rest.param_copy_s)}
-    block4, rest4 = _block_and_rest(workload, spec, ParallelConfig(dp_shard=4, param_dtype=dtype))
-    copies[4] = (block4.param_copy_s, rest4.param_copy_s)
+    for degree, other in ((4, {"dp_shard": 4}), (1, {"dp_replicate": 2})):  # FSDP over 4; DDP
+        other_block, other_rest = _block_and_rest(workload, spec, ParallelConfig(param_dtype=dtype, **other))
+        copies[degree] = (other_block.param_copy_s, other_rest.param_copy_s)
     return _Reference(block=block, rest=rest, copies_by_shard=copies)
 
 
@@ -373,25 +377,33 @@ def _with_tp(
     return dataclasses.replace(ref, under_tp=under_tp)
 
 
-def _accumulation_s(spec: HardwareSpec, params: float, itemsize: int, microbatches: int) -> float:
-    """A microbatch's share of accumulating FSDP's unsharded gradients of ``params`` parameters under a pipeline.
+def _accumulation_s(
+    spec: HardwareSpec, params: float, itemsize: int, microbatches: int, *, reduced_float32: bool
+) -> float:
+    """A microbatch's share of accumulating the gradients of ``params`` parameters under a pipeline.
 
-    FSDP reduces once a step there, so autograd accumulates in its reduce dtype, float32: the first
-    microbatch's gradients are cast to it, each further one is added to them in place (as captured:
-    ``_to_copy`` once, then ``add_`` of a float32 and a ``param_dtype`` gradient), memory-bound kernels
-    costed by the device's time model.
+    Autograd adds each further microbatch's gradients to the ones before. FSDP (``reduced_float32``)
+    reduces once a step there and accumulates the unsharded gradients in its reduce dtype, float32: the
+    first microbatch's are cast to it (unless already float32), each further one is added in place (as
+    captured: ``_to_copy`` once, then ``add_`` of a float32 and a ``param_dtype`` gradient); without
+    FSDP the ``.grad`` of the parameter dtype takes the adds. Memory-bound kernels, costed by the
+    device's time model.
     """
     from memfit_simulator.timing import OpCost, category, time_model
 
     n = int(params)
     low = "bfloat16" if itemsize == 2 else "float32"
-    out = (((n,), "float32"),)
-    cast = OpCost(
-        "aten::_to_copy", category("aten::_to_copy"), 1, 0.0, n * (itemsize + 4), "float32", (((n,), low),), out
-    )
-    add = OpCost("aten::add_", category("aten::add_"), 1, 0.0, n * (itemsize + 8), "float32", out + (((n,), low),), out)
-    cast_s, add_s = time_model(spec).predict([cast, add])
-    return float(cast_s + (microbatches - 1) * add_s) / microbatches
+    total = "float32" if reduced_float32 else low
+    out = (((n,), total),)
+    grad = (((n,), low),)
+    total_size = 4 if reduced_float32 else itemsize
+    ops = [
+        OpCost("aten::add_", category("aten::add_"), 1, 0.0, n * (2 * total_size + itemsize), total, out + grad, out)
+    ]
+    if total != low:
+        ops.append(OpCost("aten::_to_copy", category("aten::_to_copy"), 1, 0.0, n * (itemsize + 4), total, grad, out))
+    seconds = time_model(spec).predict(ops)
+    return float((microbatches - 1) * seconds[0] + sum(seconds[1:])) / microbatches
 
 
 def _param_counts(workload: Workload) -> tuple[int, int, int]:
@@ -443,12 +455,16 @@ def screen(workload: Workload, config: ParallelConfig, spec: HardwareSpec, ref: 
         cats["temporary"] = mb * (head_share * memory["rest_temporary"] + memory["block_temporary"]) / cp
         # per phase: the kernels scale with the microbatch's tokens on this rank, the per-operator overheads
         # are paid per microbatch, FSDP's copies per gather: once a step under a pipeline (ZeRO-2), else
-        # once a microbatch (the step's one)
-        gathers = (1 / config.microbatches if config.pp > 1 else 1.0) if fsdp else 0.0
+        # once a microbatch (the step's one); under a pipeline assemble pays param_copy_s once a step
+        m = config.microbatches
         block_s, rest_s = ref.seconds(tp, shard)
+        copies = tuple(
+            n * block_s["param_copy"][i] + head_share * rest_s["param_copy"][i] if fsdp else 0.0 for i in PHASES
+        )
         fwd, bwd, rec = (
-            sum(
-                weight * (mb * part["kernel"][i] / cp + part["overhead"][i] + gathers * part["param_copy"][i])
+            copies[i]
+            + sum(
+                weight * (mb * part["kernel"][i] / cp + part["overhead"][i])
                 for weight, part in ((n, block_s), (head_share, rest_s))
             )
             for i in PHASES
@@ -457,8 +473,8 @@ def screen(workload: Workload, config: ParallelConfig, spec: HardwareSpec, ref: 
             # The reference's causal attention (a flash kernel's half of S×S) shared by cp is the ring's
             # cost; all-gather CP's masked SDPA computes the whole (S/cp)×S, the masked half too: twice it.
             fwd, bwd, rec = (t + mb * n * a / split for t, a in zip((fwd, bwd, rec), blk.attention_s, strict=True))
-        if fsdp and config.pp > 1:  # the microbatches accumulate their gradients (ZeRO-2: reduced once a step)
-            bwd += _accumulation_s(spec, grad_params, low, config.microbatches)
+        if config.pp > 1:  # the microbatches accumulate their gradients (FSDP's, ZeRO-2: reduced once a step)
+            bwd += _accumulation_s(spec, grad_params if fsdp else params / tp, low, m, reduced_float32=fsdp)
         opt = (n * blk.optimizer_s + rest.optimizer_s) * 2 / (tp * shard if fsdp else tp / 2)
         blocking = 0.0
         if tp > 1:
@@ -469,9 +485,9 @@ def screen(workload: Workload, config: ParallelConfig, spec: HardwareSpec, ref: 
             blocking = n * passes * one + (2 * one if last else 0)
         if cp > 1:  # all-gather CP (memfit_parallel.context): K and V gathered per block, their gradients scattered
             kv = mb * workload.seq_len * (c.n_kv_heads * c.head_dim // tp) * low
-            gathers = 2 if config.activation_checkpoint == "none" else 4  # again in recomputation
+            kv_gathers = 2 if config.activation_checkpoint == "none" else 4  # again in recomputation
             blocking += n * (
-                gathers * collective_seconds("all_gather", kv, cp, "cp", config, spec)
+                kv_gathers * collective_seconds("all_gather", kv, cp, "cp", config, spec)
                 + 2 * collective_seconds("reduce_scatter", kv, cp, "cp", config, spec)
             )
         comm = {"ag_fwd": 0.0, "ag_bwd": 0.0, "rs": 0.0, "ar": 0.0}
@@ -493,6 +509,7 @@ def screen(workload: Workload, config: ParallelConfig, spec: HardwareSpec, ref: 
         profiles[rank] = StageProfile(
             peak_by_category=cats, activation_bytes=act_one, forward_s=fwd, backward_s=bwd, recompute_s=rec,
             optimizer_s=opt, blocking_comm_s=blocking, fsdp=comm, blocks=n, stage_activation_bytes=stage_bytes,
+            param_copy_s=copies,
         )  # fmt: skip
     return assemble(workload, config, spec, profiles, exact_pipeline=False)
 
@@ -621,10 +638,11 @@ def _fill_auto_sac(
 
     The budgets are a grid (:data:`AUTO_SAC_KEEP`): a configuration that fits at one and not at the
     next leaves memory unused, which keeping more would turn into less recomputation. Bisect the
-    keep fraction between the two (:data:`REFINE_STEPS` predictions, each a capture, while the last
-    one's duration still ends before ``deadline``) and return the predictions faster than the grid's
-    that fit with memfit's planning margin to spare (:func:`memfit.plan.default_margin`, as the swap
-    model keeps): filling the device to the byte would stake the run on the prediction's last percent.
+    keep fraction between the two (:data:`REFINE_STEPS` predictions, each a capture; one starts only
+    if the previous one's duration, from now, still ends before ``deadline``) and return the
+    predictions faster than the grid's that fit with memfit's planning margin to spare
+    (:func:`memfit.plan.default_margin`, as the swap model keeps): filling the device to the byte
+    would stake the run on the prediction's last percent.
     """
     auto = [p for p in ranked if p.config.sac_plan is not None and p.config.sac_memory_fraction is not None]
     if not auto:

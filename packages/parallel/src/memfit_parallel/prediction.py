@@ -113,13 +113,14 @@ class StageProfile:
     """Of ``forward_s``, ``backward_s`` and ``recompute_s``, the seconds of attention kernels (the
     search's screening scales them for context parallelism: :func:`memfit_parallel.planning.screen`)."""
     overhead_s: tuple[float, float, float] = (0.0, 0.0, 0.0)
-    """Of ``forward_s``, ``backward_s`` and ``recompute_s``, the time model's per-operator overheads:
-    paid once per operator whatever the microbatch's size (the screening does not scale them with it)."""
+    """Of ``forward_s``, ``backward_s`` and ``recompute_s``, the time model's per-operator overheads of the
+    operators but FSDP's copies: paid once per operator whatever the microbatch's size (the screening does
+    not scale them with it)."""
     param_copy_s: tuple[float, float, float] = (0.0, 0.0, 0.0)
-    """Of ``forward_s``, ``backward_s`` and ``recompute_s``, the kernels of FSDP's parameter and gradient
-    copies (``fsdp::`` operators: all-gather copy-in and copy-out, the reduce-scatter's ``chunk_cat``; the
-    foreach copy of the local shards): proportional to the parameters each gather moves, not to the
-    microbatch's tokens."""
+    """Of ``forward_s``, ``backward_s`` and ``recompute_s``, FSDP's parameter and gradient copies, kernels
+    and per-operator overheads (``fsdp::`` operators: all-gather copy-in and copy-out, the reduce-scatter's
+    ``chunk_cat``; the foreach copy of the local shards; DDP's cast of the parameters to the compute
+    dtype): proportional to the parameters each gather moves, not to the microbatch's tokens."""
     stage_activation_bytes: tuple[float, ...] = ()
     """Multi-round interleaved 1F1B: the activations one microbatch leaves in each of the rank's stages
     (``()``: the rank's activations split evenly). :func:`assemble` follows the schedule with them
@@ -790,11 +791,19 @@ def _op_seconds(
     seconds = kernel + overhead
     seconds[captured.communication] = 0.0
     overhead[captured.communication] = 0.0
-    # FSDP's custom operators, and the foreach copy of the local shards into the all-gather's input (the
-    # reference Llama runs no other foreach operator outside the optimizer)
-    param_copy = np.asarray(
-        [c.name.startswith("fsdp::") or (c.name == "aten::_foreach_copy_" and c.phase < 2) for c in costs], dtype=bool
-    )
+    # FSDP's custom operators, the foreach copy of the local shards into the all-gather's input (the
+    # reference Llama runs no other foreach operator outside the optimizer), and the cast of a parameter to
+    # the compute dtype (DDP's mixed precision: FSDP's is in its copy-in)
+    storages, inputs = captured.step.storages, captured.step.inputs
+
+    def copies_parameters(i: int, c: Any) -> bool:
+        if c.name.startswith("fsdp::"):
+            return True
+        if c.phase >= 2 or c.name not in ("aten::_foreach_copy_", "aten::_to_copy"):
+            return False
+        return c.name == "aten::_foreach_copy_" or any(storages[r].category == "parameter" for r in inputs[i])
+
+    param_copy = np.asarray([copies_parameters(i, c) for i, c in enumerate(costs)], dtype=bool)
     return seconds, overhead, attention, param_copy
 
 
@@ -844,7 +853,7 @@ def _profile(
     rec = float(seconds[recompute].sum())
     opt = float(seconds[phases == int(Phase.OPT)].sum())
     attention_s = tuple(float(seconds[attention & where].sum()) / k for where in by_phase)
-    overhead_s = tuple(float(overhead[where].sum()) / k for where in by_phase)
+    overhead_s = tuple(float(overhead[where & ~param_copy].sum()) / k for where in by_phase)
     param_copy_s = tuple(float(seconds[param_copy & where].sum()) / k for where in by_phase)
     fsdp = {"ag_fwd": 0.0, "ag_bwd": 0.0, "rs": 0.0, "ar": 0.0}
     blocking = 0.0
