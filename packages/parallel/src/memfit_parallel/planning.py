@@ -650,6 +650,8 @@ def _fill_auto_sac(
     from memfit_parallel.autosac import auto_sac
 
     best = min(auto, key=lambda p: p.step_s)
+    if any(p.step_s < best.step_s and not p.config.swap and _layout(p.config) == _layout(best.config) for p in ranked):
+        return []  # the same layout fits faster checkpointing less: what the filling finds lies between, slower
     low = best.config.sac_memory_fraction
     high = min([k for k in AUTO_SAC_KEEP if k > low], default=1.0)
     found = []
@@ -717,6 +719,13 @@ def _family(config: ParallelConfig) -> tuple[Any, ...]:
     family's confirmations tell how far over its other candidates are.
     """
     return (config.pp > 1 and config.pp_schedule, _mode(config), config.cp > 1, config.tp > 1)
+
+
+def _layout(config: ParallelConfig) -> ParallelConfig:
+    """``config`` without its checkpointing and swapping: its degrees, pipeline schedule and dtype."""
+    return config.model_copy(
+        update={"activation_checkpoint": "none", "sac_memory_fraction": None, "sac_plan": None, "swap": False}
+    )
 
 
 def _mode(config: ParallelConfig) -> CheckpointMode:
