@@ -66,6 +66,7 @@ from memfit_simulator.hardware import HardwareSpec, get_spec
 from memfit_parallel.config import BlockRecompute, ParallelConfig, Workload
 from memfit_parallel.prediction import (
     CATEGORIES,
+    PHASE_TIMES,
     Prediction,
     StageProfile,
     assemble,
@@ -268,11 +269,9 @@ class _Reference:
     copies_by_shard: dict[int, tuple[tuple[float, ...], tuple[float, ...]]]
     under_tp: dict[int, tuple[StageProfile, StageProfile]] = field(default_factory=dict)
 
-    def _under(self, tp: int, value: Callable[[StageProfile], float]) -> tuple[float, float]:
-        """``value`` of a block and of the remainder at TP degree ``tp`` (:func:`_inverse_fit`)."""
-        return tuple(  # type: ignore[return-value]
-            _inverse_fit(tp, {d: value(profiles[part]) for d, profiles in self.under_tp.items()}) for part in (0, 1)
-        )
+    def _under(self, tp: int, part: int, value: Callable[[StageProfile], float]) -> float:
+        """``value`` of a block (``part`` 0) or of the remainder (1) at TP degree ``tp`` (:func:`_inverse_fit`)."""
+        return _inverse_fit(tp, {d: value(profiles[part]) for d, profiles in self.under_tp.items()})
 
     def memory(self, tp: int) -> dict[str, float]:
         """One TP rank's activations and temporaries of a block and of the remainder, per sequence.
@@ -290,7 +289,7 @@ class _Reference:
         }
         if tp == 1 or not self.under_tp:
             return out
-        block, rest = self._under(tp, lambda p: p.activation_bytes)
+        block, rest = (self._under(tp, part, lambda p: p.activation_bytes) for part in (0, 1))
         return out | {"block_activation": block, "rest_activation": rest}
 
     def seconds(self, tp: int, shard: int) -> tuple[dict[str, tuple[float, ...]], dict[str, tuple[float, ...]]]:
@@ -306,8 +305,8 @@ class _Reference:
         for part, base in enumerate((self.block, self.rest)):
             kernel, overhead = _kernel_s(base), base.overhead_s
             if tp > 1 and self.under_tp:
-                kernel = tuple(self._under(tp, lambda p, i=i: _kernel_s(p)[i])[part] for i in PHASES)
-                overhead = tuple(self._under(tp, lambda p, i=i: p.overhead_s[i])[part] for i in PHASES)
+                kernel = tuple(self._under(tp, part, lambda p, i=i: _kernel_s(p)[i]) for i in PHASES)
+                overhead = tuple(self._under(tp, part, lambda p, i=i: p.overhead_s[i]) for i in PHASES)
             elif tp > 1:
                 kernel = tuple(k / tp for k in kernel)
             # DDP (degree 1) gathers nothing: off the line of the FSDP degrees, captured on its own
@@ -320,13 +319,12 @@ class _Reference:
 
 
 _TIMES = ("forward_s", "backward_s", "recompute_s", "optimizer_s")
-_PHASE_TIMES = ("attention_s", "overhead_s", "param_copy_s")
 
 
 def _difference(a: StageProfile, b: StageProfile) -> dict[str, Any]:
     """The per-microbatch times of ``a − b``, as :class:`StageProfile` fields."""
     return {name: getattr(a, name) - getattr(b, name) for name in _TIMES} | {
-        name: tuple(x - y for x, y in zip(getattr(a, name), getattr(b, name), strict=True)) for name in _PHASE_TIMES
+        name: tuple(x - y for x, y in zip(getattr(a, name), getattr(b, name), strict=True)) for name in PHASE_TIMES
     }
 
 

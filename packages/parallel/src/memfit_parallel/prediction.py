@@ -78,6 +78,8 @@ from memfit_simulator.hardware import HardwareSpec, get_spec
 from memfit_parallel.config import BlockRecompute, ModelShape, ParallelConfig, Workload
 
 CATEGORIES = ("parameter", "buffer", "input", "gradient", "optimizer_state", "activation", "temporary")
+PHASE_TIMES = ("attention_s", "overhead_s", "param_copy_s")
+""":class:`StageProfile`'s parts of its forward, backward and recomputation seconds, one per phase."""
 EXACT_LAYERS = 4
 """Stages with at most this many blocks are captured whole (nothing extrapolated)."""
 
@@ -173,13 +175,11 @@ class StageProfile:
             captured_microbatches=self.captured_microbatches,
             captured_in_flight=self.captured_in_flight,
             regions=regions,
-            attention_s=tuple(mix(a, b) for a, b in zip(self.attention_s, other.attention_s, strict=True)),
-            overhead_s=tuple(mix(a, b) for a, b in zip(self.overhead_s, other.overhead_s, strict=True)),
-            param_copy_s=tuple(mix(a, b) for a, b in zip(self.param_copy_s, other.param_copy_s, strict=True)),
-            stage_activation_bytes=tuple(
-                mix(a, b) for a, b in zip(self.stage_activation_bytes, other.stage_activation_bytes, strict=True)
-            ),
             captured_schedule=self.captured_schedule,
+            **{
+                name: tuple(mix(a, b) for a, b in zip(getattr(self, name), getattr(other, name), strict=True))
+                for name in (*PHASE_TIMES, "stage_activation_bytes")
+            },
         )
 
 
@@ -799,9 +799,11 @@ def _op_seconds(
     def copies_parameters(i: int, c: Any) -> bool:
         if c.name.startswith("fsdp::"):
             return True
-        if c.phase >= 2 or c.name not in ("aten::_foreach_copy_", "aten::_to_copy"):
+        if c.phase >= 2:  # the optimizer's
             return False
-        return c.name == "aten::_foreach_copy_" or any(storages[r].category == "parameter" for r in inputs[i])
+        if c.name == "aten::_foreach_copy_":
+            return True
+        return c.name == "aten::_to_copy" and any(storages[r].category == "parameter" for r in inputs[i])
 
     param_copy = np.asarray([copies_parameters(i, c) for i, c in enumerate(costs)], dtype=bool)
     return seconds, overhead, attention, param_copy
