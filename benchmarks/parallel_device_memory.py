@@ -49,6 +49,29 @@ def fsdp_over_one_rank() -> None:
     )
 
 
+def random_local_weights() -> None:
+    """Make the trainer fill each rank's local shards in place with random values (this process only).
+
+    Under ``--fake-world`` no weight is received and no gradient reduced, so the losses mean nothing and
+    the weights need not be the model's: this skips building the whole model on the host for rank 0's
+    state dict (an 8B model's 32 GB and a minute or two of host time; a 70B model's 280 GB would not fit),
+    and changes no byte the device holds during the steps.
+    """
+    import torch
+    from memfit_parallel.apply import ModelRecipe, ParallelModel
+    from torch.distributed.tensor import DTensor
+
+    def load_weights(self, full_state_dict) -> None:
+        for part in self.parts:
+            part.to_empty(device=self.device)
+            with torch.no_grad():
+                for param in part.parameters():
+                    (param.to_local() if isinstance(param, DTensor) else param).normal_(0.0, 0.02)
+
+    ParallelModel.load_weights = load_weights
+    ModelRecipe.full_state_dict = lambda self, seed=0: None
+
+
 @contextlib.contextmanager
 def _one_rank_group(backend: str):
     import torch.distributed as dist
@@ -71,6 +94,7 @@ def main() -> None:
     parser.add_argument("--mixed-precision", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--capacity", default="64GiB", help="cpu-sim's capacity (no accelerator)")
     parser.add_argument("--fake-world", type=int, default=1, help="rank 0 of an FSDP job of this many ranks (above)")
+    parser.add_argument("--tp", type=int, default=1, help="TP degree inside --fake-world (FSDP over the rest)")
     parser.add_argument("--hardware", default=None, help="device spec of the prediction (default: h200; cpu-sim: cpu)")
     args = parser.parse_args()
 
@@ -86,11 +110,14 @@ def main() -> None:
     PRESETS[model] = dataclasses.replace(PRESETS[args.model], n_layers=args.layers)  # this process only
     if args.fake_world < 1:
         parser.error("--fake-world must be at least 1")
+    if args.tp < 1 or args.fake_world % args.tp:
+        parser.error(f"--tp {args.tp} must be at least 1 and divide --fake-world {args.fake_world}")
     if args.mixed_precision and args.fake_world == 1:
         fsdp_over_one_rank()
     device = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
     extra = {"sac_memory_fraction": 0.5} if args.ac == "sac" else {}
-    config = ParallelConfig(dp_shard=args.fake_world, activation_checkpoint=args.ac, param_dtype="bfloat16", **extra)
+    layout = {"dp_shard": args.fake_world // args.tp, "tp": args.tp}
+    config = ParallelConfig(**layout, activation_checkpoint=args.ac, param_dtype="bfloat16", **extra)
     started = time.perf_counter()
     # the prediction first: it captures under a fake process group of its own
     hardware = args.hardware or ("h200" if device is not None else "cpu")
@@ -102,6 +129,7 @@ def main() -> None:
 
         # an all-gather under the fake group moves nothing: every rank's figures are this rank's own
         trainer._gather_ints = lambda values, world, device: [list(values)] * world
+        random_local_weights()
         group = fake_process_group(args.fake_world, rank=0)
     else:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

@@ -24,3 +24,35 @@ def run_memfit(*args, env_extra=None, cwd=None):
 def run_python(*args, env_extra=None):
     env = {**os.environ, **(env_extra or {})}
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=600)
+
+
+@pytest.fixture
+def tight_device_budget():
+    """A swap budget on a GPU only tens of MiB above what the program keeps needs expandable segments.
+
+    The caching allocator's cap counts reserved bytes, and with its default segments (20 MiB for a
+    2 MiB request) the blocks freed inside a partly used segment stay reserved: on an H200 the tiny
+    model's runs failed with 64–79 MiB reserved but unallocated. The setting is read when CUDA starts,
+    so the test cannot turn it on; ``benchmarks/gpu.sh`` starts pytest with it.
+    """
+    from memfit.backends.accelerator import expandable_segments
+
+    if not expandable_segments():
+        pytest.skip("needs PYTORCH_ALLOC_CONF=expandable_segments:True at process start (benchmarks/gpu.sh sets it)")
+
+
+@pytest.fixture
+def deterministic_kernels(monkeypatch):
+    """torch's deterministic algorithms for the test: the oracle of a bit-identity check on a GPU.
+
+    Plain training of the tiny model on an H200 is not repeatable (two runs differed from step 5–12:
+    atomics in backward kernels), so swapped training can equal the plain run only when both use
+    deterministic kernels. cuBLAS needs a fixed workspace configuration for that.
+    """
+    import torch
+
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(previous)

@@ -22,8 +22,14 @@ from memfit_executor.runtime import SwapOutOfMemoryError
 CONFIG = dataclasses.replace(LlamaConfig.preset("tiny"), n_layers=4)
 
 
-def train_reference(steps, device="cpu"):
-    run = build_training(CONFIG, batch_size=8, seq_len=64, device=device)
+CPU_WORKLOAD = {"batch_size": 8, "seq_len": 64}
+# on a device 16x the tokens: the caching allocator reserves whole segments (20 MiB for a 2 MiB request)
+# and keeps what it cannot release, which a budget tens of MiB above the floor cannot hold
+DEVICE_WORKLOAD = {"batch_size": 64, "seq_len": 128}
+
+
+def train_reference(steps, device="cpu", workload=CPU_WORKLOAD):
+    run = build_training(CONFIG, device=device, **workload)
     return [run.step() for _ in range(steps)], run
 
 
@@ -50,14 +56,14 @@ def count_dispatches(monkeypatch):
     return calls
 
 
-def run_with_ballast(backend, budget, steps, calls):
+def run_with_ballast(backend, budget, steps, calls, workload=CPU_WORKLOAD):
     """Train; two iterations into Stable the program takes more memory than the plan left, and keeps it."""
     per_step, ballast = [], None
     # one candidate: the plan does not depend on which candidate happened to be fastest on this machine;
     # a wide margin: the plan leaves room for two of the largest saved tensors below the arming threshold
     options = {"candidates": 1, "planner_options": {"swap": {"margin": budget // 4}}}
     with memfit.swap(budget=budget, backend=backend, **options) as session:
-        run = build_training(CONFIG, batch_size=8, seq_len=64, device=backend.device)
+        run = build_training(CONFIG, device=backend.device, **workload)
         losses = []
         for _ in range(steps):
             stable = [it for it in session.iterations if it["stage"] == "Stable"]
@@ -117,13 +123,13 @@ def test_the_final_oom_error_says_when_parameters_gradients_and_optimizer_states
 
 
 @pytest.mark.gpu
-def test_an_oom_in_stable_is_handled_on_a_real_accelerator(monkeypatch):
+def test_an_oom_in_stable_is_handled_on_a_real_accelerator(monkeypatch, deterministic_kernels, tight_device_budget):
     """The same on CUDA/NPU: the caching allocator cannot retry, the armed retry catches the OOM in Stable."""
     from memfit.plugins import get_hooks
 
     backend = get_hooks().create_backend(None)
     backend.reset_peak_memory_stats()
-    losses, run = train_reference(24, device=backend.device)
+    losses, run = train_reference(24, device=backend.device, workload=DEVICE_WORKLOAD)
     peak = backend.max_memory_allocated()
     # what stays between steps: parameters, optimizer states, and memory the model does not own
     # (cuBLAS keeps its workspaces in the caching allocator: tens of MiB on an H100, more than
@@ -133,7 +139,7 @@ def test_an_oom_in_stable_is_handled_on_a_real_accelerator(monkeypatch):
     del run
     calls = count_dispatches(monkeypatch)
     budget = floor + (peak - floor) * 6 // 10
-    session, got_losses, got_params, per_step = run_with_ballast(backend, budget, 24, calls)
+    session, got_losses, got_params, per_step = run_with_ballast(backend, budget, 24, calls, DEVICE_WORKLOAD)
     assert got_losses == losses and all((a == b).all() for a, b in zip(got_params, params, strict=True))
     quiet = [n for stage, ballast, n in per_step if stage == "Stable" and not ballast]
     assert quiet and quiet == [0] * len(quiet)

@@ -1,7 +1,7 @@
 """The torch.accelerator backend: the full contract on a real GPU (marked gpu), and its pure logic here."""
 
 import pytest
-from memfit.backends.accelerator import AcceleratorBackend, accelerator_type
+from memfit.backends.accelerator import AcceleratorBackend, accelerator_type, expandable_segments
 from memfit.errors import MemfitError
 from memfit.testing import BackendContract
 
@@ -17,3 +17,21 @@ def test_no_accelerator_is_a_clear_error():
         pytest.skip("this machine has an accelerator")
     with pytest.raises(MemfitError, match="no accelerator is available"):
         AcceleratorBackend()
+
+
+@pytest.mark.parametrize(
+    ("variable", "conf", "expected"),
+    [
+        ("PYTORCH_ALLOC_CONF", "expandable_segments:True", True),
+        ("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128, expandable_segments:true", True),
+        ("PYTORCH_ALLOC_CONF", "expandable_segments:False", False),
+        ("PYTORCH_ALLOC_CONF", "max_split_size_mb:128", False),
+        (None, "", False),
+    ],
+)
+def test_expandable_segments_are_read_from_the_allocator_configuration(monkeypatch, variable, conf, expected):
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    if variable:
+        monkeypatch.setenv(variable, conf)
+    assert expandable_segments() is expected

@@ -131,6 +131,17 @@ def failed_requests(device_type: str, attach: Callable[[Callable[..., None]], An
         return record
 
 
+def expandable_segments() -> bool:
+    """Whether the process was started with the CUDA caching allocator's ``expandable_segments:True``.
+
+    Read from the environment (``PYTORCH_ALLOC_CONF``, or the older ``PYTORCH_CUDA_ALLOC_CONF``), which
+    is where the setting must be given: the allocator reads it when CUDA starts.
+    """
+    conf = os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or ""
+    settings = dict(item.split(":", 1) for item in conf.replace(" ", "").split(",") if ":" in item)
+    return settings.get("expandable_segments", "").lower() == "true"
+
+
 class AcceleratorBackend(Backend):
     """A ``torch.accelerator`` device.
 
@@ -198,6 +209,14 @@ class AcceleratorBackend(Backend):
         # the program keep more than the capacity (seen on an H100: a session's iteration peaking at
         # 1.6x its budget). Returning the unused cache makes the capacity hold from here on.
         self._mem.empty_cache()
+        if nbytes < self._total and self.device_type == "cuda" and not expandable_segments():
+            log.warning(
+                "memfit: %s is capped at %.0f MiB with the caching allocator's default segments; the cap counts "
+                "reserved bytes, and blocks freed inside a partly used segment cannot be returned, so a tight "
+                "budget can fail with tens of MiB reserved but unallocated. Start the process with "
+                "PYTORCH_ALLOC_CONF=expandable_segments:True to avoid that fragmentation",
+                self.name, nbytes / 2**20,
+            )  # fmt: skip
 
     def memory_allocated(self) -> int:
         return int(self._mem.memory_allocated(self._device))
