@@ -14,10 +14,11 @@ are the ones the targets (throughput within 20 %, memory within 10 %) apply to.
 
 Memory: the prediction is the peak of *allocated* bytes; TorchTitan logs the caching allocator's
 max *reserved* bytes (launched with ``expandable_segments:True``). ``predicted_reserved_gib`` is the
-prediction times ``RESERVED_PER_ALLOCATED``, the reserved/allocated ratio measured on a GPU with
-Llama 3 8B unsharded (``benchmarks/parallel_device_memory.py``, below); ``predicted_reserved_transient_gib``
-adds ``RESERVE_PER_TRANSIENT`` times the row's predicted activations and temporaries instead. The two
-bracket what TorchTitan would log; neither is a measurement of any row's layout.
+prediction times ``RESERVED_PER_ALLOCATED``, the reserved/allocated ratio measured on a GPU with the
+per-rank layouts of Tables 3.1, 3.2 and 3.3 (``benchmarks/parallel_device_memory.py --fake-world``,
+below); ``predicted_reserved_transient_gib`` adds ``RESERVE_PER_TRANSIENT`` times the row's predicted
+activations and temporaries instead. The allocated prediction was within 0.12 % of those runs; the
+reserve is carried over to the other rows, which were not run.
 
 The search rows run :func:`memfit_parallel.planning.search` for each table's model, devices and
 batch in a fresh process (nothing cached), and predict the thesis's own configuration beside it.
@@ -39,17 +40,18 @@ from _isolated import run_trial
 
 HARDWARE = "h100-95gb"
 GIB = 2**30
-RESERVED_PER_ALLOCATED = 1.226
-"""Max reserved / max allocated bytes of a training step on an NVIDIA H200 (torch 2.11, 2026-11-27):
-Llama 3 8B with 8 blocks, 2 x 8192 tokens, FSDP2 bf16 mixed precision over one rank, op-level SAC,
-``PYTORCH_ALLOC_CONF=expandable_segments:True`` as TorchTitan launches (1.286 without it; 1.338 with
-4 blocks, 1 x 8192, no checkpointing and the default allocator). memfit's prediction of the allocated
-peak was within 0.2 % in all three runs. Measured by ``PYTORCH_ALLOC_CONF=expandable_segments:True python
-benchmarks/parallel_device_memory.py --layers 8 --batch 2 --seq 8192 --ac sac``."""
-RESERVE_PER_TRANSIENT = 0.471
-"""The same run's reserve (reserved - allocated) over its predicted transient bytes (activations and
-temporaries at the peak), ``reserve_per_transient`` of that command: the other way of carrying the
-reserve over to a row (``predicted_reserved_transient_gib``; 0.745 without checkpointing)."""
+RESERVED_PER_ALLOCATED = 1.171
+"""Max reserved / max allocated bytes of a training step on an NVIDIA H200 (torch 2.11, 2026-11-27),
+the mean of three runs of the tables' own per-rank layouts, each as rank 0 of its job under a fake
+process group with ``PYTORCH_ALLOC_CONF=expandable_segments:True`` as TorchTitan launches: Table 3.1
+(8B, FSDP 8, SAC) 1.198, Table 3.2 (FSDP 128) 1.166, Table 3.3 (70B, FSDP 32 x TP 8, full AC) 1.150.
+The allocated peak was predicted within 0.12 % in each. Commands: docs/benchmarks.md, memfit-parallel.
+(The first measurement, 8B unsharded over one rank, gave 1.226; the tables' layouts shard the fp32
+states, which the allocator holds without a reserve.)"""
+RESERVE_PER_TRANSIENT = 0.191
+"""The same runs' reserve (reserved - allocated) over their predicted transient bytes (activations and
+temporaries at the peak), ``reserve_per_transient`` of those commands: 0.243, 0.169, 0.160; the other
+way of carrying the reserve over to a row (``predicted_reserved_transient_gib``)."""
 SAC = {"activation_checkpoint": "sac", "sac_memory_fraction": 0.5, "param_dtype": "bfloat16"}
 FULL = {"activation_checkpoint": "full", "param_dtype": "bfloat16"}
 
