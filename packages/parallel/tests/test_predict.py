@@ -370,3 +370,35 @@ def test_fsdp_copies_under_a_pipeline_are_paid_once_a_step():
             paid = assemble(workload, config, spec, stages).step_s - assemble(workload, config, spec, without).step_s
             assert paid == pytest.approx(copies, rel=1e-6)
     assert min(per_step) > 0 and max(per_step) == pytest.approx(min(per_step), rel=1e-4)
+
+
+@pytest.mark.parametrize("param_dtype", ["bfloat16", "float32"])
+def test_fsdp_gradients_accumulated_under_a_pipeline_count_as_gradients(monkeypatch, param_dtype):
+    """Between a pipeline's microbatches FSDP2 keeps each parameter's unsharded gradient outside ``.grad``
+    (cast to its float32 reduce dtype, or the unsharded parameter's own ``.grad`` when no cast is needed)
+    and adds every microbatch into it: gradients, though the optimizer never sees them. The oracle is the
+    stage's own parameter count: its unsharded float32 gradients plus their FSDP 2 shards in ``.grad``
+    (before 2026-11-27 the unsharded ones counted as temporaries: only the shards were gradients)."""
+    import dataclasses
+
+    import torch
+    from memfit.models import Llama, LlamaConfig
+    from memfit_parallel import prediction
+
+    captures = []
+    capture_rank = prediction._capture_rank
+    monkeypatch.setattr(prediction, "_capture_rank", lambda *a: captures.append(capture_rank(*a)) or captures[-1])
+    workload = Workload(model="tiny", global_batch=16, seq_len=64)
+    config = ParallelConfig(dp_shard=2, pp=2, microbatches=4, activation_checkpoint="full", param_dtype=param_dtype)
+    prediction.capture_stage(workload, config, get_spec("h100-95gb"), 2, "first")
+    (captured,) = captures
+
+    # the captured model: 2 blocks per stage; the first of its two stages holds the embedding and blocks 0, 1
+    model = Llama(dataclasses.replace(LlamaConfig.preset("tiny"), n_layers=4))
+    stage = [p for name, p in model.named_parameters() if name.startswith(("tok_embeddings.", "layers.0.", "layers.1."))]
+    numel = sum(p.numel() for p in stage)
+    assert numel > 0
+    gradient = sum(s.nbytes for s in captured.step.storages if s.category == "gradient")
+    float32 = torch.float32.itemsize
+    # each storage rounded up to the allocator's block, FSDP's shards padded to split evenly: within 2 %
+    assert gradient == pytest.approx(float32 * numel * (1 + 1 / 2), rel=0.02)

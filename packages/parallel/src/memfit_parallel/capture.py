@@ -259,6 +259,35 @@ def _patch_resize(recorder: _ParallelRecorder) -> Callable[[], None]:
     return restore
 
 
+def _label_accumulated_gradients(recorder: _ParallelRecorder, grads: list[int]) -> Callable[[], None]:
+    """Record FSDP2's unsharded accumulated gradients as gradients.
+
+    While gradients are not reduced (every pipeline microbatch's backward but the last), FSDP2 keeps
+    each parameter's unsharded gradient outside ``.grad`` — ``unsharded_accumulated_grad`` in the
+    reduce dtype, or the unsharded parameter's own ``.grad`` when no cast is needed — and adds every
+    microbatch into it. The optimizer never sees them (they are reduce-scattered into the sharded
+    ``.grad`` and freed), so its hooks cannot label them: without this they would count as
+    temporaries, though they live from the first microbatch's backward to the last.
+    """
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+
+    # called after each backward that does not reduce; the tensors it leaves are added to in place by the next ones
+    original = FSDPParam.to_accumulated_grad_if_needed
+
+    def to_accumulated_grad_if_needed(self) -> None:
+        original(self)
+        for grad in (self.unsharded_accumulated_grad, self._unsharded_param.grad):
+            if grad is not None and not recorder.closed:
+                grads.append(recorder.track(local(grad), -1, int(Phase.BWD)))
+
+    FSDPParam.to_accumulated_grad_if_needed = to_accumulated_grad_if_needed
+
+    def restore() -> None:
+        FSDPParam.to_accumulated_grad_if_needed = original
+
+    return restore
+
+
 def _skip_sharding_propagation(recorder: _ParallelRecorder) -> Callable[[], None]:
     """Do not record DTensor's sharding propagation.
 
@@ -391,7 +420,8 @@ def capture_parallel_step(
                 grads: list[int] = []
                 hooks = optimizer_hooks(recorder, grads, local)
                 handles = _mark_recompute(model, recorder)
-                restores = [_patch_resize(recorder), _skip_sharding_propagation(recorder)]
+                restores = [_patch_resize(recorder), _skip_sharding_propagation(recorder),
+                            _label_accumulated_gradients(recorder, grads)]  # fmt: skip
                 try:
                     with _ModuleAttribution(model) as recorder.modules, recorder:
                         step(model, optimizer, batch)
