@@ -46,6 +46,7 @@ user would pay them. Targets: ``joint`` no slower than the best of the others (2
 peak within its budget, and ``auto`` faster than ``full_ac``.
 
 Run: python benchmarks/joint_plan.py [--iterations 24] [--fractions 0.25,0.4,0.6] [--rounds 4] [--threads 1]
+     [--model tiny] [--layers 6] [--batch 8] [--seq 256]
 """
 
 from __future__ import annotations
@@ -64,20 +65,25 @@ WAYS = ("full_ac", "swap", "sac", "joint", "auto")
 PLANNERS = WAYS[1:]
 MEASURED = 8
 """Iterations at the end of a run whose median is its step time."""
-N_LAYERS, BATCH, SEQ = 6, 8, 256
+SHAPE = {"model": "tiny", "layers": 6, "batch": 8, "seq": 256}
+"""The reference Llama preset, its blocks, and the batch (``--model``, ``--layers``, ``--batch``, ``--seq``).
+
+``tiny`` (dim 64) is host-bound on a CPU: its ~8,000 operators a step take ~15 µs each, so memfit's
+per-operator costs (the profiler, the saved-tensor hooks) are a large share of a step. ``small``
+(dim 256) puts ~16x the arithmetic in the same operators, the regime of a device step."""
 
 
 # -- one run, in its own process ----------------------------------------------------------------
 def _config():
     from memfit.models import LlamaConfig
 
-    return dataclasses.replace(LlamaConfig.preset("tiny"), n_layers=N_LAYERS, max_seq_len=SEQ)
+    return dataclasses.replace(LlamaConfig.preset(SHAPE["model"]), n_layers=SHAPE["layers"], max_seq_len=SHAPE["seq"])
 
 
 def make_run():
     from memfit.models import build_training
 
-    return build_training(_config(), batch_size=BATCH, seq_len=SEQ)
+    return build_training(_config(), batch_size=SHAPE["batch"], seq_len=SHAPE["seq"])
 
 
 class StepMeter:
@@ -167,7 +173,7 @@ def plain_peak() -> dict:
 def full_ac_blocks(budget: int) -> dict:
     """The smallest number of leading blocks checkpointed fully whose measured peak fits (3 steps each)."""
     k = 0
-    for k in range(N_LAYERS + 1):
+    for k in range(SHAPE["layers"] + 1):
         if checkpointed(k, budget, 3)["peak_bytes"] <= budget:
             break
     return {"blocks": k}
@@ -347,11 +353,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--ways", default=",".join(WAYS), help="comma-separated subset of " + ",".join(WAYS))
     parser.add_argument("--threads", type=int, default=1, help="torch compute threads (default 1, see above)")
+    parser.add_argument("--model", default=SHAPE["model"], help="reference Llama preset (SHAPE above)")
+    parser.add_argument("--layers", type=int, default=SHAPE["layers"])
+    parser.add_argument("--batch", type=int, default=SHAPE["batch"])
+    parser.add_argument("--seq", type=int, default=SHAPE["seq"])
     parser.add_argument("--worker", choices=("peak", "blocks", *WAYS), help=argparse.SUPPRESS)
     parser.add_argument("--budget", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--blocks", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--lockstep", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    SHAPE.update(model=args.model, layers=args.layers, batch=args.batch, seq=args.seq)
     if args.worker:
         print(json.dumps(worker(args)))
         return
@@ -361,6 +372,7 @@ def main() -> None:
     if "full_ac" not in ways:
         ways.insert(0, "full_ac")  # the paired ratios need it
     common = ["--iterations", str(args.iterations), "--threads", str(args.threads)]
+    common += ["--model", args.model, "--layers", str(args.layers), "--batch", str(args.batch), "--seq", str(args.seq)]
     peak = run_trial(__file__, [*common, "--worker", "peak"], "unplanned peak")["peak_bytes"]
     fractions = [float(f) for f in args.fractions.split(",")]
     budgets = {f: int(peak * f) for f in fractions}
@@ -399,7 +411,8 @@ def main() -> None:
             }
         )
     targets = [_targets(row, ways) for row in rows]
-    print(f"reference Llama {N_LAYERS} layers, batch {BATCH} x {SEQ}; unplanned peak {peak / 2**20:.2f} MiB; "
+    print(f"reference Llama {args.model}, {args.layers} layers, batch {args.batch} x {args.seq}; "
+          f"unplanned peak {peak / 2**20:.2f} MiB; "
           f"{args.rounds} rounds, each way its own process, steps in lock-step")  # fmt: skip
     print(
         "step: median ms ± half the spread over rounds; paired: median of step / full_ac's step of the same iteration"
@@ -421,7 +434,7 @@ def main() -> None:
         print(t)
     print(
         json.dumps(
-            {"model": {"layers": N_LAYERS, "batch": BATCH, "seq": SEQ}, "unplanned_peak_bytes": peak,
+            {"model": dict(SHAPE), "unplanned_peak_bytes": peak,
              "rounds": args.rounds, "iterations": args.iterations, "threads": args.threads,
              "rows": rows, "targets": targets, "seconds": round(time.perf_counter() - started, 1)}
         )

@@ -24,6 +24,7 @@ CONFIGS = {
     "DDP 2": {"dp_replicate": 2},
     "TP 2": {"tp": 2},
     "FSDP 2, full AC": {"dp_shard": 2, "activation_checkpoint": "full"},
+    "FSDP 2, SAC": {"dp_shard": 2, "activation_checkpoint": "sac", "sac_memory_fraction": 0.5},
 }
 STEPS, LR, SEED = 3, 1e-2, 0
 
@@ -33,7 +34,7 @@ def build():
 
     config = LlamaConfig(
         vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64,
+        num_key_value_heads=2, max_position_embeddings=64, use_cache=False,
     )  # fmt: skip
     return LlamaForCausalLM(config)
 
@@ -105,7 +106,9 @@ def main() -> None:
             out = Path(folder) / "losses.json"
             command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                        __file__, "--rank", json.dumps(config), str(out)]  # fmt: skip
-            subprocess.run(command, check=True, capture_output=True, text=True)
+            done = subprocess.run(command, capture_output=True, text=True)
+            if done.returncode != 0:
+                sys.exit(f"{name} failed (exit {done.returncode}):\n{(done.stdout + done.stderr)[-3000:]}")
             got = json.loads(out.read_text())
             worst = max(abs(a - b) / abs(b) for a, b in zip(got, want, strict=True))
             rows.append({"config": name, "losses": got, "max_relative_difference": worst})

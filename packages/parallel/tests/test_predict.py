@@ -395,7 +395,8 @@ def test_fsdp_gradients_accumulated_under_a_pipeline_count_as_gradients(monkeypa
 
     # the captured model: 2 blocks per stage; the first of its two stages holds the embedding and blocks 0, 1
     model = Llama(dataclasses.replace(LlamaConfig.preset("tiny"), n_layers=4))
-    stage = [p for name, p in model.named_parameters() if name.startswith(("tok_embeddings.", "layers.0.", "layers.1."))]
+    first = ("tok_embeddings.", "layers.0.", "layers.1.")
+    stage = [p for name, p in model.named_parameters() if name.startswith(first)]
     numel = sum(p.numel() for p in stage)
     assert numel > 0
     gradient = sum(s.nbytes for s in captured.step.storages if s.category == "gradient")

@@ -23,7 +23,7 @@ from memfit.cli.main import cli
 from memfit.errors import MemfitError
 from memfit.models import Llama, LlamaConfig, SyntheticTokens, build_training
 from memfit.plan import MemoryPlan, PlanPrediction, PlanSource, Recompute
-from memfit_parallel.apply import LlamaStage, llama_recipe, parallelize, split_blocks, unapplied
+from memfit_parallel.apply import LlamaStage, ModelRecipe, llama_recipe, parallelize, split_blocks, unapplied
 from memfit_parallel.config import ParallelConfig
 from memfit_parallel.launch import RunRequest, _kill_group, check_request, launch, trainer_command
 from memfit_parallel.trainer import load_configs
@@ -466,7 +466,27 @@ def test_what_is_not_applied_yet_is_named():
     assert any("pip install memfit-executor" in p for p in problems) == (not HAS_EXECUTOR)
     # bfloat16 without data parallelism: the model is built in bfloat16; SAC without a plan: the op-level policy
     assert unapplied(ParallelConfig(tp=2, param_dtype="bfloat16"), recipe) == []
-    assert unapplied(ParallelConfig(dp_shard=2, activation_checkpoint="sac", sac_memory_fraction=0.5), recipe) == []
+    sac = ParallelConfig(dp_shard=2, activation_checkpoint="sac", sac_memory_fraction=0.5)
+    assert unapplied(sac, recipe) == []
+
+
+def test_selective_checkpointing_of_a_model_that_fills_a_kv_cache_in_training_is_refused():
+    """A transformers model built with its default ``use_cache=True`` fills a KV cache in its training forward, which
+    SAC's replay in backward cannot match (seen: "aten.slice.Tensor invocation index 4 encountered during backward
+    but not found in storage"); with ``use_cache=False``, or full checkpointing, nothing is refused."""
+    transformers = pytest.importorskip("transformers")
+
+    def recipe(**options):
+        config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, **options)  # fmt: skip
+        return ModelRecipe(build=lambda: transformers.LlamaForCausalLM(config), blocks="model.layers")
+
+    sac = ParallelConfig(activation_checkpoint="sac", sac_memory_fraction=0.5)
+    assert any("use_cache is True" in p and "use_cache=False" in p for p in unapplied(sac, recipe()))
+    with pytest.raises(MemfitError, match="builds a KV cache in its training forward"):
+        parallelize(recipe(), sac, device="cpu")
+    assert unapplied(sac, recipe(use_cache=False)) == []
+    assert unapplied(ParallelConfig(activation_checkpoint="full"), recipe()) == []
 
 
 def test_bad_requests_fail_before_anything_launches(tmp_path):
@@ -478,8 +498,7 @@ def test_bad_requests_fail_before_anything_launches(tmp_path):
         check_request(RunRequest(nproc=4, configs=[ParallelConfig(tp=4)]))
     with pytest.raises(MemfitError, match="4 pipeline stages for 2 layers"):
         check_request(RunRequest(nproc=4, configs=[ParallelConfig(pp=4, microbatches=4)]))
-    with pytest.raises(MemfitError, match="exceeds the tiny model's max_seq_len"):
-        check_request(RunRequest(nproc=2, seq_len=4096))
+    check_request(RunRequest(nproc=2, seq_len=4096))  # beyond tiny's max_seq_len: widened, as the prediction does
     with pytest.raises(MemfitError, match="unknown model preset"):
         check_request(RunRequest(nproc=2, model="huge"))
     with pytest.raises(MemfitError, match="cannot read parallel configuration"):
@@ -524,13 +543,55 @@ def test_the_cli_reports_bad_input_without_launching(tmp_path, monkeypatch):
         (["--nproc", "2", "--config", str(plan)], "multiply to 4 devices, not 2"),
         (["--nproc", "2", "--config", str(tmp_path / "none.json")], "cannot read parallel configuration"),
         (["--nproc", "2", "--batch", "3"], "global batch 3 does not split over 2"),
-        (["--nproc", "0"], "--nproc must be at least 1"),
-        (["--nproc", "2", "--steps", "0"], "--steps must be at least 1"),
-        (["--nproc", "2", "--max-restarts", "-1"], "--max-restarts must be 0 or more"),
+        (["--nproc", "0"], "'--nproc': 0 is not in the range x>=1"),
+        (["--nproc", "2", "--steps", "0"], "'--steps': 0 is not in the range x>=1"),
+        (["--nproc", "2", "--max-restarts", "-1"], "'--max-restarts': -1 is not in the range x>=0"),
+        (["--nproc", "2", "--batch", "0"], "'--batch': 0 is not in the range x>=1"),
+        (["--nproc", "2", "--seq", "-5"], "'--seq': -5 is not in the range x>=1"),
+        (["--nproc", "2", "--n-layers", "0"], "'--n-layers': 0 is not in the range x>=1"),
+        (["--nproc", "2", "--timeout", "0"], "'--timeout': 0.0 is not in the range x>0"),
     ]
     for args, message in cases:
         result = runner.invoke(cli, ["parallel", "run", *args], terminal_width=200)
-        assert result.exit_code != 0 and message in result.output, (args, result.output)
+        assert result.exit_code != 0 and message in result.output and "Traceback" not in result.output, (
+            args, result.output)  # fmt: skip
+
+
+def test_a_plan_file_gives_the_run_its_workload_and_its_prediction_is_printed_beside_the_measurement(
+    tmp_path, monkeypatch
+):
+    """A plan of ``memfit parallel plan --out`` is trained as planned (model, batch, sequence), and the measured
+    steady peak is printed beside the plan's prediction; an option given on the command line wins, with a note."""
+    launched = []
+
+    def fake_launch(request, report, timeout_s):
+        launched.append(request)
+        rank = {"rank": 0, "peak_bytes": 2**20 + 4096, "steady_peak_bytes": 2**20, "weights_bytes": 1,
+                "load_peak_bytes": 1}  # fmt: skip
+        entry = {"describe": "FSDP 2", "seconds": 1.0, "losses": [1.0], "ranks": [rank], "swap_session": None}
+        return {"runs": [entry]}
+
+    monkeypatch.setattr("memfit_parallel.launch.launch", fake_launch)
+    plan = tmp_path / "plan.json"
+    workload = {"model": "tiny", "global_batch": 4, "seq_len": 64}
+    prediction = {"peak_bytes": 2**20 * 21 // 20}
+    plan.write_text(json.dumps({"workload": workload, "hardware": "cpu", "config": {"dp_shard": 2},
+                                "prediction": prediction}))  # fmt: skip
+    runner = CliRunner()
+    result = runner.invoke(cli, ["parallel", "run", "--nproc", "2", "--config", str(plan)], terminal_width=200)
+    assert result.exit_code == 0, result.output
+    assert (launched[-1].model, launched[-1].global_batch, launched[-1].seq_len) == ("tiny", 4, 64)
+    assert "the plan predicted 1.05 MiB on its fullest rank (for cpu); measured steady peak 1.00 MiB (+5.0%)" in (
+        result.output)  # fmt: skip
+    result = runner.invoke(cli, ["parallel", "run", "--nproc", "2", "--config", str(plan), "--batch", "8"])
+    assert result.exit_code == 0, result.output
+    assert launched[-1].global_batch == 8 and "note: training --batch 8, not the plan's 4" in result.output
+    assert "the plan predicted" not in result.output  # another workload than the plan's: nothing to compare
+
+
+def test_a_run_past_its_timeout_is_stopped_with_a_clear_error():
+    with pytest.raises(MemfitError, match=r"did not finish in 0.5 s and was stopped .* raise --timeout"):
+        launch(RunRequest(nproc=1, steps=1), timeout_s=0.5)
 
 
 # -- the prediction of what the trainer runs ----------------------------------------------------

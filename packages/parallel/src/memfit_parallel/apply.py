@@ -634,7 +634,24 @@ def unapplied(config: ParallelConfig, recipe: ModelRecipe, recompute: Sequence[R
         problems.append("tp > 1 needs a TP plan in the model recipe (tp_plan / block_tp_plan)")
     if config.pp > 1 and recipe.stage is None:
         problems.append("pp > 1 needs a `stage` function in the model recipe")
+    if config.activation_checkpoint == "sac":
+        with torch.device("meta"):
+            problems += _selective_checkpoint_problems(recipe.build())
     return problems
+
+
+def _selective_checkpoint_problems(model: nn.Module) -> list[str]:
+    """What in a built model selective checkpointing cannot recompute (empty when nothing)."""
+    # a transformers model with use_cache=True fills a KV cache in its training forward: the cache's operators
+    # depend on what the forward left in it, so SAC's replay in backward does not meet the operators it saved
+    # ("... encountered during backward but not found in storage"); transformers itself turns the cache off
+    # under gradient checkpointing
+    if getattr(getattr(model, "config", None), "use_cache", False) is True:
+        return [
+            "the model builds a KV cache in its training forward (its config's use_cache is True), which selective "
+            "checkpointing cannot replay in backward: build it with use_cache=False"
+        ]
+    return []
 
 
 def _apply_tp(part: nn.Module, recipe: ModelRecipe, tp_mesh) -> None:

@@ -71,12 +71,15 @@ def check_request(request: RunRequest) -> None:
     if request.max_restarts < 0:
         raise MemfitError(f"--max-restarts must be 0 or more, got {request.max_restarts}")
     parse_size(request.capacity, what="cpu-sim capacity")
+    if request.n_layers is not None and request.n_layers < 1:
+        raise MemfitError(f"--n-layers must be at least 1, got {request.n_layers}")
+    if request.global_batch < 1 or request.seq_len < 1:
+        raise MemfitError(f"--batch and --seq must be at least 1, got {request.global_batch} and {request.seq_len}")
     overrides = {"n_layers": request.n_layers} if request.n_layers else {}
-    model_config = LlamaConfig.preset(request.model, **overrides)
-    if request.seq_len > model_config.max_seq_len:
-        raise MemfitError(
-            f"--seq {request.seq_len} exceeds the {request.model} model's max_seq_len {model_config.max_seq_len}"
-        )
+    # a sequence beyond the preset's max_seq_len is trained as planned: the rotary positions are computed for it
+    # (the trainer and the prediction widen max_seq_len the same way)
+    if request.seq_len > LlamaConfig.preset(request.model, **overrides).max_seq_len:
+        overrides["max_seq_len"] = request.seq_len
     if not request.configs:
         request.configs = [ParallelConfig(dp_shard=request.nproc)]
     recipe = llama_recipe(request.model, **overrides)
@@ -141,8 +144,16 @@ def launch(request: RunRequest, report_path: str | Path | None = None, *, timeou
         )
         try:
             output, _ = process.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            _kill_group(process)
+            process.stdout.close()
+            raise MemfitError(
+                f"the parallel run did not finish in {timeout_s:g} s and was stopped (every rank killed): "
+                "raise --timeout, or train fewer --steps or a smaller model"
+            ) from None
         except BaseException:
             _kill_group(process)
+            process.stdout.close()
             raise
         finally:
             if process.poll() is None:
@@ -237,19 +248,44 @@ def _kill_group(process: subprocess.Popen) -> None:
             continue
 
 
+RUN_DEFAULTS = {"model": "tiny", "global_batch": 8, "seq_len": 32}
+_OPTION = {"model": "--model", "global_batch": "--batch", "seq_len": "--seq"}
+
+
+def read_plan(path: str | Path) -> dict | None:
+    """The plan of a file ``memfit parallel plan --out`` wrote (its workload, hardware, prediction), else ``None``."""
+    data = json.loads(Path(path).read_text())  # load_configs read it first: it exists and is JSON
+    if isinstance(data, dict) and isinstance(data.get("workload"), dict) and isinstance(data.get("config"), dict):
+        return data
+    return None
+
+
+def _planned_peak(plan: dict | None, request: RunRequest) -> int | None:
+    """The plan's predicted per-rank peak, where this run trained what it predicted (same workload and layers)."""
+    if plan is None or request.n_layers is not None or len(request.configs) != 1:
+        return None
+    workload = plan["workload"]
+    same = (workload.get("model"), workload.get("global_batch"), workload.get("seq_len")) == (
+        request.model, request.global_batch, request.seq_len)  # fmt: skip
+    return plan.get("prediction", {}).get("peak_bytes") if same else None
+
+
 @click.command("run")
-@click.option("--nproc", type=int, required=True, help="Processes (ranks) on this machine.")
+@click.option("--nproc", type=click.IntRange(1), required=True, help="Processes (ranks) on this machine.")
 @click.option(
     "--config",
     "config_path",
     type=click.Path(path_type=Path),
-    help="ParallelConfig JSON (or a plan file, or a list of configurations); default: FSDP over all ranks.",
+    help="ParallelConfig JSON, a list of them, or a plan file of `memfit parallel plan --out` (its model, batch "
+    "and sequence are trained unless given here, and its prediction is printed beside the measurement); "
+    "default: FSDP over all ranks.",
 )
-@click.option("--model", default="tiny", show_default=True, help="Reference Llama preset.")
-@click.option("--n-layers", type=int, default=None, help="Override the preset's number of blocks.")
-@click.option("--batch", type=int, default=8, show_default=True, help="Global batch (sequences per step).")
-@click.option("--seq", type=int, default=32, show_default=True, help="Sequence length.")
-@click.option("--steps", type=int, default=5, show_default=True, help="Training steps.")
+@click.option("--model", default=None, help="Reference Llama preset  [default: the plan's, else tiny]")
+@click.option("--n-layers", type=click.IntRange(1), default=None, help="Override the preset's number of blocks.")
+@click.option("--batch", type=click.IntRange(1), default=None,
+              help="Global batch (sequences per step)  [default: the plan's, else 8]")  # fmt: skip
+@click.option("--seq", type=click.IntRange(1), default=None, help="Sequence length  [default: the plan's, else 32]")
+@click.option("--steps", type=click.IntRange(1), default=5, show_default=True, help="Training steps.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--lr", type=float, default=3e-3, show_default=True, help="AdamW learning rate.")
 @click.option("--capacity", default="4GiB", show_default=True, help="cpu-sim device capacity per rank (CPU).")
@@ -262,13 +298,14 @@ def _kill_group(process: subprocess.Popen) -> None:
 )
 @click.option(
     "--max-restarts",
-    type=int,
+    type=click.IntRange(0),
     default=0,
     show_default=True,
     help="Restart the whole group this many times when a rank fails (torchrun's --max-restarts); "
     "each attempt trains from the start.",
 )
-@click.option("--timeout", "timeout_s", type=float, default=DEFAULT_TIMEOUT_S, show_default=True, help="Seconds.")
+@click.option("--timeout", "timeout_s", type=click.FloatRange(0, min_open=True), default=DEFAULT_TIMEOUT_S,
+              show_default=True, help="Seconds.")  # fmt: skip
 def run(
     config_path, nproc, model, n_layers, batch, seq, steps, seed, lr, capacity, report, sac_plan, max_restarts,
     timeout_s,
@@ -278,12 +315,24 @@ def run(
 
     try:
         configs = load_configs(config_path) if config_path else []
+        plan = read_plan(config_path) if config_path else None
+        given = {"model": model, "global_batch": batch, "seq_len": seq}
+        workload = {**RUN_DEFAULTS, **(plan or {}).get("workload", {})}
+        for key, value in given.items():
+            if value is not None:
+                if plan and value != workload[key]:
+                    click.echo(f"note: training {_OPTION[key]} {value}, not the plan's {workload[key]}")
+                workload[key] = value
         request = RunRequest(
-            nproc=nproc, configs=configs, model=model, n_layers=n_layers, global_batch=batch, seq_len=seq,
-            steps=steps, seed=seed, lr=lr, capacity=capacity, sac_plan=sac_plan, max_restarts=max_restarts,
+            nproc=nproc, configs=configs, model=workload["model"], n_layers=n_layers,
+            global_batch=workload["global_batch"], seq_len=workload["seq_len"], steps=steps, seed=seed, lr=lr,
+            capacity=capacity, sac_plan=sac_plan, max_restarts=max_restarts,
         )  # fmt: skip
         check_request(request)
-        click.echo(f"launching {nproc} processes: " + ", ".join(c.describe() for c in request.configs))
+        click.echo(
+            f"launching {nproc} processes, {request.model}, global batch {request.global_batch} x {request.seq_len}: "
+            + ", ".join(c.describe() for c in request.configs)
+        )
         result = launch(request, report, timeout_s=timeout_s)
     except MemfitError as exc:
         raise click.ClickException(str(exc)) from exc
@@ -296,13 +345,21 @@ def run(
         click.echo("  losses: " + ", ".join(f"{x:.6f}" for x in entry["losses"]))
         for r in entry["ranks"]:
             click.echo(
-                f"  rank {r['rank']}: training peak {r['peak_bytes'] / 2**20:.2f} MiB, "
+                f"  rank {r['rank']}: training peak {r['peak_bytes'] / 2**20:.2f} MiB "
+                f"(steady {r['steady_peak_bytes'] / 2**20:.2f} MiB), "
                 f"weights {r['weights_bytes'] / 2**20:.2f} MiB, load peak {r['load_peak_bytes'] / 2**20:.2f} MiB"
                 + (
                     f", swapped out {r['swapped_out_bytes'] / 2**20:.2f} MiB ({r['passive_swaps']} passive swaps)"
                     if entry["swap_session"]
                     else ""
                 )
+            )
+        predicted = _planned_peak(plan, request)
+        if predicted is not None:
+            steady = max(r["steady_peak_bytes"] for r in entry["ranks"])
+            click.echo(
+                f"  the plan predicted {predicted / 2**20:.2f} MiB on its fullest rank (for {plan['hardware']}); "
+                f"measured steady peak {steady / 2**20:.2f} MiB ({predicted / steady - 1:+.1%})"
             )
         session = entry["swap_session"]
         if session:

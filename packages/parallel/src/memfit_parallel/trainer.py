@@ -120,6 +120,8 @@ def train_configs(
     from memfit_parallel.config import Workload
 
     overrides = dict(overrides or {})
+    if seq_len > LlamaConfig.preset(model, **overrides).max_seq_len:  # rotary positions: as the prediction widens it
+        overrides["max_seq_len"] = seq_len
     device, memory, counting = _device_and_memory(capacity)
     rank, world = dist.get_rank(), dist.get_world_size()
     recipe = llama_recipe(model, **overrides)
