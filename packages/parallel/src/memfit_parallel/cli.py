@@ -65,7 +65,16 @@ def plan(model, devices, batch, seq, dtype, top, as_json, out):
         click.echo(f"plan written to {out}")
 
 
+def _time_unit(seconds: float) -> tuple[str, float]:
+    """The unit a column of times reads best in, from its largest value: ``("ms", 1e-3)``."""
+    for name, scale in (("s", 1.0), ("ms", 1e-3)):
+        if seconds >= scale:
+            return name, scale
+    return "µs", 1e-6
+
+
 def _table(result) -> None:
+    from memfit.config import size_unit
     from rich.console import Console
     from rich.table import Table
 
@@ -75,16 +84,20 @@ def _table(result) -> None:
     table = Table(
         title=f"{w.model}, global batch {w.global_batch} × {w.seq_len} tokens on {result.devices} × {result.hardware}"
     )
-    for name in ("#", "configuration", "tok/s/device", "step s", "compute", "exposed comm", "bubble", "recompute",
-                 "peak GiB", "why"):  # fmt: skip
+    # one unit per column, from its largest value, so the rows compare at a glance
+    t_unit, t_scale = _time_unit(max(p.step_s for p in result.ranked))
+    m_unit, m_scale = size_unit(max(p.peak_bytes for p in result.ranked))
+    for name in ("#", "configuration", "tok/s/device", f"step {t_unit}", "compute", "exposed comm", "bubble",
+                 "recompute", f"peak {m_unit}", "why"):  # fmt: skip
         table.add_column(name, justify="left" if name in ("configuration", "why") else "right")
     best = result.best
     for index, p in enumerate(result.ranked, 1):
+        times = [f"{t / t_scale:,.2f}" for t in (p.step_s, p.compute_s, p.exposed_comm_s, p.bubble_s, p.recompute_s)]
         table.add_row(
-            str(index), p.config.describe(), f"{p.tokens_per_s_per_device:,.1f}", f"{p.step_s:.3g}",
-            f"{p.compute_s:.3g}", f"{p.exposed_comm_s:.3g}", f"{p.bubble_s:.3g}", f"{p.recompute_s:.3g}",
-            f"{p.peak_bytes / 2**30:.1f}", why(p, best),
+            str(index), p.config.describe(), f"{p.tokens_per_s_per_device:,.1f}", *times,
+            f"{p.peak_bytes / m_scale:,.2f}", why(p, best),
         )  # fmt: skip
+    table.caption = f"step, compute, exposed comm, bubble and recompute in {t_unit}"
     console = Console()
     if not console.is_terminal:  # piped: wide enough for the table
         console = Console(width=170)
@@ -92,7 +105,7 @@ def _table(result) -> None:
     console.print(
         f"{result.candidates} configurations, {result.screened_fitting} screened to fit, {result.confirmed} captured "
         f"and confirmed in {result.seconds:.1f} s; capacity {best.capacity_bytes / 2**30:.0f} GiB per device. "
-        "Seconds are per step on the slowest rank."
+        "Times are per step on the slowest rank."
     )
     for note in [*result.notes, *best.notes]:
         console.print(f"note: {note}")

@@ -129,7 +129,7 @@ class SearchResult:
             "devices": self.devices,
             "config": self.best.config.model_dump(),
             "prediction": self.best.to_json(),
-            "ranked": [p.to_json() for p in self.ranked],
+            "ranked": [{**p.to_json(), "why": why(p, self.best)} for p in self.ranked],
             "candidates": self.candidates,
             "screened_fitting": self.screened_fitting,
             "confirmed": self.confirmed,
@@ -548,8 +548,9 @@ def search(
         raise MemfitError(
             f"no configuration splits {workload.model} (global batch {workload.global_batch}, sequence "
             f"{workload.seq_len}) over {devices} devices: the global batch must divide over the data-parallel "
-            f"ranks. Use a global batch that {devices} or one of its divisors divides (e.g. "
-            f"{math.lcm(workload.global_batch, devices)}), or another device count"
+            f"ranks (what TP, PP and CP leave of the devices, which the model's heads and layers bound). Use a "
+            f"global batch that is a multiple of {devices} (e.g. {math.lcm(workload.global_batch, devices)}), or "
+            "another device count"
         )
     capacity = spec.capacity_bytes
     refs = {mode: _reference(workload, spec, mode, dtype) for mode in checkpointing_modes(sac_plans)}
@@ -570,9 +571,11 @@ def search(
     over_like_family = 0
     filled = False  # step 3 runs once ``top`` fit, or after the confirmation
     index = 0
+    left_at_deadline = 0  # screened candidates not confirmed because the time box ran out
     while index < len(fitting):
         screened_s, screened_bytes, config = fitting[index]
         if ranked and time.perf_counter() > deadline:
+            left_at_deadline = len(fitting) - index
             break
         best_s = min(p.step_s for p in ranked) if ranked else float("inf")
         if len(ranked) >= top and screened_s > CONFIRM_BAND * best_s:
@@ -622,6 +625,16 @@ def search(
             if b.step_s <= a.step_s * 1.001 and _dims(b.config) < _dims(a.config):
                 ranked[i], ranked[i + 1] = b, a
     ranked = ranked[:top]
+    if len(ranked) < top:
+        notes.append(
+            f"{len(ranked)} of the {top} configurations asked for: "
+            + (
+                f"the confirmation stopped at its {confirm_until_s:.0f} s time box with {left_at_deadline} screened "
+                "candidates not captured (a loaded machine confirms fewer; the best found is shown)"
+                if left_at_deadline
+                else "no other screened configuration was confirmed to fit"
+            )
+        )
     return SearchResult(
         workload=workload, hardware=spec.name, devices=devices, ranked=ranked, candidates=len(pool),
         screened_fitting=len(fitting), confirmed=confirmed, seconds=time.perf_counter() - started,
@@ -748,4 +761,13 @@ def why(prediction: Prediction, baseline: Prediction) -> str:
         return f"fastest; most time in {share}"
     name = max(parts, key=lambda k: parts[k][0] - parts[k][1])
     delta = parts[name][0] - parts[name][1]
-    return f"+{delta:.3g} s {name}"
+    total = prediction.step_s - baseline.step_s
+    return f"{_duration(total)} slower, most in {name} (+{_duration(delta)})"
+
+
+def _duration(seconds: float) -> str:
+    """``0.000851`` as ``0.851 ms``: three significant digits in s, ms or µs."""
+    for unit, scale in (("s", 1.0), ("ms", 1e-3)):
+        if abs(seconds) >= scale:
+            return f"{seconds / scale:.3g} {unit}"
+    return f"{seconds / 1e-6:.3g} µs"

@@ -1098,7 +1098,8 @@ def predict(
     for rank, p in stages.items():
         if len(p.captured_blocks) > 1:
             notes.append(
-                f"pipeline rank {rank}: {p.blocks} blocks extrapolated from captures of {p.captured_blocks} blocks"
+                f"{f'pipeline rank {rank}' if config.pp > 1 else 'each rank'}: {p.blocks} blocks extrapolated from "
+                f"captures of {p.captured_blocks} blocks"
             )
     return assemble(workload, config, spec, stages, notes)
 
