@@ -48,7 +48,8 @@ echo "== device: $(cat "$out/device.json")"
 
 echo "== gpu-marked tests"
 # expandable segments: the swap tests' budgets are tens of MiB above the floor (tests/conftest.py's tight_device_budget)
-PYTORCH_ALLOC_CONF=expandable_segments:True limited "$python" -m pytest -m gpu -rs -q --junitxml="$out/gpu-tests.xml" packages tests >"$out/gpu-tests.log" 2>&1 || status=1
+# and cuBLAS's fixed workspaces, which the exactness tests' deterministic kernels need (read when a handle is made)
+PYTORCH_ALLOC_CONF=expandable_segments:True CUBLAS_WORKSPACE_CONFIG=:4096:8 limited "$python" -m pytest -m gpu -rs -q --junitxml="$out/gpu-tests.xml" packages tests >"$out/gpu-tests.log" 2>&1 || status=1
 tail -n 15 "$out/gpu-tests.log"
 
 bench() {  # bench NAME ARGS...: run benchmarks/NAME.py, keep its last line (the JSON object) as NAME.json

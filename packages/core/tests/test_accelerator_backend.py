@@ -1,7 +1,9 @@
 """The torch.accelerator backend: the full contract on a real GPU (marked gpu), and its pure logic here."""
 
+import os
+
 import pytest
-from memfit.backends.accelerator import AcceleratorBackend, accelerator_type, expandable_segments
+from memfit.backends.accelerator import AcceleratorBackend, accelerator_type
 from memfit.errors import MemfitError
 from memfit.testing import BackendContract
 
@@ -19,19 +21,17 @@ def test_no_accelerator_is_a_clear_error():
         AcceleratorBackend()
 
 
-@pytest.mark.parametrize(
-    ("variable", "conf", "expected"),
-    [
-        ("PYTORCH_ALLOC_CONF", "expandable_segments:True", True),
-        ("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128, expandable_segments:true", True),
-        ("PYTORCH_ALLOC_CONF", "expandable_segments:False", False),
-        ("PYTORCH_ALLOC_CONF", "max_split_size_mb:128", False),
-        (None, "", False),
-    ],
-)
-def test_expandable_segments_are_read_from_the_allocator_configuration(monkeypatch, variable, conf, expected):
-    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
-    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
-    if variable:
-        monkeypatch.setenv(variable, conf)
-    assert expandable_segments() is expected
+def test_expandable_segments_are_read_from_the_allocator_settings():
+    """The settings as torch parsed them at start (a fresh process per case: torch reads the environment once)."""
+    import subprocess
+    import sys
+
+    cases = [
+        ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128,expandable_segments:True"}, True),
+        ({"PYTORCH_ALLOC_CONF": "expandable_segments:False"}, False),
+    ]
+    script = "from memfit.backends.accelerator import expandable_segments; print(expandable_segments())"
+    for env, expected in cases:
+        base = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")}
+        out = subprocess.run([sys.executable, "-c", script], env={**base, **env}, capture_output=True, text=True)
+        assert out.stdout.strip() == str(expected), (env, out.stdout, out.stderr[-500:])

@@ -569,7 +569,7 @@ def test_a_plan_file_gives_the_run_its_workload_and_its_prediction_is_printed_be
         rank = {"rank": 0, "peak_bytes": 2**20 + 4096, "steady_peak_bytes": 2**20, "weights_bytes": 1,
                 "load_peak_bytes": 1}  # fmt: skip
         entry = {"describe": "FSDP 2", "seconds": 1.0, "losses": [1.0], "ranks": [rank], "swap_session": None}
-        return {"runs": [entry]}
+        return {"device": "cpu-sim", "runs": [entry]}
 
     monkeypatch.setattr("memfit_parallel.launch.launch", fake_launch)
     plan = tmp_path / "plan.json"
@@ -581,12 +581,15 @@ def test_a_plan_file_gives_the_run_its_workload_and_its_prediction_is_printed_be
     result = runner.invoke(cli, ["parallel", "run", "--nproc", "2", "--config", str(plan)], terminal_width=200)
     assert result.exit_code == 0, result.output
     assert (launched[-1].model, launched[-1].global_batch, launched[-1].seq_len) == ("tiny", 4, 64)
-    assert "the plan predicted 1.05 MiB on its fullest rank (for cpu); measured steady peak 1.00 MiB (+5.0%)" in (
-        result.output)  # fmt: skip
+    compared = "the plan predicted 1.05 MiB on its fullest rank, measured steady peak 1.00 MiB: the prediction is +5.0%"
+    assert compared in result.output
     result = runner.invoke(cli, ["parallel", "run", "--nproc", "2", "--config", str(plan), "--batch", "8"])
     assert result.exit_code == 0, result.output
     assert launched[-1].global_batch == 8 and "note: training --batch 8, not the plan's 4" in result.output
     assert "the plan predicted" not in result.output  # another workload than the plan's: nothing to compare
+    assert "not compared with the plan's prediction: another model, batch or sequence" in result.output
+    result = runner.invoke(cli, ["parallel", "run", "--nproc", "2", "--config", str(plan), "--n-layers", "3"])
+    assert "note: training 3 blocks" in result.output and "--n-layers changed the model" in result.output
 
 
 def test_a_run_past_its_timeout_is_stopped_with_a_clear_error():

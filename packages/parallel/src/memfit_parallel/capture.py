@@ -420,9 +420,11 @@ def capture_parallel_step(
                 grads: list[int] = []
                 hooks = optimizer_hooks(recorder, grads, local)
                 handles = _mark_recompute(model, recorder)
-                restores = [_patch_resize(recorder), _skip_sharding_propagation(recorder),
-                            _label_accumulated_gradients(recorder, grads)]  # fmt: skip
+                restores = []
                 try:
+                    for patch in (_patch_resize, _skip_sharding_propagation):
+                        restores.append(patch(recorder))
+                    restores.append(_label_accumulated_gradients(recorder, grads))
                     with _ModuleAttribution(model) as recorder.modules, recorder:
                         step(model, optimizer, batch)
                     recorder.closed = True

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -73,6 +74,15 @@ def _time_unit(seconds: float) -> tuple[str, float]:
     return "µs", 1e-6
 
 
+def _digits(value: float) -> str:
+    """Three significant digits without an exponent (a 4 ms bubble in a column of seconds reads 0.00400)."""
+    if value == 0:
+        return "0"
+    if abs(value) >= 100:
+        return f"{value:,.0f}"
+    return f"{value:.{2 - math.floor(math.log10(abs(value)))}f}"
+
+
 def _table(result) -> None:
     from memfit.config import size_unit
     from rich.console import Console
@@ -92,10 +102,10 @@ def _table(result) -> None:
         table.add_column(name, justify="left" if name in ("configuration", "why") else "right")
     best = result.best
     for index, p in enumerate(result.ranked, 1):
-        times = [f"{t / t_scale:,.2f}" for t in (p.step_s, p.compute_s, p.exposed_comm_s, p.bubble_s, p.recompute_s)]
+        times = [_digits(t / t_scale) for t in (p.step_s, p.compute_s, p.exposed_comm_s, p.bubble_s, p.recompute_s)]
         table.add_row(
             str(index), p.config.describe(), f"{p.tokens_per_s_per_device:,.1f}", *times,
-            f"{p.peak_bytes / m_scale:,.2f}", why(p, best),
+            _digits(p.peak_bytes / m_scale), why(p, best),
         )  # fmt: skip
     table.caption = f"step, compute, exposed comm, bubble and recompute in {t_unit}"
     console = Console()

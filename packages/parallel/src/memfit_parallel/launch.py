@@ -146,10 +146,11 @@ def launch(request: RunRequest, report_path: str | Path | None = None, *, timeou
             output, _ = process.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             _kill_group(process)
-            process.stdout.close()
+            output, _ = process.communicate()  # what the ranks printed before they were killed
+            tail = "\n".join(output.splitlines()[-15:])
             raise MemfitError(
                 f"the parallel run did not finish in {timeout_s:g} s and was stopped (every rank killed): "
-                "raise --timeout, or train fewer --steps or a smaller model"
+                f"raise --timeout, or train fewer --steps or a smaller model\nthe output's last lines:\n{tail}"
             ) from None
         except BaseException:
             _kill_group(process)
@@ -260,14 +261,25 @@ def read_plan(path: str | Path) -> dict | None:
     return None
 
 
-def _planned_peak(plan: dict | None, request: RunRequest) -> int | None:
-    """The plan's predicted per-rank peak, where this run trained what it predicted (same workload and layers)."""
-    if plan is None or request.n_layers is not None or len(request.configs) != 1:
-        return None
+def planned_peak(plan: dict | None, request: RunRequest, result: dict, entry: dict) -> tuple[int | None, str]:
+    """The plan's predicted per-rank peak where this run trained what it predicted, else ``None`` and why not."""
+    if plan is None:
+        return None, ""
     workload = plan["workload"]
-    same = (workload.get("model"), workload.get("global_batch"), workload.get("seq_len")) == (
-        request.model, request.global_batch, request.seq_len)  # fmt: skip
-    return plan.get("prediction", {}).get("peak_bytes") if same else None
+    planned = (workload.get("model"), workload.get("global_batch"), workload.get("seq_len"))
+    on_cpu_sim = result.get("device") == "cpu-sim"
+    reasons = [
+        (planned != (request.model, request.global_batch, request.seq_len), "another model, batch or sequence"),
+        (request.n_layers is not None, "--n-layers changed the model"),
+        (request.sac_plan is not None, "--sac-plan changed the checkpointing"),
+        (request.steps < 2, "one step: its peak includes creating the optimizer's states"),
+        (bool(entry.get("swap_session")), "memfit.swap held the peak to its budget"),
+        (on_cpu_sim != (plan.get("hardware") == "cpu"), f"the plan is for {plan.get('hardware')}"),
+    ]
+    why_not = [reason for differs, reason in reasons if differs]
+    if why_not:
+        return None, "; ".join(why_not)
+    return plan.get("prediction", {}).get("peak_bytes"), ""
 
 
 @click.command("run")
@@ -323,6 +335,8 @@ def run(
                 if plan and value != workload[key]:
                     click.echo(f"note: training {_OPTION[key]} {value}, not the plan's {workload[key]}")
                 workload[key] = value
+        if plan and n_layers is not None:
+            click.echo(f"note: training {n_layers} blocks, not the plan's {workload['model']} preset's")
         request = RunRequest(
             nproc=nproc, configs=configs, model=workload["model"], n_layers=n_layers,
             global_batch=workload["global_batch"], seq_len=workload["seq_len"], steps=steps, seed=seed, lr=lr,
@@ -354,13 +368,15 @@ def run(
                     else ""
                 )
             )
-        predicted = _planned_peak(plan, request)
+        predicted, why_not = planned_peak(plan, request, result, entry)
         if predicted is not None:
             steady = max(r["steady_peak_bytes"] for r in entry["ranks"])
             click.echo(
-                f"  the plan predicted {predicted / 2**20:.2f} MiB on its fullest rank (for {plan['hardware']}); "
-                f"measured steady peak {steady / 2**20:.2f} MiB ({predicted / steady - 1:+.1%})"
+                f"  the plan predicted {predicted / 2**20:.2f} MiB on its fullest rank, measured steady peak "
+                f"{steady / 2**20:.2f} MiB: the prediction is {predicted / steady - 1:+.1%} of the measurement"
             )
+        elif why_not:
+            click.echo(f"  not compared with the plan's prediction: {why_not}")
         session = entry["swap_session"]
         if session:
             stages = ", ".join(f"{k} {v}" for k, v in session["iterations_per_stage"].items())

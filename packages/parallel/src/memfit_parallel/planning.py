@@ -762,6 +762,8 @@ def why(prediction: Prediction, baseline: Prediction) -> str:
     name = max(parts, key=lambda k: parts[k][0] - parts[k][1])
     delta = parts[name][0] - parts[name][1]
     total = prediction.step_s - baseline.step_s
+    if total <= 0:  # a tie within 0.1 %, ranked below the configuration with fewer parallel dimensions
+        return "as fast (a tie within 0.1 %); the first has fewer parallel dimensions"
     return f"{_duration(total)} slower, most in {name} (+{_duration(delta)})"
 
 

@@ -132,14 +132,22 @@ def failed_requests(device_type: str, attach: Callable[[Callable[..., None]], An
 
 
 def expandable_segments() -> bool:
-    """Whether the process was started with the CUDA caching allocator's ``expandable_segments:True``.
+    """Whether the caching allocator runs with ``expandable_segments:True``.
 
-    Read from the environment (``PYTORCH_ALLOC_CONF``, or the older ``PYTORCH_CUDA_ALLOC_CONF``), which
-    is where the setting must be given: the allocator reads it when CUDA starts.
+    Read from torch's own allocator settings where torch exposes them (the environment at start, or a
+    later ``torch._C._accelerator_setAllocatorSettings``), else from the environment as torch reads it:
+    ``PYTORCH_ALLOC_CONF`` when set (even empty), else the older ``PYTORCH_CUDA_ALLOC_CONF``; the value is
+    ``True`` exactly (torch refuses any other spelling).
     """
-    conf = os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or ""
+    import torch
+
+    getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+    if getter is not None:
+        conf = getter()
+    else:  # pragma: no cover - torch before the accelerator allocator settings
+        conf = os.environ.get("PYTORCH_ALLOC_CONF", os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
     settings = dict(item.split(":", 1) for item in conf.replace(" ", "").split(",") if ":" in item)
-    return settings.get("expandable_segments", "").lower() == "true"
+    return settings.get("expandable_segments") == "True"
 
 
 class AcceleratorBackend(Backend):
