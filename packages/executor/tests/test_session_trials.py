@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from memfit_executor.session import _SequencePlans, _Trial
+from memfit_executor.session import STRAINED_PASSIVE_SWAPS, _SequencePlans, _Trial
 
 
 def _plans(n: int, trials: list[tuple[int, float, bool, int]]) -> _SequencePlans:
@@ -29,8 +29,18 @@ def test_spare_iterations_give_each_contender_a_second_trial_before_repeating_th
     assert plans.next_trial() == 0
 
 
+def test_a_few_passive_swaps_in_a_trial_do_not_outrank_time():
+    """A swap plan's first trial after a plan change may need a passive swap or two as its swaps take over: it still
+    held, as a Stable iteration with as many would (STRAINED_PASSIVE_SWAPS); the faster trial wins."""
+    assert STRAINED_PASSIVE_SWAPS == 2
+    plans = _plans(2, [(0, 1.15, True, 0), (1, 0.96, True, 1)])  # recomputing, none needed; swapping, one
+    assert plans.best_trial().candidate == 1
+    plans = _plans(2, [(0, 1.15, True, 0), (1, 0.96, True, 3)])  # beyond a holding plan's: it did not hold
+    assert plans.best_trial().candidate == 0
+
+
 def test_a_candidate_that_did_not_hold_is_not_tried_again():
-    # over the budget, or more passive swaps than the best: not in contention, whatever its time
+    # over the budget, or more passive swaps than a holding plan needs: not in contention, whatever its time
     trials = [(0, 0.10, False, 0), (1, 0.30, True, 0), (2, 0.05, True, 3)]
     plans = _plans(3, trials)
     assert plans.best_trial().candidate == 1
