@@ -66,14 +66,6 @@ def plan(model, devices, batch, seq, dtype, top, as_json, out):
         click.echo(f"plan written to {out}")
 
 
-def _time_unit(seconds: float) -> tuple[str, float]:
-    """The unit a column of times reads best in, from its largest value: ``("ms", 1e-3)``."""
-    for name, scale in (("s", 1.0), ("ms", 1e-3)):
-        if seconds >= scale:
-            return name, scale
-    return "µs", 1e-6
-
-
 def _digits(value: float) -> str:
     """Three significant digits without an exponent (a 4 ms bubble in a column of seconds reads 0.00400)."""
     if value == 0:
@@ -88,14 +80,14 @@ def _table(result) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from memfit_parallel.planning import why
+    from memfit_parallel.planning import time_unit, why
 
     w = result.workload
     table = Table(
         title=f"{w.model}, global batch {w.global_batch} × {w.seq_len} tokens on {result.devices} × {result.hardware}"
     )
     # one unit per column, from its largest value, so the rows compare at a glance
-    t_unit, t_scale = _time_unit(max(p.step_s for p in result.ranked))
+    t_unit, t_scale = time_unit(max(p.step_s for p in result.ranked))
     m_unit, m_scale = size_unit(max(p.peak_bytes for p in result.ranked))
     for name in ("#", "configuration", "tok/s/device", f"step {t_unit}", "compute", "exposed comm", "bubble",
                  "recompute", f"peak {m_unit}", "why"):  # fmt: skip

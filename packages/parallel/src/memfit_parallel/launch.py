@@ -58,11 +58,10 @@ class RunRequest:
 def check_request(request: RunRequest) -> None:
     """Raise :class:`MemfitError` with every reason the request cannot run (nothing is launched)."""
     from memfit.config import parse_size
-    from memfit.models import LlamaConfig
 
     from memfit_parallel.apply import llama_recipe, unapplied
     from memfit_parallel.config import ParallelConfig, Workload
-    from memfit_parallel.trainer import load_recompute
+    from memfit_parallel.trainer import load_recompute, with_room_for
 
     if request.nproc < 1:
         raise MemfitError(f"--nproc must be at least 1, got {request.nproc}")
@@ -75,11 +74,9 @@ def check_request(request: RunRequest) -> None:
         raise MemfitError(f"--n-layers must be at least 1, got {request.n_layers}")
     if request.global_batch < 1 or request.seq_len < 1:
         raise MemfitError(f"--batch and --seq must be at least 1, got {request.global_batch} and {request.seq_len}")
-    overrides = {"n_layers": request.n_layers} if request.n_layers else {}
-    # a sequence beyond the preset's max_seq_len is trained as planned: the rotary positions are computed for it
-    # (the trainer and the prediction widen max_seq_len the same way)
-    if request.seq_len > LlamaConfig.preset(request.model, **overrides).max_seq_len:
-        overrides["max_seq_len"] = request.seq_len
+    overrides = with_room_for(
+        request.seq_len, request.model, {"n_layers": request.n_layers} if request.n_layers else {}
+    )
     if not request.configs:
         request.configs = [ParallelConfig(dp_shard=request.nproc)]
     recipe = llama_recipe(request.model, **overrides)

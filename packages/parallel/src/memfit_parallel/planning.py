@@ -767,9 +767,15 @@ def why(prediction: Prediction, baseline: Prediction) -> str:
     return f"{_duration(total)} slower, most in {name} (+{_duration(delta)})"
 
 
-def _duration(seconds: float) -> str:
-    """``0.000851`` as ``0.851 ms``: three significant digits in s, ms or µs."""
+def time_unit(seconds: float) -> tuple[str, float]:
+    """The unit ``seconds`` reads best in, and its scale: ``time_unit(0.000851) == ("µs", 1e-6)``."""
     for unit, scale in (("s", 1.0), ("ms", 1e-3)):
         if abs(seconds) >= scale:
-            return f"{seconds / scale:.3g} {unit}"
-    return f"{seconds / 1e-6:.3g} µs"
+            return unit, scale
+    return "µs", 1e-6
+
+
+def _duration(seconds: float) -> str:
+    """``0.0851`` as ``85.1 ms``: three significant digits in s, ms or µs."""
+    unit, scale = time_unit(seconds)
+    return f"{seconds / scale:.3g} {unit}"

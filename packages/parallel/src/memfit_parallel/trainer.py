@@ -72,6 +72,20 @@ def load_recompute(path: str | Path) -> list:
     return actions
 
 
+def with_room_for(seq_len: int, model: str, overrides: dict | None = None) -> dict:
+    """``overrides`` of the ``model`` preset, with ``max_seq_len`` widened to ``seq_len`` where the preset's is shorter.
+
+    The rotary positions are computed for any length, so a longer sequence trains as planned (the prediction
+    widens ``max_seq_len`` the same way, :func:`memfit_parallel.prediction.model_config`).
+    """
+    from memfit.models import LlamaConfig
+
+    overrides = dict(overrides or {})
+    if seq_len > LlamaConfig.preset(model, **overrides).max_seq_len:
+        overrides["max_seq_len"] = seq_len
+    return overrides
+
+
 def load_configs(path: str | Path):
     """The configurations of a file: one configuration, a plan file (``"config"`` key), or a JSON list of either."""
     from memfit_parallel.config import ParallelConfig
@@ -119,9 +133,7 @@ def train_configs(
     from memfit_parallel.apply import llama_recipe, parallelize
     from memfit_parallel.config import Workload
 
-    overrides = dict(overrides or {})
-    if seq_len > LlamaConfig.preset(model, **overrides).max_seq_len:  # rotary positions: as the prediction widens it
-        overrides["max_seq_len"] = seq_len
+    overrides = with_room_for(seq_len, model, overrides)
     device, memory, counting = _device_and_memory(capacity)
     rank, world = dist.get_rank(), dist.get_world_size()
     recipe = llama_recipe(model, **overrides)
