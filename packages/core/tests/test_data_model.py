@@ -139,6 +139,7 @@ def test_a_truncated_trace_is_a_trace_format_error_that_says_so(tmp_path):
         (b'{"planner": "swap"}', "looks like JSON"),
         (b"", "the file is empty"),
         (b"\x93NUMPY\x01\x00", r"a single numpy array \(.npy\)"),
+        (bytes(range(128, 256)), r"it is not an .npz \(zip\) archive"),  # binary, not UTF-8: no UnicodeDecodeError
     ],
 )
 def test_a_file_that_is_not_a_trace_says_what_it_is(tmp_path, content, said):
@@ -337,6 +338,15 @@ def test_invalid_plan_names_the_field(tmp_path):
     (tmp_path / "p.json").write_text("{")
     with pytest.raises(InvalidPlanError, match="p.json"):
         MemoryPlan.load(tmp_path / "p.json")
+
+
+def test_a_binary_file_where_a_plan_goes_is_an_invalid_plan_error_that_says_what_it_is(tmp_path):
+    (tmp_path / "noise.json").write_bytes(bytes(range(256)))
+    with pytest.raises(InvalidPlanError, match=r"noise.json is not a memfit plan: the file is binary, not JSON text"):
+        MemoryPlan.load(tmp_path / "noise.json")
+    small_trace().save(tmp_path / "step.npz")  # the likely mix-up: a trace where its plan goes
+    with pytest.raises(InvalidPlanError, match=r"step.npz is not a memfit plan: .*trace .npz.*memfit plan --out"):
+        MemoryPlan.load(tmp_path / "step.npz")
 
 
 @pytest.mark.parametrize(

@@ -346,9 +346,20 @@ class MemoryPlan(MemfitModel):
     def load(cls, path: str | os.PathLike[str]) -> MemoryPlan:
         """Read a plan written by :meth:`save`; errors name the file and the field."""
         try:
-            text = Path(path).read_text(encoding="utf-8")
+            data = Path(path).read_bytes()
         except OSError as exc:
             raise InvalidPlanError(f"cannot read plan {os.fspath(path)}: {exc}") from exc
+        # a trace (.npz) given where a plan goes is the likely mistake: say so, rather than where decoding stopped
+        what = "a zip archive (a memfit trace .npz, perhaps)" if data.startswith(b"PK\x03\x04") else None
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError:
+            what = what or "binary"
+        if what:
+            raise InvalidPlanError(
+                f"{os.fspath(path)} is not a memfit plan: the file is {what}, not JSON text; plans are written by "
+                "memfit plan --out or MemoryPlan.save()"
+            )
         try:
             return cls.from_json(text)
         except InvalidPlanError as exc:
