@@ -1,6 +1,7 @@
 import dataclasses
 import json
 import pathlib
+import re
 
 import numpy as np
 import pytest
@@ -355,6 +356,31 @@ def test_a_binary_file_where_a_plan_goes_is_an_invalid_plan_error_that_says_what
 )
 def test_human_sizes(text, expected):
     assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("value", "why"),
+    [
+        (True, "not a bool"),
+        (False, "not a bool"),
+        ("0.5B", "that is 0.5 bytes, not a whole number of bytes"),
+        ("10.5", "that is 10.5 bytes, not a whole number of bytes"),
+        (1.5, "1.5 bytes is not a whole number of bytes"),
+        ("4bit", "that is 0.5 bytes, not a whole number of bytes"),
+        ("0.0001KiB", "that is 0.1024 bytes, not a whole number of bytes"),
+    ],
+)
+def test_a_size_that_is_not_whole_bytes_is_an_error_not_a_silent_0_or_1(value, why):
+    """Before: parse_size(True) == 1 and parse_size("0.5B") == 0 (pydantic's ByteSize truncates)."""
+    with pytest.raises(MemfitError, match=re.escape(f"invalid budget {value!r}: ") + ".*" + re.escape(why)):
+        parse_size(value, what="budget")
+    with pytest.raises(MemfitError, match=re.escape(why)):  # the same in a config file
+        MemfitConfig.from_mapping({"budget": value})
+
+
+def test_a_size_in_a_larger_unit_is_rounded_down_to_whole_bytes():
+    """Users write "3.3GiB" (3543348019.2 bytes): the fifth of a byte is no mistake of theirs."""
+    assert parse_size("3.3GiB") == 3543348019 and parse_size("0.5KB") == 500 and parse_size(2.0) == 2
 
 
 def test_sizes_are_written_in_the_unit_of_their_scale_or_the_one_asked():

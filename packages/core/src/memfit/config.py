@@ -2,7 +2,10 @@
 
 Sizes accept what people write: ``"12GiB"``, ``"512MB"``, ``"1.5 GiB"``, or a plain integer of
 bytes. Decimal units are powers of 1000 (``MB``), binary units powers of 1024 (``MiB``), as in
-pydantic's :class:`pydantic.ByteSize`, which does the parsing.
+pydantic's :class:`pydantic.ByteSize`, which does the parsing. A size is a whole number of bytes:
+one written in a larger unit is rounded down to whole bytes (``"3.3GiB"`` is 3543348019), but a
+count of bytes with a fraction (``"0.5B"``, ``10.5``), a size under one byte, or ``True`` is an error,
+not a silent 0 or 1.
 
 Example:
     ```python
@@ -17,9 +20,10 @@ Example:
 from __future__ import annotations
 
 import difflib
+from decimal import Decimal
 from typing import Annotated, Any, TypeVar
 
-from pydantic import BaseModel, ByteSize, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import BaseModel, BeforeValidator, ByteSize, ConfigDict, Field, TypeAdapter, ValidationError
 
 from memfit.errors import MemfitError
 
@@ -30,8 +34,32 @@ class MemfitModel(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, use_attribute_docstrings=True)
 
 
-Size = Annotated[ByteSize, Field(ge=0)]
-"""A non-negative byte count that accepts human sizes such as ``"12GiB"``."""
+_NOT_WHOLE = "not a whole number of bytes (give e.g. 1, '1KiB' or '1.5GiB')"
+
+
+def _whole_bytes(value: Any) -> Any:
+    """Refuse what :class:`pydantic.ByteSize` would turn into a count of bytes nobody meant.
+
+    ``ByteSize`` takes ``True`` for 1 and truncates ``"0.5B"`` to 0. Rounding a size written in a
+    larger unit to whole bytes is harmless (``"3.3GiB"`` is 3543348019.2 bytes), so only a fraction
+    of a byte given in bytes (or bits), or a nonzero size under one byte, is refused.
+    """
+    if isinstance(value, bool):
+        raise ValueError("a size is a byte count such as 1073741824, '512MB' or '12GiB', not a bool")
+    if isinstance(value, float) and not value.is_integer():
+        raise ValueError(f"{value} bytes is {_NOT_WHOLE}")
+    if isinstance(value, str) and (found := ByteSize.byte_string_re.match(value)) is not None:
+        scalar, unit = found.groups()
+        per_unit = ByteSize.byte_sizes.get((unit or "b").lower())
+        if per_unit is not None:
+            exact = Decimal(scalar) * Decimal(per_unit)
+            if exact != exact.to_integral_value() and (per_unit <= 1 or exact < 1):
+                raise ValueError(f"that is {exact.normalize():f} bytes, {_NOT_WHOLE}")
+    return value
+
+
+Size = Annotated[ByteSize, BeforeValidator(_whole_bytes), Field(ge=0)]
+"""A non-negative whole byte count that accepts human sizes such as ``"12GiB"``."""
 
 _size_adapter: TypeAdapter[ByteSize] = TypeAdapter(Size)
 
@@ -40,14 +68,15 @@ def parse_size(value: str | int, *, what: str = "size") -> int:
     """Parse a human size (``"12GiB"``, ``"512MB"``, ``1024``) into bytes.
 
     Raises:
-        MemfitError: the value is not a size; the message shows what was given and examples.
+        MemfitError: the value is not a size, or not a whole number of bytes (``"0.5B"``, ``True``);
+            the message shows what was given and why, or examples.
     """
     try:
         return int(_size_adapter.validate_python(value))
     except ValidationError as exc:
-        raise MemfitError(
-            f"invalid {what} {value!r}: expected a byte count such as 1073741824, '512MB' or '12GiB'"
-        ) from exc
+        reasons = [str(err["ctx"]["error"]) for err in exc.errors() if err["type"] == "value_error"]
+        why = reasons[0] if reasons else "expected a byte count such as 1073741824, '512MB' or '12GiB'"
+        raise MemfitError(f"invalid {what} {value!r}: {why}") from exc
 
 
 _BINARY_UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
