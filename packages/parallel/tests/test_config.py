@@ -1,5 +1,8 @@
+import json
+
 import pytest
 from memfit.errors import MemfitError
+from memfit.plan import MemoryPlan, PlanPrediction, PlanSource, Recompute
 from memfit_parallel.config import ModelShape, ParallelConfig, Workload
 
 LLAMA_70B = ModelShape(n_layers=80, n_heads=64, n_kv_heads=8)
@@ -77,6 +80,44 @@ def test_save_and_load_round_trip_and_bad_files_are_clear_errors(tmp_path):
     (tmp_path / "typo.json").write_text('{"tensor_parallel": 2}')
     with pytest.raises(MemfitError, match="typo.json is not a valid parallel configuration"):
         ParallelConfig.load(tmp_path / "typo.json")
+
+
+def test_a_file_of_another_kind_says_what_it_is_and_where_configurations_come_from(tmp_path):
+    """A memory plan of ``memfit plan`` (the likely mix-up: both commands write "a plan"), a run's report, a binary
+    file: what it is and how to make a configuration, in a few lines, not pydantic's dump of every field."""
+    sac = MemoryPlan(
+        planner="sac", budget_bytes=2**30, source=PlanSource(kind="synthetic"), predicted=PlanPrediction(peak_bytes=0),
+        actions=(Recompute(module="layers.0.attention"),),
+    )  # fmt: skip
+    sac.save(tmp_path / "memory.json")
+    with pytest.raises(MemfitError) as err:
+        ParallelConfig.load_all(tmp_path / "memory.json")
+    said = str(err.value)
+    assert said.startswith(f"{tmp_path / 'memory.json'} is a memory plan of `memfit plan` (planner 'sac')"), said
+    assert "--sac-plan" in said and "memfit parallel plan ... --out FILE" in said and len(said.splitlines()) == 1
+    (tmp_path / "report.json").write_text(json.dumps({"global_batch": 8, "seq_len": 32, "runs": []}))
+    with pytest.raises(MemfitError, match=r"report.json is the report of a run \(`memfit parallel run --report`\)"):
+        ParallelConfig.load_all(tmp_path / "report.json")
+    (tmp_path / "noise.json").write_bytes(bytes(range(256)))
+    with pytest.raises(MemfitError, match="noise.json is not a parallel configuration: the file is binary"):
+        ParallelConfig.load_all(tmp_path / "noise.json")
+    # any other invalid file: one line a problem (the first five), the closest field to a typo, the fields once
+    (tmp_path / "typos.json").write_text(json.dumps({"dp_shards": 2, **{f"option_{i}": i for i in range(8)}}))
+    with pytest.raises(MemfitError) as err:
+        ParallelConfig.load_all(tmp_path / "typos.json")
+    lines = str(err.value).splitlines()
+    assert lines[1:7] == [
+        "  dp_shards: Extra inputs are not permitted (got 2)",
+        *(f"  option_{i}: Extra inputs are not permitted (got {i})" for i in range(4)),
+        "  ... and 4 more",
+    ]
+    assert "did you mean 'dp_shards' → 'dp_shard'?" in lines[7] and "a configuration's fields: dp_replicate" in lines[8]
+    assert len(lines) == 10 and "pydantic" not in str(err.value)
+    (tmp_path / "list.json").write_text(json.dumps([{"dp_shard": 2}, {"tp": 0}]))
+    with pytest.raises(MemfitError) as err:
+        ParallelConfig.load_all(tmp_path / "list.json")
+    assert str(err.value).splitlines()[1:] == ["  tp: Input should be greater than or equal to 1 (got 0)"]
+    assert "list.json, item 1, is not a valid parallel configuration" in str(err.value)
 
 
 def test_a_list_of_configurations_is_read_by_load_all_and_refused_by_load(tmp_path):

@@ -539,6 +539,9 @@ def test_the_cli_reports_bad_input_without_launching(tmp_path, monkeypatch):
     runner = CliRunner()
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps({"config": {"dp_shard": 2, "tp": 2}}))  # a plan file: the config under "config"
+    memory = sac_plan(tmp_path / "memory.json")
+    noise = tmp_path / "noise.bin"
+    noise.write_bytes(bytes(range(256)))
     cases = [
         (["--nproc", "2", "--config", str(plan)], "multiply to 4 devices, not 2"),
         (["--nproc", "2", "--config", str(tmp_path / "none.json")], "cannot read parallel configuration"),
@@ -550,6 +553,11 @@ def test_the_cli_reports_bad_input_without_launching(tmp_path, monkeypatch):
         (["--nproc", "2", "--seq", "-5"], "'--seq': -5 is not in the range x>=1"),
         (["--nproc", "2", "--n-layers", "0"], "'--n-layers': 0 is not in the range x>=1"),
         (["--nproc", "2", "--timeout", "0"], "'--timeout': 0.0 is not in the range x>0"),
+        # a memory plan of `memfit plan` where the parallel plan goes: what it is and what --config takes
+        (["--nproc", "2", "--config", str(memory)], "memory.json is a memory plan of `memfit plan` (planner 'sac')"),
+        (["--nproc", "2", "--config", str(memory)], "make one with `memfit parallel plan ... --out FILE`"),
+        (["--nproc", "2", "--sac-plan", str(noise)], "noise.bin is not a memfit plan: the file is binary"),
+        (["--nproc", "2", "--report", str(tmp_path / "missing" / "r.json")], "missing does not exist"),
     ]
     for args, message in cases:
         result = runner.invoke(cli, ["parallel", "run", *args], terminal_width=200)
@@ -595,6 +603,37 @@ def test_a_plan_file_gives_the_run_its_workload_and_its_prediction_is_printed_be
 def test_a_run_past_its_timeout_is_stopped_with_a_clear_error():
     with pytest.raises(MemfitError, match=r"did not finish in 0.5 s and was stopped .* raise --timeout"):
         launch(RunRequest(nproc=1, steps=1), timeout_s=0.5)
+
+
+def a_trainer_that(monkeypatch, script: str) -> None:
+    """Launch ``python -c script REPORT`` instead of torchrun and the trainer: what the launch does with the files is
+    under test here, not the training (which the launches above test)."""
+    monkeypatch.setattr(
+        "memfit_parallel.launch.trainer_command",
+        lambda run_request, config_path, report_path: [sys.executable, "-c", script, str(report_path)],
+    )
+
+
+def test_a_failed_run_leaves_the_previous_report_as_it_was_and_a_finished_one_replaces_it(tmp_path, monkeypatch):
+    report = tmp_path / "report.json"
+    report.write_text('{"runs": [], "previous": true}\n')
+    # the trainer's report half written, then a failure: nothing of it reaches the user's file
+    a_trainer_that(monkeypatch, "import sys; open(sys.argv[1], 'w').write('{\"runs\": [') ; sys.exit(3)")
+    with pytest.raises(MemfitError, match=r"the parallel run failed \(exit code 3\)"):
+        launch(RunRequest(nproc=1, steps=1), report)
+    assert report.read_text() == '{"runs": [], "previous": true}\n'
+    a_trainer_that(monkeypatch, "import json, sys; json.dump({'runs': [], 'new': True}, open(sys.argv[1], 'w'))")
+    assert launch(RunRequest(nproc=1, steps=1), report)["new"]
+    assert json.loads(report.read_text()) == {"runs": [], "new": True}
+    assert [p.name for p in tmp_path.iterdir()] == ["report.json"]  # nothing of the replacement left beside it
+
+
+def test_a_report_that_cannot_be_written_is_refused_before_anything_launches(tmp_path, monkeypatch):
+    a_trainer_that(monkeypatch, "raise SystemExit('launched despite a report it cannot write')")
+    with pytest.raises(MemfitError, match=r"the directory .*missing does not exist; create it or write elsewhere"):
+        launch(RunRequest(nproc=1, steps=1), tmp_path / "missing" / "report.json")
+    with pytest.raises(MemfitError, match=r"is a directory: give a file name"):
+        launch(RunRequest(nproc=1, steps=1), tmp_path)
 
 
 # -- the prediction of what the trainer runs ----------------------------------------------------

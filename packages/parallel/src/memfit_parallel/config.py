@@ -25,12 +25,13 @@ Example:
 
 from __future__ import annotations
 
+import difflib
 import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
-from memfit.config import MemfitModel
+from memfit.config import MemfitModel, describe_validation_error
 from memfit.errors import MemfitError
 from memfit.plan import Recompute
 from pydantic import Field, ValidationError, model_validator
@@ -294,19 +295,27 @@ class ParallelConfig(MemfitModel):
         """
         path = Path(path)
         try:
-            data = json.loads(path.read_text())
+            data = json.loads(path.read_text(encoding="utf-8"))
         except OSError as exc:
             raise MemfitError(f"cannot read parallel configuration {path}: {exc.strerror}") from exc
+        except UnicodeDecodeError:
+            raise MemfitError(
+                f"{path} is not a parallel configuration: the file is binary, not JSON text; {_WHERE_CONFIGS_COME_FROM}"
+            ) from None
         except json.JSONDecodeError as exc:
-            raise MemfitError(f"{path} is not JSON ({exc}); write it with ParallelConfig.save or --json") from exc
+            raise MemfitError(f"{path} is not JSON ({exc}); {_WHERE_CONFIGS_COME_FROM}") from exc
+        items = data if isinstance(data, list) else [data]
         configs = []
-        for item in data if isinstance(data, list) else [data]:
+        for index, item in enumerate(items):
+            where = f"{path}, item {index}," if isinstance(data, list) else str(path)
             if isinstance(item, dict) and isinstance(item.get("config"), dict):
-                item = item["config"]  # a plan file written by `memfit parallel plan --json`
+                item = item["config"]  # a plan file written by `memfit parallel plan --out` (or --json)
+            elif other := _another_memfit_file(item):
+                raise MemfitError(f"{where} is {other}, not a parallel configuration: {_WHERE_CONFIGS_COME_FROM}")
             try:
                 configs.append(cls.model_validate(item))
             except ValidationError as exc:
-                raise MemfitError(f"{path} is not a valid parallel configuration:\n{exc}") from exc
+                raise MemfitError(f"{where} is not a valid parallel configuration:\n{_summary(exc)}") from exc
         if not configs:
             raise MemfitError(f"{path} holds no parallel configuration")
         return configs
@@ -316,3 +325,39 @@ class ParallelConfig(MemfitModel):
         path = Path(path)
         path.write_text(self.model_dump_json(indent=2) + "\n")
         return path
+
+
+_WHERE_CONFIGS_COME_FROM = "make one with `memfit parallel plan ... --out FILE`, or ParallelConfig(...).save(FILE)"
+_SHOWN_PROBLEMS = 5  # a file of the wrong kind fails every field: the first few say what it is, not a screenful
+
+
+def _summary(exc: ValidationError) -> str:
+    """The validation problems, one line each (the first :data:`_SHOWN_PROBLEMS`), an unknown field's closest one."""
+    lines = describe_validation_error(exc).splitlines()  # without the model: the fields are listed once, after
+    unknown = [str(e["loc"][0]) for e in exc.errors() if e["type"] == "extra_forbidden" and len(e["loc"]) == 1]
+    close = {name: difflib.get_close_matches(name, list(ParallelConfig.model_fields), n=1) for name in unknown}
+    hints = [f"{name!r} → {match[0]!r}" for name, match in close.items() if match]
+    if len(lines) > _SHOWN_PROBLEMS:
+        lines = [*lines[:_SHOWN_PROBLEMS], f"  ... and {len(lines) - _SHOWN_PROBLEMS} more"]
+    if hints:
+        lines.append("  did you mean " + ", ".join(hints) + "?")
+    if unknown or any(not e["loc"] for e in exc.errors()):  # not a configuration's fields: say which those are
+        lines.append("a configuration's fields: " + ", ".join(ParallelConfig.model_fields))
+        lines.append(_WHERE_CONFIGS_COME_FROM)
+    return "\n".join(lines)
+
+
+def _another_memfit_file(item: object) -> str | None:
+    """What ``item`` is, and where it goes, where it is another file memfit writes, else ``None``.
+
+    A memory plan is the likely mix-up: ``memfit plan`` and ``memfit parallel plan`` both write "a plan".
+    """
+    if not isinstance(item, dict):
+        return None
+    if {"planner", "budget_bytes", "source"} <= item.keys():  # MemoryPlan's required fields
+        kinds = {a.get("kind") for a in item.get("actions", ()) if isinstance(a, dict)}
+        goes = " (its recompute actions go to `memfit parallel run --sac-plan`)" if "recompute" in kinds else ""
+        return f"a memory plan of `memfit plan` (planner {item['planner']!r}){goes}"
+    if isinstance(item.get("runs"), list) and "global_batch" in item:
+        return "the report of a run (`memfit parallel run --report`)"
+    return None

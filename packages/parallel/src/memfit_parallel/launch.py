@@ -122,17 +122,22 @@ def launch(request: RunRequest, report_path: str | Path | None = None, *, timeou
     """Check ``request``, train it under torchrun and return the trainer's report.
 
     The launch runs in its own process group: on a timeout, an interrupt or any error here every
-    process it started is killed, so none is left running.
+    process it started is killed, so none is left running. ``report_path`` (checked writable first) is
+    replaced by the report only once the run has finished: a failed run leaves an earlier file as it was.
 
     Raises:
         MemfitError: bad input (before anything starts), a failed or timed-out run (with its output's tail).
     """
     check_request(request)
+    if report_path is not None:
+        report_path = Path(report_path)
+        check_report_path(report_path)
     with tempfile.TemporaryDirectory(prefix="memfit-parallel-") as tmp:
         config_path = Path(tmp) / "configs.json"
         config_path.write_text(json.dumps([c.model_dump(mode="json") for c in request.configs]))
-        report = Path(report_path) if report_path else Path(tmp) / "report.json"
-        report.unlink(missing_ok=True)
+        # The trainer writes its report here, never into report_path: a run that fails (or is stopped) leaves the
+        # user's previous report as it was, and report_path is replaced only by the report of a run that finished.
+        report = Path(tmp) / "report.json"
         command = trainer_command(request, config_path, report)
         # glibc writes its fatal heap-check messages to the terminal, where there is one, unless told otherwise
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "LIBC_FATAL_STDERR_": "1"}
@@ -163,11 +168,38 @@ def launch(request: RunRequest, report_path: str | Path | None = None, *, timeou
             raise MemfitError(
                 f"the parallel run failed (exit code {process.returncode}):{why}\nthe output's last lines:\n{tail}"
             )
+        if report_path is not None:
+            _replace_with(report_path, report.read_bytes())
         result = json.loads(report.read_text())
         result["log"] = output
         if result.get("restarts"):  # the attempts before the one that reported: what their failing ranks left
             result["earlier_failures"] = failure_lines(output)
         return result
+
+
+def check_report_path(path: Path) -> None:
+    """Raise :class:`MemfitError` where a report could not be written to ``path`` (checked before a run, not after)."""
+    folder = path.parent
+    if path.is_dir():
+        raise MemfitError(f"--report {path} is a directory: give a file name, e.g. {path / 'report.json'}")
+    if not folder.is_dir():
+        raise MemfitError(f"--report {path}: the directory {folder} does not exist; create it or write elsewhere")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise MemfitError(f"--report {path}: the directory {folder} is not writable; write the report elsewhere")
+
+
+def _replace_with(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` at once: a new file beside it, renamed over it (never a half-written report)."""
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    try:
+        # os.open's mode passes through the umask, as any new file's does (a temporary file's would be 0600)
+        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+        os.replace(partial, path)
+    except OSError as exc:
+        partial.unlink(missing_ok=True)
+        raise MemfitError(f"cannot write the report to {path}: {exc.strerror or exc}") from exc
 
 
 # the exception's own line: a class name, then ":" or the end (not "Exception raised from ..." of a C++ trace)
@@ -298,7 +330,11 @@ def planned_peak(plan: dict | None, request: RunRequest, result: dict, entry: di
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--lr", type=float, default=3e-3, show_default=True, help="AdamW learning rate.")
 @click.option("--capacity", default="4GiB", show_default=True, help="cpu-sim device capacity per rank (CPU).")
-@click.option("--report", type=click.Path(path_type=Path), help="Write the JSON report here.")
+@click.option(
+    "--report",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Write the JSON report here once the run has finished (a failed run leaves an earlier report as it was).",
+)
 @click.option(
     "--sac-plan",
     type=click.Path(path_type=Path),
@@ -324,6 +360,9 @@ def run(
 
     try:
         configs = load_configs(config_path) if config_path else []
+    except MemfitError as exc:
+        raise click.BadParameter(str(exc), param_hint="'--config'") from exc
+    try:
         plan = read_plan(config_path) if config_path else None
         given = {"model": model, "global_batch": batch, "seq_len": seq}
         workload = {**RUN_DEFAULTS, **(plan or {}).get("workload", {})}
@@ -340,6 +379,8 @@ def run(
             capacity=capacity, sac_plan=sac_plan, max_restarts=max_restarts,
         )  # fmt: skip
         check_request(request)
+        if report is not None:
+            check_report_path(report)
         click.echo(
             f"launching {nproc} processes, {request.model}, global batch {request.global_batch} x {request.seq_len}: "
             + ", ".join(c.describe() for c in request.configs)
