@@ -4,6 +4,7 @@ import json
 
 import pytest
 from click.testing import CliRunner
+from memfit.errors import MemfitError
 from memfit_faulttol import Planner, Strategy
 from memfit_faulttol.cli import faulttol
 from memfit_faulttol.live import LiveOptions, module_moves, routes, sync_holders
@@ -49,6 +50,38 @@ def test_bad_input_is_refused_before_anything_starts():
     result = runner.invoke(faulttol, ["run", "--kill", "one@2"])
     assert "is not RANK@STEP" in result.output
     assert "must divide --batch" in runner.invoke(faulttol, ["run", "--micro-batches", "3"]).output
+
+
+def test_a_run_dir_holding_an_earlier_run_is_refused_and_replaced_only_when_asked(tmp_path, monkeypatch):
+    """An earlier run's ledgers and reports are what the user kept the folder for: never deleted unasked."""
+    import memfit_faulttol.runner as runner
+
+    earlier = {"report-0.json": "{}", "ledger-0.jsonl": '{"step": 0}\n', "worker-5.log": "old", "store": ""}
+    for name, text in earlier.items():
+        (tmp_path / name).write_text(text)
+    (tmp_path / "notes.txt").write_text("the user's own")
+    started = []
+
+    def no_worker(command, **kwargs):  # what the launch does with the folder is under test, not the workers
+        started.append(command)
+        raise RuntimeError("no worker in this test")
+
+    monkeypatch.setattr(runner.subprocess, "Popen", no_worker)
+    result = CliRunner().invoke(faulttol, ["run", "--run-dir", str(tmp_path)])
+    assert (
+        result.exit_code == 2 and "holds an earlier run's files (ledger-0.jsonl, report-0.json, store" in result.output
+    )
+    assert "choose an empty or new folder, or pass --overwrite" in result.output
+    with pytest.raises(MemfitError, match="holds an earlier run's files"):
+        launch_live(LiveOptions(), tmp_path)
+    assert not started and {p.name: p.read_text() for p in tmp_path.iterdir()} == {
+        **earlier,
+        "notes.txt": "the user's own",
+    }
+    with pytest.raises(RuntimeError, match="no worker in this test"):
+        launch_live(LiveOptions(), tmp_path, overwrite=True)
+    # the earlier run's files are gone (worker-5.log too: a larger run's), the user's own file is kept
+    assert started and sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "options.json", "worker-0.log"]
 
 
 def assert_trajectory(result, fault_steps):

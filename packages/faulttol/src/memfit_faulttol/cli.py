@@ -157,14 +157,20 @@ def _parse_kills(values: tuple[str, ...]) -> dict[int, int]:
 )  # fmt: skip
 @click.option(
     "--run-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-    help="Keep the ledgers, reports and worker logs here (default: a temporary folder).",
+    help="Keep the ledgers, reports and worker logs here (default: a temporary folder); "
+    "one that holds an earlier run's files is refused unless --overwrite.",
+)  # fmt: skip
+@click.option(
+    "--overwrite", is_flag=True,
+    help="Replace an earlier run's files in --run-dir (its options.json, store, worker logs, ledgers and reports; "
+    "nothing else there).",
 )  # fmt: skip
 @click.option("--no-oracle", is_flag=True, help="Skip replaying the ledger in one process to check the losses.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 @click.option("--timeout", "timeout_s", type=float, default=600, show_default=True, help="Seconds for the whole run.")
 def run(
     nproc, stages, model, n_layers, batch, micro_batches, seq, steps, seed, lr, kills, pg_timeout, heartbeat, stale,
-    failure_rate, plugins, run_dir, no_oracle, as_json, timeout_s,
+    failure_rate, plugins, run_dir, overwrite, no_oracle, as_json, timeout_s,
 ):  # fmt: skip
     """Train the reference Llama on NPROC local workers (pipeline × data parallel), kill some, keep training.
 
@@ -176,7 +182,7 @@ def run(
     (the losses the run must have had).
     """
     from memfit_faulttol.live import LiveOptions
-    from memfit_faulttol.runner import check_ledger, launch_live, ledger_summary, replay_ledger
+    from memfit_faulttol.runner import check_ledger, launch_live, ledger_summary, replay_ledger, run_dir_problems
 
     options = LiveOptions(
         nproc=nproc, stages=stages, model=model, n_layers=n_layers, batch=batch, micro_batches=micro_batches,
@@ -190,6 +196,7 @@ def run(
     for plugin in plugins:
         if plugin.endswith(".py") and not Path(plugin).is_file():
             problems.append(f"--plugin {plugin}: no such file")
+    problems += run_dir_problems(run_dir, overwrite)
     if problems:
         raise click.UsageError("; ".join(problems))
     say = (lambda line: None) if as_json else click.echo
@@ -198,7 +205,7 @@ def run(
         + (", ".join(f"rank {u} at step {s}" for u, s in sorted(options.kills.items())) or "none")
     )
     try:
-        result = launch_live(options, run_dir, timeout_s=timeout_s, echo=say)
+        result = launch_live(options, run_dir, overwrite=overwrite, timeout_s=timeout_s, echo=say)
     except MemfitError as exc:
         raise click.ClickException(str(exc)) from exc
     report = result.report

@@ -70,16 +70,54 @@ class LiveResult:
         return [r for r in self.report["recoveries"] if r.get("decision", True) is not None]
 
 
+RUN_FILES = ("options.json", "store", "worker-*.log", "ledger-*.jsonl", "report-*.json")
+"""What a live run writes into its folder: the options, the workers' shared store, and each worker's log,
+ledger (appended to) and report (all of them read back by :func:`launch_live`)."""
+
+
+def earlier_run_files(run_dir: str | Path) -> list[Path]:
+    """The files of :data:`RUN_FILES` an earlier run left in ``run_dir`` (none where it is new or empty)."""
+    return sorted({path for pattern in RUN_FILES for path in Path(run_dir).glob(pattern)})
+
+
+def run_dir_problems(run_dir: str | Path | None, overwrite: bool = False) -> list[str]:
+    """Why ``run_dir`` cannot take a new run: it holds an earlier run's files and ``overwrite`` was not asked for.
+
+    A run cannot share a folder with an earlier one (their ledgers would mix, the store would hold the
+    old run's keys), and the folder was named to keep those files: so they are removed only when asked
+    (``overwrite``), never silently, and a user's other files there are never touched. A fresh
+    subfolder per run would keep them too, but then the files are not where the user said to put them.
+    """
+    if run_dir is None or overwrite:
+        return []
+    earlier = earlier_run_files(run_dir)
+    if not earlier:
+        return []
+    names = ", ".join(path.name for path in earlier[:4]) + (f" and {len(earlier) - 4} more" if len(earlier) > 4 else "")
+    return [
+        f"--run-dir {run_dir} holds an earlier run's files ({names}): choose an empty or new folder, "
+        "or pass --overwrite to replace them"
+    ]
+
+
 def launch_live(
-    options: LiveOptions, run_dir: str | Path | None = None, *, timeout_s: float = 600.0, echo=None
+    options: LiveOptions,
+    run_dir: str | Path | None = None,
+    *,
+    overwrite: bool = False,
+    timeout_s: float = 600.0,
+    echo=None,
 ) -> LiveResult:
     """Run ``options`` on ``options.nproc`` local worker processes; the killed ones die by SIGKILL, the others finish.
 
+    The run's files go to ``run_dir`` (default: a temporary folder, removed afterwards); one that holds an
+    earlier run's files is refused unless ``overwrite``, which removes those files first (:func:`run_dir_problems`).
+
     Raises:
-        MemfitError: bad options (before anything starts); a survivor failed or the run timed out
-            (with the tail of its output).
+        MemfitError: bad options or a run folder in use (before anything starts); a survivor failed or the run
+            timed out (with the tail of its output).
     """
-    problems = options.problems()
+    problems = options.problems() + run_dir_problems(run_dir, overwrite)
     if problems:
         raise MemfitError("; ".join(problems))
     with contextlib.ExitStack() as stack:
@@ -87,8 +125,8 @@ def launch_live(
             run_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="memfit-live-"))
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
-        for stale in [*run_dir.glob("ledger-*.jsonl"), *run_dir.glob("report-*.json"), run_dir / "store"]:
-            stale.unlink(missing_ok=True)
+        for earlier in earlier_run_files(run_dir):  # only with overwrite: run_dir_problems refused them otherwise
+            earlier.unlink()
         (run_dir / "options.json").write_text(json.dumps(options.to_json(), indent=1))
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         logs, processes = {}, {}
