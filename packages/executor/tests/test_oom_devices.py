@@ -187,6 +187,37 @@ def test_a_failure_is_recorded_as_it_happens_with_the_static_bytes_it_knows(hook
     assert "leave no room" not in message and "swapped out every activation it could" in message
 
 
+def test_an_oom_before_the_first_optimizer_step_calls_untracked_bytes_untracked_and_drops_cpu_sims_advice(hooks):
+    """Before: the bytes memfit does not track were "parameters, gradients, optimizer states and tensors the
+    program holds" (no optimizer state exists before the first step), and the quoted cpu-sim message ended
+    "or run under memfit's swap executor", the executor that was running."""
+    from memfit_executor.session import SwapSession
+
+    sim = CpuSimBackend(capacity="64MiB")
+    runtime = SwapRuntime(sim)
+    with sim.activate():
+        runtime.install(hooks)
+        try:
+            w = torch.nn.Parameter(torch.ones(4 * MiB))  # 16 MiB; no optimizer has stepped
+            with pytest.raises(torch.OutOfMemoryError) as info:
+                torch.empty(50 * MiB, dtype=torch.uint8)
+        finally:
+            runtime.uninstall()
+    del w
+    sim.close()
+    assert runtime.failure.static_bytes is None and "run under memfit's swap executor" in str(info.value)
+    session = SwapSession(budget=64 * MiB, backend=sim)
+    session.runtime, session.backend = runtime, sim
+    message = str(session._oom_error(info.value))
+    assert "16.00 MiB memfit does not track (the parameters, their gradients and the program's other tensors: " in (
+        message
+    )
+    assert "optimizer state" not in message and "a smaller model, sharded parameters" in message
+    assert "The tensors memfit does not track alone (16.00 MiB) leave no room for this request" in message
+    assert "cpu-sim out of memory: tried to allocate 50.00 MiB" in message  # the device's facts stay
+    assert "run under memfit" not in message and "raise the cpu-sim capacity" not in message
+
+
 class _Recorded:
     """A real stream or event whose host waits (``synchronize``) and stream waits are counted."""
 

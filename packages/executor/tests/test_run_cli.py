@@ -1,15 +1,20 @@
-"""``memfit run`` when the script does not simply return: it raises, it is missing, it closes stdout."""
+"""``memfit run`` when the script does not simply return (it raises, is missing, closes stdout, is sent
+SIGTERM), and bad input checked before the script runs."""
 
 import json
+import re
 import subprocess
 import sys
+import tempfile
 import textwrap
+from pathlib import Path
 
 import memfit
 import pytest
 import torch
 from click.testing import CliRunner
 from memfit.cli.main import cli
+from memfit.errors import MemfitError
 
 MiB = 2**20
 
@@ -75,3 +80,113 @@ def test_a_script_that_closes_stdout_still_gets_its_summary_and_report(tmp_path)
     assert done.returncode == 0 and "ValueError" not in done.stderr, done.stderr
     assert "peak device memory" in done.stdout and "report written to" in done.stdout
     assert json.loads(report.read_text())["iterations"] == 2
+
+
+def test_a_report_that_cannot_be_written_is_a_usage_error_before_the_script_runs(tmp_path):
+    """Before: found after the whole run: a raw FileNotFoundError, the report lost, exit 1 for the script's 3."""
+    script = tmp_path / "train.py"
+    script.write_text(f"open({str(tmp_path / 'ran')!r}, 'w').close()\n")
+    for report, why in [
+        (tmp_path / "missing" / "run.json", "missing does not exist; create it first (mkdir -p"),
+        (tmp_path, "is a directory"),
+        (script / "run.json", "train.py is not a directory"),
+    ]:
+        args = ["run", "--backend", "cpu-sim", "--report", str(report), "--", "python", str(script)]
+        result = CliRunner().invoke(cli, args, terminal_width=200)
+        assert result.exit_code == 2 and "Invalid value for" in result.output and "--report" in result.output
+        assert why in " ".join(result.output.split()), result.output
+        assert not (tmp_path / "ran").exists() and "Traceback" not in result.output
+
+
+def test_a_report_folder_removed_during_the_run_keeps_the_report_and_the_scripts_exit_code(tmp_path, monkeypatch):
+    """Before: a raw traceback at the end, the report lost, and the script's exit code 3 replaced by 1."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the report goes instead
+    folder = tmp_path / "reports"
+    folder.mkdir()
+    body = TWO_STEPS + f"import shutil, sys\nshutil.rmtree({str(folder)!r})\nsys.exit(3)\n"
+    result, _ = run(tmp_path, body, "--report", str(folder / "run.json"))
+    assert result.exit_code == 3 and "peak device memory" in result.stdout, result.output
+    fallback = re.search(r"could not write the report to .*run\.json \(.*\); wrote it to (\S+) instead", result.stderr)
+    assert fallback is not None, result.stderr
+    assert json.loads(Path(fallback.group(1)).read_text())["iterations"] == 2
+
+
+@pytest.mark.slow
+def test_sigterm_ends_the_script_with_its_summary_and_report_and_exit_143(tmp_path):
+    """Before: SIGTERM (what batch schedulers send) killed memfit run at once: exit 143, no summary, no report.
+
+    The script sends SIGTERM to itself, so no timing is involved; a process of its own, so that the
+    signal, before the fix, would end only that process.
+    """
+    script = tmp_path / "train.py"
+    after = tmp_path / "after-sigterm"
+    script.write_text(
+        TWO_STEPS + f"import os, signal\nos.kill(os.getpid(), signal.SIGTERM)\nopen({str(after)!r}, 'w')\n"
+    )
+    report = tmp_path / "report.json"
+    memfit = [sys.executable, "-c", "from memfit.cli.main import main; main()"]
+    args = ["run", "--backend", "cpu-sim", "--report", str(report), "--", "python", str(script)]
+    done = subprocess.run([*memfit, *args], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 143, done.stderr
+    assert "peak device memory" in done.stdout and "report written to" in done.stdout
+    assert json.loads(report.read_text())["iterations"] == 2 and not after.exists()  # the script stopped there
+
+
+def test_a_script_without_an_optimizer_step_is_told_why_nothing_was_planned(tmp_path):
+    """Before: 0 iterations and no plan, silently."""
+    body = "import torch\np = torch.nn.Parameter(torch.ones(1024))\nfor _ in range(3):\n    (p * 2).sum().backward()\n"
+    result, report = run(tmp_path, body)
+    assert result.exit_code == 0, result.output
+    notes = json.loads(report.read_text())["notes"]
+    assert any(note.startswith("memfit saw no optimizer step") and "no iteration and no plan" in note for note in notes)
+    assert "memfit saw no optimizer step" in " ".join(result.stdout.split())  # in the summary
+    result, report = run(tmp_path, TWO_STEPS)  # an optimizer that steps: no such note
+    assert not any("no optimizer step" in note for note in json.loads(report.read_text())["notes"])
+
+
+def test_an_unknown_option_is_said_to_be_one(tmp_path):
+    """Before: "'--frobnicate' is not a Python script"."""
+    (tmp_path / "train.py").write_text("")
+    result = CliRunner().invoke(cli, ["run", "--frobnicate", "--", "python", str(tmp_path / "train.py")])
+    assert result.exit_code == 2 and "No such option '--frobnicate'" in result.output
+    assert "not a Python script" not in result.output
+    result = CliRunner().invoke(cli, ["run", "--budgt", "1GiB", "--", "python", str(tmp_path / "train.py")])
+    assert "No such option '--budgt'" in result.output and "--budget" in result.output  # click's suggestion
+
+
+def test_any_file_python_can_run_is_run_with_or_without_py(tmp_path):
+    """Before: an executable `train` with a shebang was refused ("not a Python script"); `python train` runs it."""
+    script = tmp_path / "train"
+    script.write_text("#!/usr/bin/env python3\n" + textwrap.dedent(TWO_STEPS) + "import sys\nsys.exit(3)\n")
+    script.chmod(0o755)
+    report = tmp_path / "report.json"
+    args = ["run", "--backend", "cpu-sim", "--report", str(report), "--", "python", str(script)]
+    result = CliRunner().invoke(cli, args, terminal_width=200)
+    assert result.exit_code == 3, result.output
+    assert json.loads(report.read_text())["iterations"] == 2
+
+
+def test_what_python_could_not_run_is_a_clear_error_before_anything_runs(tmp_path):
+    (tmp_path / "weights.bin").write_bytes(bytes(range(256)))
+    (tmp_path / "train.sh").write_text("#!/bin/bash\npython train.py\n")
+    (tmp_path / "configs").mkdir()
+    for command, why in [
+        (["python", str(tmp_path / "weights.bin")], "weights.bin is a binary file, not a Python script"),
+        (["python", str(tmp_path / "train.sh")], "train.sh is a script for /bin/bash, not Python"),
+        (["python", str(tmp_path / "configs")], "configs is a directory without a __main__.py"),
+        (["python", "-u", "train.py"], "python option -u cannot be given: memfit runs the script in this process"),
+    ]:
+        result = CliRunner().invoke(cli, ["run", "--backend", "cpu-sim", "--", *command], terminal_width=200)
+        assert result.exit_code == 1 and why in " ".join(result.output.split()), result.output
+        assert "peak device memory" not in result.output
+
+
+def test_the_budget_is_checked_before_the_backend_is_made(tmp_path):
+    """Before: the backend was created first (minutes, when its native code was being built), then the typo."""
+    (tmp_path / "train.py").write_text("")
+    args = ["run", "--backend", "no-such-backend", "--budget", "0.5B", "--", "python", str(tmp_path / "train.py")]
+    result = CliRunner().invoke(cli, args, terminal_width=200)
+    assert result.exit_code == 2 and "Invalid value for --budget: invalid budget '0.5B'" in result.output
+    assert "no-such-backend" not in result.output
+    with pytest.raises(MemfitError, match="invalid swap budget 'lots'"):  # the API too: at memfit.swap, not at with
+        memfit.swap(budget="lots", backend="no-such-backend")

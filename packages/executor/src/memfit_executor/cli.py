@@ -2,17 +2,30 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import sys
+import tempfile
 from pathlib import Path
+from typing import Any
 
 import click
-from memfit.cli.scripts import PythonCommand, console_after_script, print_script_traceback
-from memfit.config import format_size
+from memfit.cli.scripts import (
+    PythonCommand,
+    Termination,
+    check_writable,
+    console_after_script,
+    print_script_traceback,
+)
+from memfit.config import format_size, parse_size
 from memfit.errors import MemfitError
+from rich.console import Console
 from rich.table import Table
 
 
-@click.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+# options end at the command's first word (python), so the script's own options are its own; an
+# unknown option before it is click's "No such option" error, not taken for the command
+@click.command(context_settings={"allow_interspersed_args": False})
 @click.option("--backend", default=None, help="Backend to run on (cpu-sim, cuda, npu); default: the best available.")
 @click.option(
     "--budget", default=None, help="Device memory the run may use, e.g. 12GiB; default: the device's capacity."
@@ -59,17 +72,24 @@ def run(backend, budget, report_path, matcher, release_mode, planner, adapt, ver
     """Run COMMAND (python train.py ...) under memfit's swap executor, within BUDGET.
 
     The script needs no change: iterations end at each optimizer step. Whatever the script does
-    (returns, exits, raises), the summary and the report come first; then, if it raised, its
-    traceback, and the exit status is the script's.
+    (returns, exits, raises, is sent SIGTERM), the summary and the report come first; then, if it
+    raised, its traceback, and the exit status is the script's (143 after SIGTERM, 130 after Ctrl-C).
 
         memfit run --backend cpu-sim --budget 4GiB --report run.json -- python train.py
     """
     from memfit_executor.session import SwapSession  # imports torch: only when the command runs
 
+    # everything the user gave is checked before the backend is made and the script runs
     try:
-        script = PythonCommand.parse(command, cli_name="memfit run")  # before anything runs
+        script = PythonCommand.parse(command, cli_name="memfit run")
     except MemfitError as exc:
         raise click.ClickException(str(exc)) from exc
+    for value, check, hint in ((budget, _check_budget, "--budget"), (report_path, check_writable, "--report")):
+        try:
+            if value is not None:
+                check(value)
+        except MemfitError as exc:
+            raise click.BadParameter(str(exc), param_hint=hint) from exc
     if verbose:
         logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
@@ -79,26 +99,62 @@ def run(backend, budget, report_path, matcher, release_mode, planner, adapt, ver
     failure: MemfitError | None = None
     script_error: BaseException | None = None
     exit_code: int | str | None = None
-    try:
-        with session:
-            exit_code = script.run()
-    except MemfitError as exc:  # memfit's own (the budget, an out-of-memory it could not handle)
-        failure = exc
-    except (Exception, KeyboardInterrupt) as exc:  # the script's: report first, as for sys.exit
-        script_error = exc
-    if session.runtime is not None:
-        with console_after_script() as console:
-            console.print(summary(session.report()))
-            if report_path is not None:
-                session.write_report(report_path)
-                console.print(f"report written to {report_path}")
+    with Termination() as termination:
+        try:
+            with session:
+                exit_code = script.run()
+        except MemfitError as exc:  # memfit's own (the budget, an out-of-memory it could not handle)
+            failure = exc
+        except (Exception, KeyboardInterrupt) as exc:  # the script's: report first, as for sys.exit
+            script_error = exc
+        termination.script_finished()
+        if session.runtime is not None:
+            report = session.report()
+            with console_after_script() as console:
+                console.print(summary(report))
+                if report_path is not None:
+                    _write_report(report, report_path, console)
     if failure is not None:
         raise click.ClickException(str(failure)) from failure
     if script_error is not None:
         print_script_traceback(script_error)
         raise SystemExit(130 if isinstance(script_error, KeyboardInterrupt) else 1)
+    if termination.received and exit_code in (None, 0):  # SIGTERM after the script had ended
+        exit_code = Termination.exit_code
     if exit_code not in (None, 0):
         raise SystemExit(exit_code)
+
+
+def _check_budget(budget: str) -> None:
+    if parse_size(budget, what="budget") <= 0:
+        raise MemfitError(f"the budget must be positive, got {budget!r}")
+
+
+def _write_report(report: dict[str, Any], path: Path, console: Console) -> None:
+    """Write the report to ``path``, else (it was writable before the run) to a temporary file, else to stderr.
+
+    What the run measured is not lost to a folder removed during the run, and the exit status stays the script's.
+    """
+    text = json.dumps(report, indent=2) + "\n"
+    try:
+        path.write_text(text)
+    except OSError as exc:
+        why = exc.strerror or str(exc)
+        try:
+            with tempfile.NamedTemporaryFile(
+                "w", prefix=f"{path.stem}-", suffix=path.suffix or ".json", delete=False
+            ) as fallback:
+                fallback.write(text)
+        except OSError:
+            print(f"memfit run: could not write the report to {path} ({why}); here it is:", file=sys.stderr)
+            print(text, file=sys.stderr, end="")
+            return
+        print(
+            f"memfit run: could not write the report to {path} ({why}); wrote it to {fallback.name} instead",
+            file=sys.stderr,
+        )
+        return
+    console.print(f"report written to {path}")
 
 
 def summary(report: dict) -> Table:

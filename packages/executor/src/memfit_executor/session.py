@@ -48,13 +48,14 @@ import contextlib
 import importlib.util
 import json
 import logging
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from memfit.config import MemfitModel, Size, format_size
+from memfit.config import MemfitModel, Size, format_size, parse_size
 from memfit.errors import MemfitError
 from memfit.plan import Recompute
 from memfit.plugins import Hooks, get_hooks
@@ -81,6 +82,12 @@ STRAINED_BUDGET_STEP = 0.05
 """Each re-plan for passive swaps plans for this much less of the budget."""
 SLOWER_THAN_PLANNED = 0.7
 """Re-plan for bandwidth only when copies ran below this fraction of what the plan assumed."""
+NO_OPTIMIZER_STEP = (
+    "memfit saw no optimizer step: an iteration ends at each step() of a torch.optim optimizer, so this run had "
+    "no iteration and no plan; only passive swaps on out-of-memory kept it within the budget. Step a torch.optim "
+    "optimizer in the training loop, or, under memfit.swap, end each iteration with session.profiler.step()."
+)
+"""Said when a session ends without an iteration, though the profiler was there to see one."""
 
 
 class SwapOptions(MemfitModel):
@@ -239,6 +246,10 @@ class SwapSession:
         self._backend_arg = backend
         self._budget_arg = budget
         self.budget_bytes = 0
+        if budget is not None:  # here, not once the backend is made: a typo need not wait for it
+            self.budget_bytes = parse_size(budget, what="swap budget")
+            if self.budget_bytes <= 0:
+                raise MemfitError(f"the swap budget must be positive, got {budget!r}")
         self.backend: Any = None
         self.profiler: Any = None
         self.runtime: SwapRuntime | None = None
@@ -278,18 +289,12 @@ class SwapSession:
 
     # -- lifecycle ---------------------------------------------------------------------------
     def __enter__(self) -> SwapSession:
-        from memfit.config import parse_size
-
         backend = self._backend_arg
         if backend is None or isinstance(backend, str):
             self.backend = self.hooks.create_backend(backend)
             self._owns_backend = True
         else:
             self.backend = backend
-        if self._budget_arg is not None:
-            self.budget_bytes = parse_size(self._budget_arg, what="swap budget")
-            if self.budget_bytes <= 0:
-                raise MemfitError(f"the swap budget must be positive, got {self._budget_arg!r}")
         # measured before the budget caps the device: the measurement needs room for its buffer
         self._bandwidth = self.backend.copy_bandwidth()
         if self._budget_arg is not None:
@@ -350,6 +355,8 @@ class SwapSession:
                     self.backend.set_capacity(self._saved_capacity)
                 if self._owns_backend:
                     self.backend.close()
+        if exc is None and self.profiler is not None and not self._stage_iterations:
+            self._note(NO_OPTIMIZER_STEP)
         if exc is not None and runtime is not None and self.backend.is_oom(exc):
             if not isinstance(exc, SwapOutOfMemoryError):
                 raise self._oom_error(exc) from exc
@@ -406,7 +413,7 @@ class SwapSession:
                 f"out of memory under memfit's swap executor: a request of {format_size(request)} did not fit the "
                 f"budget of {budget}, and memfit's OOM handler did not see the failure (it was outside the "
                 f"operators it watches, or OOM handling was off). Raise the budget, or lower the batch size or "
-                f"sequence length. ({exc})"
+                f"sequence length. ({_device_facts(exc)})"
             )
         live = ", ".join(f"{format_size(n)} ({state})" for n, state in failure.largest) or "none"
         other = failure.in_use_bytes - failure.activation_bytes
@@ -417,15 +424,22 @@ class SwapSession:
                 f"{format_size(max(0, other - static))} other tensors the program holds"
             )
             what = "the parameters, gradients and optimizer states"
-        else:  # no optimizer step has run yet: parameters and the program's own tensors are not told apart
+        else:  # before the first optimizer step memfit does not know which tensors are parameters
             static = other
-            held = f"{format_size(other)} parameters, gradients, optimizer states and tensors the program holds"
-            what = "the parameters, gradients, optimizer states and tensors the program holds"
+            held = (
+                f"{format_size(other)} memfit does not track (the parameters, their gradients and the program's "
+                f"other tensors: no optimizer step has run yet to tell them apart)"
+            )
+            what = "the tensors memfit does not track"
         if static + failure.request_bytes > failure.capacity_bytes:
+            shrink = (
+                "shard or offload them (e.g. FSDP/ZeRO, a smaller optimizer state)"
+                if failure.static_bytes is not None
+                else "make them smaller (a smaller model, sharded parameters e.g. FSDP)"
+            )
             advice = (
                 f"{what[0].upper()}{what[1:]} alone ({format_size(static)}) leave no room for this request in "
-                f"the budget: swapping activations cannot make it fit. Raise the budget, or shard or offload them "
-                f"(e.g. FSDP/ZeRO, a smaller optimizer state)."
+                f"the budget: swapping activations cannot make it fit. Raise the budget, or {shrink}."
             )
         else:
             advice = (
@@ -436,7 +450,7 @@ class SwapSession:
             f"out of memory under memfit's swap executor: a request of {format_size(failure.request_bytes)} did not "
             f"fit the budget of {budget}. At the failure {format_size(failure.in_use_bytes)} were in use: "
             f"{format_size(failure.activation_bytes)} activations memfit tracks (largest: {live}), {held}. "
-            f"{advice} ({exc})"
+            f"{advice} ({_device_facts(exc)})"
         )
 
     # -- the stages ---------------------------------------------------------------------------
@@ -792,6 +806,15 @@ class SwapSession:
     def write_report(self, path: str | Path) -> None:
         """Write :meth:`report` as JSON."""
         Path(path).write_text(json.dumps(self.report(), indent=2) + "\n")
+
+
+def _device_facts(exc: BaseException) -> str:
+    """The device's own OOM message, less its sentences that advise memfit: memfit is running.
+
+    cpu-sim's ends "... raise the cpu-sim capacity, or run under memfit's swap executor.", which
+    the session's explanation replaces (the session set that capacity to the budget).
+    """
+    return " ".join(sentence for sentence in re.split(r"(?<=\.)\s+", str(exc)) if "memfit" not in sentence)
 
 
 def _recomputes(plan: Any) -> bool:

@@ -1,19 +1,24 @@
 """Running a user's training command in this process, so memfit can watch it unmodified.
 
 A command is checked before anything runs (:meth:`PythonCommand.parse`), so a mistyped script
-name is an error, not a run of nothing. After the script, memfit still reports what it saw,
-whatever the script did: returned, called ``sys.exit``, raised (the script's traceback follows
-the report, as Python would print it), or closed its standard output
+name is an error, not a run of nothing; so is a file the run would write at its end
+(:func:`check_writable`). After the script, memfit still reports what it saw, whatever the script
+did: returned, called ``sys.exit``, raised (the script's traceback follows the report, as Python
+would print it), was sent SIGTERM (:class:`Termination`), or closed its standard output
 (:func:`console_after_script`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import runpy
+import signal
 import sys
+import threading
 import traceback
+import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,14 +65,15 @@ class PythonCommand:
             if len(args) < 2:
                 raise MemfitError(f"-m needs a module name, e.g. {cli_name} -- python -m mypkg.train")
             return cls(argv=tuple(args[1:]), module=args[1])
-        script = Path(args[0])
-        if script.suffix != ".py" or script.is_dir():
+        if args[0].startswith("-"):  # python's own options: this process's interpreter is already running
             raise MemfitError(
-                f"{args[0]!r} is not a Python script; memfit runs training in this process: "
-                f"{cli_name} -- python train.py ..."
+                f"python option {args[0]} cannot be given: memfit runs the script in this process. "
+                f"Give the script, or -m and a module: {cli_name} -- python train.py ..."
             )
-        if not script.is_file():
+        script = Path(args[0])
+        if not script.exists():
             raise MemfitError(f"{args[0]}: no such file (looked in {Path.cwd()})")
+        _check_runnable(script, cli_name)
         return cls(argv=(str(script), *args[1:]), script=script)
 
     def run(self) -> int | str | None:
@@ -81,14 +87,103 @@ class PythonCommand:
                     runpy.run_module(self.module, run_name="__main__", alter_sys=True)
                     return None
                 assert self.script is not None
-                sys.path.insert(0, str(self.script.resolve().parent))
-                try:
+                if self.script.is_file() and not zipfile.is_zipfile(self.script):
+                    # as python does for a script; run_path puts a directory or a zip archive there itself
+                    sys.path.insert(0, str(self.script.resolve().parent))
+                    try:
+                        runpy.run_path(str(self.script), run_name="__main__")
+                    finally:
+                        sys.path.pop(0)
+                else:
                     runpy.run_path(str(self.script), run_name="__main__")
-                finally:
-                    sys.path.pop(0)
         except SystemExit as exc:
             return exc.code
         return None
+
+
+_HEAD_BYTES = 8192
+
+
+def _check_runnable(script: Path, cli_name: str) -> None:
+    """Refuse what ``python SCRIPT`` could not run: any file Python can (with or without ``.py``) passes.
+
+    That is Python source, compiled bytecode, a zip archive or a directory with ``__main__.py``.
+    """
+    usage = f"{cli_name} -- python train.py ..."
+    if script.is_dir():
+        if not (script / "__main__.py").is_file():
+            raise MemfitError(f"{script} is a directory without a __main__.py; give the script to run: {usage}")
+        return
+    with script.open("rb") as file:
+        head = file.read(_HEAD_BYTES)
+    if head.startswith(importlib.util.MAGIC_NUMBER) or zipfile.is_zipfile(script):
+        return
+    if head.startswith(b"#!") and b"python" not in head.split(b"\n", 1)[0]:
+        interpreter = head.split(b"\n", 1)[0][2:].decode(errors="replace").strip()
+        raise MemfitError(
+            f"{script} is a script for {interpreter}, not Python; memfit runs Python training in this process: {usage}"
+        )
+    if b"\0" in head:
+        raise MemfitError(
+            f"{script} is a binary file, not a Python script; memfit runs Python training in this process: {usage}"
+        )
+
+
+def check_writable(path: Path) -> None:
+    """Refuse a file a run would write at its end (a report) but could not: checked before the run, not after it.
+
+    Raises:
+        MemfitError: the path is a directory, its folder is missing or not a folder, or it cannot be written.
+    """
+    folder = path.parent
+    if path.is_dir():
+        raise MemfitError(f"{path} is a directory; give a file name in it, e.g. {path / 'report.json'}")
+    if not folder.exists():
+        raise MemfitError(f"{folder} does not exist; create it first (mkdir -p {folder}) or give another path")
+    if not folder.is_dir():
+        raise MemfitError(f"{folder} is not a directory")
+    writable = os.access(path, os.W_OK) if path.exists() else os.access(folder, os.W_OK | os.X_OK)
+    if not writable:
+        raise MemfitError(f"cannot write {path}: permission denied; give a path you can write")
+
+
+class Termination:
+    """SIGTERM (what batch schedulers send before SIGKILL) handled as Python handles Ctrl-C.
+
+    Python's default for SIGTERM ends the process at once: no summary, no report. Here, until
+    :meth:`script_finished`, SIGTERM raises ``SystemExit(143)`` in the main thread, so the script
+    stops as at a ``sys.exit`` (its ``finally`` blocks run) and memfit reports what it measured;
+    after, while memfit writes its summary and report, it is only remembered (:attr:`received`):
+    the report is what the signal asked to be kept. 143 is 128 + 15, as a shell reports SIGTERM.
+    The previous handler is restored on exit. Outside the main thread (signals cannot be
+    handled there) it does nothing.
+    """
+
+    exit_code = 128 + signal.SIGTERM
+
+    def __init__(self) -> None:
+        self.received = False
+        self._raising = True
+        self._previous: Any = None
+
+    def __enter__(self) -> Termination:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
+
+    def script_finished(self) -> None:
+        """From now on SIGTERM is only remembered: memfit is writing what the run measured."""
+        self._raising = False
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.received = True
+        if self._raising:
+            raise SystemExit(self.exit_code)
 
 
 @contextlib.contextmanager
