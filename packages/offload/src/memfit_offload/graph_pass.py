@@ -39,7 +39,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from memfit_offload.costs import DeviceSpeed, node_seconds, transfer_seconds
 from memfit_offload.ops import PREFETCH, PREFETCH_DEFERRED, RELEASE, STORE, WAIT
-from memfit_offload.schedule import Offloaded, Program, just_in_time, refine, select_largest_first
+from memfit_offload.schedule import Offloaded, Program, just_in_time, refine, select_largest_first, simulate
 
 __all__ = ["Candidate", "OffloadDecision", "analyse", "apply"]
 
@@ -74,6 +74,9 @@ class OffloadDecision:
     """Saved groups not offloaded, and why."""
     forward_ops: int
     budget_bytes: int | None
+    deferred_room_bytes: int | None = None
+    """Device bytes the prefetches deferred to the last activation prefetch (optimizer states) may
+    take: the budget less the predicted peak from there to the end of backward (``None``: no budget)."""
 
 
 def _tensor_val(node: Node) -> torch.Tensor | None:
@@ -252,8 +255,22 @@ def decide(
     else:
         raise ValueError(f"order must be 'jit' or 'refined', got {order!r}")
     return OffloadDecision(
-        program, tuple(candidates), tuple(chosen), prefetch_at, order, excluded, len(fw_nodes), budget_bytes
-    )
+        program, tuple(candidates), tuple(chosen), prefetch_at, order, excluded, len(fw_nodes), budget_bytes,
+        deferred_room(program, prefetch_at, budget_bytes),
+    )  # fmt: skip
+
+
+def deferred_room(program: Program, prefetch_at: tuple[int, ...], budget_bytes: int | None) -> int | None:
+    """What the budget leaves free from the last activation prefetch to the end of backward (see :func:`apply`).
+
+    Prefetches deferred to that point (optimizer states) stay on the device past the graph's end,
+    beside everything the rest of backward holds; the program's memory curve does not contain
+    them, so without this room they would push the step over a budget the curve fits.
+    """
+    if budget_bytes is None or not prefetch_at:
+        return None
+    live = simulate(program, prefetch_at).live_bytes
+    return max(0, budget_bytes - int(live[max(prefetch_at) :].max()))
 
 
 def apply(fw: GraphModule, bw: GraphModule, num_fwd_outputs: int, decision: OffloadDecision) -> None:
@@ -312,7 +329,7 @@ def apply(fw: GraphModule, bw: GraphModule, num_fwd_outputs: int, decision: Offl
     if last_prefetch is not None:
         # deferred prefetches (optimizer states) queue behind the activations' on the copy stream
         with bw.graph.inserting_after(last_prefetch):
-            bw.graph.call_function(PREFETCH_DEFERRED, (last_prefetch,))
+            bw.graph.call_function(PREFETCH_DEFERRED, (last_prefetch, decision.deferred_room_bytes))
     for gm in (fw, bw):
         gm.graph.lint()
         gm.recompile()

@@ -13,9 +13,10 @@ through the active memfit backend's copy stream and events:
 * ``prefetch(host) -> x``: a new device tensor with the host's sizes and strides, filled by a
   host-to-device copy queued on the copy stream after the store of ``host`` (never before it: the
   copy stream waits for the store's event).
-* ``prefetch_deferred(after)``: issue the prefetches other parts of memfit deferred to this point
-  of the graph (optimizer states: :func:`memfit_offload.offload_optimizer`), behind the prefetch
-  of ``after`` on the copy stream.
+* ``prefetch_deferred(after, room_bytes)``: issue the prefetches other parts of memfit deferred to
+  this point of the graph (optimizer states: :func:`memfit_offload.offload_optimizer`), behind the
+  prefetch of ``after`` on the copy stream, as many as fit in the device memory the plan leaves
+  free for the rest of the graph (``room_bytes``); the others wait until the optimizer needs them.
 * ``wait(x)``: the compute stream waits for the prefetch that made ``x``; placed right before the
   first reader of ``x``. The time the host blocks here is the *exposed* transfer time.
 
@@ -162,8 +163,9 @@ class OffloadRuntime:
         # debug: released device storages (kept alive so their addresses are not reused) by host storage
         self.released: dict[int, tuple[torch.Tensor, int]] = {}
         self.unwaited: set[int] = set()  # debug: prefetched device storages not yet waited for
-        self.deferred_prefetches: list[Callable[[], None]] = []
-        """Called by ``memfit::prefetch_deferred`` (e.g. :func:`memfit_offload.offload_optimizer`'s prefetches)."""
+        self.deferred_prefetches: list[Callable[[int | None], int]] = []
+        """Called by ``memfit::prefetch_deferred`` (e.g. :func:`memfit_offload.offload_optimizer`'s prefetches)
+        with the device bytes they may take (``None``: no limit); each returns the bytes it prefetched."""
 
     # -- installation ---------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -292,9 +294,16 @@ class OffloadRuntime:
         if self._held:
             self._held = [(event, t) for event, t in self._held if not event.query()]
 
-    def prefetch_deferred(self) -> None:
+    def prefetch_deferred(self, room_bytes: int | None = None) -> None:
+        """Issue the deferred prefetches, in registration order, that fit in ``room_bytes`` (``None``: all).
+
+        ``room_bytes`` is the device memory the plan leaves free for the rest of the graph; each
+        deferred prefetcher is given what the ones before it left, and returns the bytes it took.
+        """
         for issue in list(self.deferred_prefetches):
-            issue()
+            taken = issue(room_bytes)
+            if room_bytes is not None:
+                room_bytes -= taken
 
     def drain(self) -> None:
         """Wait for every store still in flight and drop the device tensors held for them (end of a step)."""
@@ -381,13 +390,17 @@ def _wait_fake(x: torch.Tensor) -> None:
 
 
 @torch.library.custom_op("memfit::prefetch_deferred", mutates_args=())
-def prefetch_deferred(after: torch.Tensor) -> None:
-    """Issue the prefetches deferred to this point of the graph (optimizer states), behind ``after``'s."""
-    runtime().prefetch_deferred()
+def prefetch_deferred(after: torch.Tensor, room_bytes: int | None = None) -> None:
+    """Issue the prefetches deferred to this point of the graph (optimizer states), behind ``after``'s.
+
+    Only those that fit in ``room_bytes`` (the plan's free device memory from here to the graph's
+    end; ``None``: no limit); the rest are issued after the graph, when the optimizer needs them.
+    """
+    runtime().prefetch_deferred(room_bytes)
 
 
 @prefetch_deferred.register_fake
-def _prefetch_deferred_fake(after: torch.Tensor) -> None:
+def _prefetch_deferred_fake(after: torch.Tensor, room_bytes: int | None = None) -> None:
     return None
 
 
@@ -426,9 +439,9 @@ def wait_now(x: torch.Tensor) -> None:
     _current.runtime.wait(x)
 
 
-def prefetch_deferred_now(after: torch.Tensor) -> None:
+def prefetch_deferred_now(after: torch.Tensor, room_bytes: int | None = None) -> None:
     """:func:`prefetch_deferred`'s body."""
-    _current.runtime.prefetch_deferred()
+    _current.runtime.prefetch_deferred(room_bytes)
 
 
 LOWERED = {

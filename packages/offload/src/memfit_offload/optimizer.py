@@ -8,8 +8,9 @@ AdamW keeps two tensors per parameter (``exp_avg``, ``exp_avg_sq``) that only th
   host tensor;
 * while backward runs, the states are prefetched back with ``memfit::prefetch``: when a compiled
   backward graph of :func:`memfit_offload.backend` passes its last activation prefetch (the
-  copy stream is then free; the marker operator ``memfit::prefetch_deferred``), or, for eager
-  models, when the parameter's gradient has been accumulated;
+  copy stream is then free; the marker operator ``memfit::prefetch_deferred``) as many as fit in
+  the device memory the graph's plan leaves free to its end (so the offload budget holds), or
+  when the parameter's gradient has been accumulated (eager models, and the states that did not fit);
 * before ``optimizer.step()`` (a step pre-hook), the step waits for the prefetches
   (``memfit::wait``; any state not prefetched yet is prefetched now) and puts the device tensors
   back into the optimizer's state.
@@ -74,10 +75,22 @@ class OptimizerOffload:
         with self.runtime.installed():
             self._fetched[key] = torch.ops.memfit.prefetch(host)
 
-    def prefetch_all(self) -> None:
-        """Issue the prefetch of every state still on the host (in parameter order)."""
-        for key in list(self._host):
+    def prefetch_all(self, room_bytes: int | None = None) -> int:
+        """Issue the prefetch of each state still on the host, in parameter order, while they fit in ``room_bytes``.
+
+        ``None``: every state. Returns the device bytes the prefetches issued take. A compiled
+        backward graph passes the memory its plan leaves free (``memfit::prefetch_deferred``): a
+        state prefetched there stays on the device until the optimizer step, beside the rest of
+        backward, so one that does not fit waits for its gradient (or the step) instead.
+        """
+        taken = 0
+        for key, host in list(self._host.items()):
+            nbytes = host.untyped_storage().nbytes()
+            if room_bytes is not None and taken + nbytes > room_bytes:
+                break  # in order: the copy stream is FIFO, and the step needs them in this order too
             self._prefetch(key)
+            taken += nbytes
+        return taken
 
     def _on_gradient(self, p: torch.Tensor) -> None:
         for key in [k for k in self._host if k[0] == id(p)]:
