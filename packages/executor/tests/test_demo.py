@@ -5,6 +5,7 @@ import importlib.util
 from click.testing import CliRunner
 from memfit.cli.main import cli
 from memfit.synthetic import training_trace
+from memfit_executor import demo as demo_module
 from memfit_executor.demo import _plot
 from rich.console import Console
 
@@ -41,3 +42,29 @@ def test_demo_too_small_a_budget_is_a_clear_error():
     result = CliRunner().invoke(cli, ["demo", "--steps", "1", "--layers", "1", "--seq-len", "8", "--budget", "64KiB"])
     assert result.exit_code != 0
     assert "out of memory" in result.output and "budget" in result.output
+
+
+def test_demo_keeps_a_memfit_demo_png_already_there_and_says_where_it_drew(tmp_path, monkeypatch):
+    """Before: `memfit demo` overwrote memfit-demo.png in the working directory."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "memfit-demo.png").write_bytes(b"the user's picture")
+    (tmp_path / "memfit-demo-1.png").write_bytes(b"another")
+    result = CliRunner().invoke(cli, ["demo", "--steps", "1", *SMALL])
+    assert result.exit_code == 0, result.output
+    said = " ".join(result.output.split())  # the demo's console wraps at its own width
+    assert (tmp_path / "memfit-demo.png").read_bytes() == b"the user's picture"
+    assert (tmp_path / "memfit-demo-1.png").read_bytes() == b"another"
+    if importlib.util.find_spec("matplotlib"):
+        assert "memory timeline written to memfit-demo-2.png (memfit-demo.png exists and was kept)" in said
+        assert (tmp_path / "memfit-demo-2.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_demo_checks_its_budget_before_measuring_the_model(monkeypatch):
+    """Before: the unswapped peak was measured first (a backend made, a step trained), then the typo was found."""
+
+    def measured(*args):
+        raise AssertionError("the model was measured before the budget was checked")
+
+    monkeypatch.setattr(demo_module, "measure_unswapped_peak", measured)
+    result = CliRunner().invoke(cli, ["demo", "--layers", "1", "--seq-len", "8", "--budget", "0.5B"])
+    assert result.exit_code == 1 and "invalid budget '0.5B'" in result.output, result.output

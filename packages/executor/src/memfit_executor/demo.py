@@ -3,7 +3,9 @@
 It first measures the step's unswapped peak on a roomy cpu-sim device, then trains under a budget
 (default: a quarter of that peak) with memfit's swap executor, showing per step the loss, the
 profiler's stage, the peak against the budget and the swap traffic, and draws the memory timeline
-to a PNG. It lives in memfit-executor because it shows the executor at work; with core alone,
+to a PNG: ``memfit-demo.png`` in the working directory, or, when that exists, the first free
+``memfit-demo-N.png`` (a file already there is never overwritten unasked; ``--plot FILE`` asks
+for that file). It lives in memfit-executor because it shows the executor at work; with core alone,
 ``memfit demo`` says to install memfit-executor.
 """
 
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import itertools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +26,8 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 console = Console()
+
+DEFAULT_PLOT = Path("memfit-demo.png")
 
 
 @dataclass(frozen=True)
@@ -78,16 +83,22 @@ def run_demo(
     seq_len: int,
     budget: str | None,
     plot: Path | None,
+    keep_existing_plot: bool = False,
 ) -> DemoResult:
-    """Train under a budget and print per-step loss, stage, peak and swap traffic; see the module docs."""
+    """Train under a budget and print per-step loss, stage, peak and swap traffic; see the module docs.
+
+    With ``keep_existing_plot``, a file already at ``plot`` is kept and the picture goes to the first
+    free ``<stem>-N<suffix>`` beside it.
+    """
     import memfit
     from memfit.models import build_training
 
     config = _config(model, layers)
-    peak = measure_unswapped_peak(config, batch_size, seq_len)
-    budget_bytes = parse_size(budget, what="budget") if budget is not None else peak // 4
-    if budget_bytes <= 0:
+    given_budget = parse_size(budget, what="budget") if budget is not None else None  # before minutes of work
+    if given_budget is not None and given_budget <= 0:
         raise MemfitError(f"the budget must be positive, got {budget!r}")
+    peak = measure_unswapped_peak(config, batch_size, seq_len)
+    budget_bytes = given_budget if given_budget is not None else peak // 4
     console.print(
         f"[bold]memfit demo[/]: {model} model ({config.n_layers} layers), batch {batch_size} x {seq_len} tokens, "
         f"on cpu-sim. Unswapped peak {format_size(peak)}; budget {format_size(budget_bytes)} "
@@ -119,12 +130,28 @@ def run_demo(
         f"{format_size(budget_bytes)} budget (unswapped: {format_size(peak)}); {report['plans_generated']} plans "
         f"generated, {format_size(report['swapped_out_bytes'])} swapped out, {report['passive_swaps']} passive swaps"
     )
-    written = _plot(console, plot, session.iterations, trace, peak, budget_bytes) if plot is not None else None
+    written = (
+        _plot(console, plot, session.iterations, trace, peak, budget_bytes, keep_existing=keep_existing_plot)
+        if plot is not None
+        else None
+    )
     return DemoResult(losses, run.step_seconds, peak, report["peak_device_bytes"], budget_bytes, plot=written)
 
 
-def _plot(console: Console, path: Path, iterations: list[dict], trace: Any, peak: int, budget: int) -> Path | None:
-    """Per-step peaks against the budget, and the last traced step's memory by operator."""
+def _plot(
+    console: Console,
+    path: Path,
+    iterations: list[dict],
+    trace: Any,
+    peak: int,
+    budget: int,
+    *,
+    keep_existing: bool = False,
+) -> Path | None:
+    """Per-step peaks against the budget, and the last traced step's memory by operator.
+
+    With ``keep_existing``, an existing ``path`` is kept: the picture goes to the first free ``<stem>-N<suffix>``.
+    """
     if importlib.util.find_spec("matplotlib") is None:
         console.print(f"no plot written to {path}: matplotlib is not installed (pip install matplotlib)")
         return None
@@ -154,10 +181,32 @@ def _plot(console: Console, path: Path, iterations: list[dict], trace: Any, peak
     for ax in (steps_ax, *ops_axes):  # under the axes: the data reaches the top of each
         ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, fontsize="small", frameon=False)
     fig.tight_layout()
-    fig.savefig(path, dpi=100, bbox_inches="tight")  # the legends below the axes included
+    if keep_existing:
+        file, written = _create_new(path)
+        try:
+            with file:  # the legends below the axes included
+                fig.savefig(file, format=path.suffix[1:] or "png", dpi=100, bbox_inches="tight")
+        except BaseException:
+            written.unlink()  # ours, just created: no half-drawn picture left
+            raise
+    else:  # a path the user gave: theirs to overwrite
+        fig.savefig(path, dpi=100, bbox_inches="tight")
+        written = path
     plt.close(fig)
-    console.print(f"memory timeline written to {path}")
-    return path
+    kept = f" ({path} exists and was kept)" if written != path else ""
+    console.print(f"memory timeline written to {written}{kept}")
+    return written
+
+
+def _create_new(path: Path) -> tuple[Any, Path]:
+    """``path``, or else the first free ``<stem>-N<suffix>`` beside it, created for writing (never an existing file)."""
+    for n in itertools.count():
+        candidate = path if n == 0 else path.with_name(f"{path.stem}-{n}{path.suffix}")
+        try:
+            return candidate.open("xb"), candidate  # exclusive: another run's file is not taken either
+        except FileExistsError:
+            continue
+    raise AssertionError("unreachable")
 
 
 @click.command()
@@ -174,16 +223,18 @@ def _plot(console: Console, path: Path, iterations: list[dict], trace: Any, peak
 @click.option(
     "--plot",
     type=click.Path(dir_okay=False, path_type=Path),
-    default=Path("memfit-demo.png"),
-    show_default=True,
-    help="Where to draw the memory timeline (PNG).",
+    default=None,
+    help="Where to draw the memory timeline (PNG); default: memfit-demo.png here, or memfit-demo-1.png, ... "
+    "if it exists (an existing file is kept).",
 )
-def demo(model: str, layers: int, steps: int, batch_size: int, seq_len: int, budget: str | None, plot: Path) -> None:
+def demo(
+    model: str, layers: int, steps: int, batch_size: int, seq_len: int, budget: str | None, plot: Path | None
+) -> None:
     """Train the bundled Llama on cpu-sim in a quarter of the memory it needs, with memfit's swap executor."""
     try:
         run_demo(
             console, model=model, layers=layers, steps=steps, batch_size=batch_size, seq_len=seq_len,
-            budget=budget, plot=plot,
+            budget=budget, plot=plot or DEFAULT_PLOT, keep_existing_plot=plot is None,
         )  # fmt: skip
     except MemfitError as exc:
         raise click.ClickException(str(exc)) from exc
