@@ -1,6 +1,9 @@
-"""Meta-tests: every hookspec is documented and tested; the README and CI agree."""
+"""Meta-tests: every hookspec is documented and tested; the README and CI agree; collecting tests measures nothing."""
 
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 from memfit.hookspecs import HOOKSPEC_CLASSES, hook_names
@@ -38,8 +41,6 @@ def test_ci_runs_the_readme_test_command_verbatim():
 
 def test_no_merge_conflict_is_left_in_the_tracked_files():
     """A conflict resolved in the wrong file once landed in docs/benchmarks.md; mkdocs renders it without a word."""
-    import subprocess
-
     tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=False).stdout.split()
     if not tracked:
         pytest.skip("not a git checkout")
@@ -51,3 +52,27 @@ def test_no_merge_conflict_is_left_in_the_tracked_files():
             if marker.search(path.read_text(errors="replace")):
                 left.append(name)
     assert not left, f"merge conflict markers in {left}: resolve them"
+
+
+@pytest.mark.slow
+def test_collecting_the_tests_measures_nothing_and_writes_nothing_to_the_memfit_cache(tmp_path):
+    """Importing a test module never measures the machine or writes the user's cache.
+
+    The conftests' ``MEMFIT_CALIBRATE=0`` reaches tests, not module import: a configuration planned at
+    module level (``auto_sac`` in the parallel launch tests) once calibrated the CPU's time model during
+    collection, wrote the calibration and ``cpu_spec.json`` into the cache, and on a busy machine its
+    warning became a collection error. Whatever a module measures or builds (a calibration, the CPU spec,
+    the copy bandwidth, a native extension) lands in the cache: collecting into an empty one leaves it empty.
+    """
+    cache = tmp_path / "memfit-cache"
+    cache.mkdir()
+    env = {**os.environ, "MEMFIT_CACHE_DIR": str(cache)}
+    env.pop("MEMFIT_CALIBRATE", None)  # what a user has: the CPU is calibrated on first use
+    collected = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert collected.returncode == 0, f"collection failed:\n{collected.stdout[-4000:]}\n{collected.stderr[-2000:]}"
+    assert re.search(r"^\d+ tests collected", collected.stdout, re.M), collected.stdout[-2000:]
+    written = sorted(str(p.relative_to(cache)) for p in cache.rglob("*"))
+    assert written == [], f"collecting the tests wrote {written} into the memfit cache: measure in a fixture or test"

@@ -89,16 +89,16 @@ FOUR_RANKS = {
     "cp_pp_interleaved": ParallelConfig(cp=2, pp=2, pp_schedule="interleaved_1f1b", stages_per_rank=2, microbatches=2),
 }
 HAS_AUTO_SAC = HAS_EXECUTOR and importlib.util.find_spec("memfit_policies") is not None
+AUTO_SAC: dict[str, str] = {}
+"""memfit's Auto-SAC configurations of the four-rank launch: name → the configuration it plans. Planned by
+:func:`four_rank_configs` when the launch runs, not at import: planning times the block's operators with the
+device's time model, and on ``cpu`` that measured this machine during test collection."""
 if HAS_AUTO_SAC:  # memfit's Auto-SAC: one block planned on one device (memfit-policies), applied to every block
-    from memfit_parallel.autosac import auto_sac
-    from memfit_parallel.config import Workload
-
-    TINY_WORKLOAD = Workload(model="tiny", global_batch=BATCH, seq_len=SEQ)
-    FOUR_RANKS["fsdp_tp_autosac"] = auto_sac(ParallelConfig(dp_shard=2, tp=2), TINY_WORKLOAD, "cpu", 0.5)
     # FSDP mixed precision: the block casts its own inputs (llama_recipe's cast_block_inputs=False), so
     # the block runs the operators the one-device bfloat16 plan counted, call for call
     FOUR_RANKS["fsdp_bf16"] = ParallelConfig(dp_shard=4, param_dtype="bfloat16")
-    FOUR_RANKS["fsdp_bf16_autosac"] = auto_sac(FOUR_RANKS["fsdp_bf16"], TINY_WORKLOAD, "cpu", 0.5)
+    AUTO_SAC = {"fsdp_tp_autosac": "fsdp_tp", "fsdp_bf16_autosac": "fsdp_bf16"}
+FOUR_RANK_NAMES = [*FOUR_RANKS, *AUTO_SAC]
 BF16_FOUR = {"fsdp_bf16", "fsdp_bf16_autosac"}
 
 
@@ -170,11 +170,25 @@ def two_rank_runs(tmp_path_factory, restarted_launches) -> dict[str, dict]:
 
 
 @pytest.fixture(scope="module")
-def four_rank_runs(tmp_path_factory, restarted_launches) -> dict[str, dict]:
+def four_rank_configs() -> dict[str, ParallelConfig]:
+    """:data:`FOUR_RANKS` and the :data:`AUTO_SAC` configurations planned (with the roofline: conftest's
+    ``MEMFIT_CALIBRATE=0`` covers this module's fixtures)."""
+    configs = dict(FOUR_RANKS)
+    if AUTO_SAC:
+        from memfit_parallel.autosac import auto_sac
+        from memfit_parallel.config import Workload
+
+        workload = Workload(model="tiny", global_batch=BATCH, seq_len=SEQ)
+        configs |= {name: auto_sac(FOUR_RANKS[planned], workload, "cpu", 0.5) for name, planned in AUTO_SAC.items()}
+    return configs
+
+
+@pytest.fixture(scope="module")
+def four_rank_runs(tmp_path_factory, restarted_launches, four_rank_configs) -> dict[str, dict]:
     report = launch_with_a_restart(
-        request(4, FOUR_RANKS), tmp_path_factory.mktemp("run4") / "report.json", restarted_launches
+        request(4, four_rank_configs), tmp_path_factory.mktemp("run4") / "report.json", restarted_launches
     )
-    return runs_by_name(report, FOUR_RANKS)
+    return runs_by_name(report, four_rank_configs)
 
 
 def param_bytes() -> int:
@@ -272,7 +286,7 @@ def test_two_ranks_swapping_to_fit_a_smaller_device_train_as_one_process(two_ran
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [name for name in FOUR_RANKS if name not in BF16_FOUR])
+@pytest.mark.parametrize("name", [name for name in FOUR_RANK_NAMES if name not in BF16_FOUR])
 def test_four_ranks_train_as_one_process(four_rank_runs, reference_losses, name):
     run = four_rank_runs[name]
     assert_matches_single_process(run, reference_losses)

@@ -3,6 +3,10 @@
 import pytest
 
 
-@pytest.fixture(autouse=True)
-def _no_automatic_calibration(monkeypatch):
-    monkeypatch.setenv("MEMFIT_CALIBRATE", "0")
+@pytest.fixture(autouse=True, scope="module")
+def _no_automatic_calibration():
+    # module scope: a module's own module-scoped fixtures run inside it too (autouse comes first in a scope);
+    # a test's monkeypatch of MEMFIT_CALIBRATE is undone back to this
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MEMFIT_CALIBRATE", "0")
+        yield
