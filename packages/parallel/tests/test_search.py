@@ -1,6 +1,10 @@
 """The search: every proposal fits, the ranking is by confirmed predictions, bad requests say what to change."""
 
+import importlib.util
+import itertools
 import json
+import math
+import time
 
 import pytest
 from click.testing import CliRunner
@@ -53,6 +57,89 @@ def test_the_search_swaps_a_configuration_that_fits_only_with_swapping(monkeypat
     assert tight.best.fits and all(p.fits for p in tight.ranked)
     assert tight.best.step_s == pytest.approx(fastest.step_s + tight.best.swap_s)
     assert (fastest.config.describe(), fastest.peak_bytes) in tight.rejected  # confirmed, then swapped
+
+
+ONE_DEVICE = Workload(model="tiny", global_batch=8, seq_len=128)
+"""The smallest search: one device, so only the checkpointing modes (6 candidates with Auto-SAC)."""
+
+
+def _clock(monkeypatch, clock):
+    """Every clock the search could read runs as ``clock``: a machine of another speed, or time that jumps."""
+    for name in ("perf_counter", "monotonic", "time"):
+        monkeypatch.setattr(time, name, clock)
+
+
+def test_a_slower_machine_finds_the_same_configurations(monkeypatch):
+    """Bounded by wall-clock (45 s once one fitted), a machine 100 times slower confirmed one configuration and
+    ranked it alone; bounded by work, it confirms and ranks the same as a fast one, only later."""
+    from memfit_parallel.prediction import clear_cache
+
+    fast = search(ONE_DEVICE, 1, "h100", top=3)
+    clear_cache()  # captured again under the slow clock, not read from the cache
+    real = time.perf_counter
+    origin = real()
+    _clock(monkeypatch, lambda: origin + 100 * (real() - origin))
+    slow = search(ONE_DEVICE, 1, "h100", top=3)
+    assert len(fast.ranked) == 3 and slow.stopped_by is None and slow.fill_steps_not_run == 0
+    assert [(p.config, p.step_s, p.peak_bytes) for p in slow.ranked] == [
+        (p.config, p.step_s, p.peak_bytes) for p in fast.ranked
+    ]
+    assert (slow.confirmed, slow.rejected, slow.notes) == (fast.confirmed, fast.rejected, fast.notes)
+
+
+def test_the_confirmation_stops_at_its_bound_and_says_how_many_it_left(monkeypatch):
+    # time jumps an hour at every reading: without a time limit the clock has no say
+    ticks = itertools.count()
+    _clock(monkeypatch, lambda: 3600.0 * next(ticks))
+    result = search(ONE_DEVICE, 1, "h100", top=3, max_confirmed=2)
+    assert result.confirmed == 2 and len(result.ranked) == 2 and result.stopped_by == "max_confirmed"
+    assert result.not_confirmed == result.screened_fitting - 2
+    assert any(f"bound of 2 confirmations with {result.not_confirmed} screened candidates" in n for n in result.notes)
+    unbounded = search(ONE_DEVICE, 1, "h100", top=3)
+    assert [p.config for p in result.ranked] == [p.config for p in unbounded.ranked[:2]]
+
+
+def test_a_time_limit_cuts_the_search_and_says_what_it_cut(monkeypatch):
+    ticks = itertools.count()
+    _clock(monkeypatch, lambda: 3600.0 * next(ticks))  # every reading is past a minute's limit
+    result = search(ONE_DEVICE, 1, "h100", top=3, time_limit_s=60)
+    # the limit stops the confirmation once one fits (before, there would be nothing to show)
+    assert result.confirmed == 1 and len(result.ranked) == 1 and result.stopped_by == "time_limit"
+    assert result.time_limit_s == 60 and result.not_confirmed == result.screened_fitting - 1 > 0
+    cut = f"the time limit of 60 s cut the search: {result.not_confirmed} screened candidates not confirmed"
+    assert any(cut in n for n in result.notes), result.notes
+    args = ["plan", "--model", "tiny", "--devices", "1xh100", "--batch", "8", "--seq", "128", "--top", "3"]
+    shown = CliRunner().invoke(parallel, [*args, "--time-limit", "60"])
+    assert shown.exit_code == 0, shown.output
+    assert cut in " ".join(shown.output.split())  # the table's console wraps long notes
+    plan = json.loads(CliRunner().invoke(parallel, [*args, "--time-limit", "60", "--json"]).output)
+    assert (plan["time_limit_s"], plan["stopped_by"], plan["not_confirmed"]) == (60, "time_limit", result.not_confirmed)
+    assert len(plan["ranked"]) == 1 and any(cut in n for n in plan["notes"])
+
+
+@pytest.mark.skipif(
+    not all(importlib.util.find_spec(m) for m in ("memfit_policies", "memfit_executor")),
+    reason="Auto-SAC is planned by memfit-policies, applied by memfit-executor",
+)
+def test_a_time_limit_that_has_passed_runs_none_of_the_filling_and_counts_its_steps():
+    from memfit_parallel.planning import REFINE_STEPS, _fill_auto_sac
+
+    result = search(ONE_DEVICE, 1, "h100", top=3)
+    auto = [p for p in result.ranked if p.config.sac_plan is not None]
+    assert auto  # Auto-SAC 75 % is among the three fastest on one device
+    assert _fill_auto_sac(ONE_DEVICE, get_spec("h100"), auto, -math.inf) == ([], REFINE_STEPS)
+
+
+def test_bad_bounds_say_what_to_give():
+    with pytest.raises(MemfitError, match="max_confirmed must be a positive whole number"):
+        search(ONE_DEVICE, 1, "h100", max_confirmed=0)
+    for limit in (0, -5, math.inf, math.nan, "60"):
+        with pytest.raises(MemfitError, match="time limit must be a positive number of seconds"):
+            search(ONE_DEVICE, 1, "h100", time_limit_s=limit)
+    args = ["plan", "--model", "tiny", "--devices", "1xh100", "--batch", "8", "--seq", "128"]
+    for option, value in (("--time-limit", "0"), ("--time-limit", "soon"), ("--max-confirmed", "0")):
+        bad = CliRunner().invoke(parallel, [*args, option, value])
+        assert bad.exit_code == 2 and option in bad.output and "Traceback" not in bad.output
 
 
 def test_nothing_that_fits_and_nothing_that_divides_are_explained():

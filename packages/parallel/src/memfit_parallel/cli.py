@@ -41,18 +41,28 @@ def parse_devices(text: str) -> tuple[int, str]:
 @click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default=None,
               help="Compute dtype (FSDP mixed precision); default bfloat16 on GPUs, float32 on cpu.")  # fmt: skip
 @click.option("--top", type=click.IntRange(1), default=5, show_default=True, help="Configurations to show.")
+@click.option("--max-confirmed", type=click.IntRange(1), default=None, metavar="N",
+              help="Once one configuration fits, confirm (capture) at most N candidates in all: the search's bound, "
+              "whatever the machine's speed (default: memfit_parallel.planning.MAX_CONFIRMED).")  # fmt: skip
+@click.option("--time-limit", type=click.FloatRange(0, min_open=True), default=None, metavar="SECONDS",
+              help="Stop confirming once SECONDS have passed and one configuration fits, and start no filling step "
+              "that would end past it; the output says what it cut. Default: none (the answer does not depend on "
+              "the machine's speed).")  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON (its 'config' is what --config reads).")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Also write the plan (JSON) to this file (what `memfit parallel run --config` reads).")  # fmt: skip
-def plan(model, devices, batch, seq, dtype, top, as_json, out):
+def plan(model, devices, batch, seq, dtype, top, max_confirmed, time_limit, as_json, out):
     """Search the parallel configurations of MODEL on DEVICES by simulation; show the fastest that fit."""
     from memfit_parallel.config import Workload
-    from memfit_parallel.planning import search
+    from memfit_parallel.planning import MAX_CONFIRMED, search
 
     try:
         count, hardware = parse_devices(devices)
         workload = Workload(model=model, global_batch=batch, seq_len=seq)
-        result = search(workload, count, hardware, dtype=dtype, top=top)
+        result = search(
+            workload, count, hardware, dtype=dtype, top=top, max_confirmed=max_confirmed or MAX_CONFIRMED,
+            time_limit_s=time_limit,
+        )  # fmt: skip
     except MemfitError as exc:
         raise click.ClickException(str(exc)) from exc
     document = result.to_json()

@@ -36,17 +36,21 @@ microbatches in flight).
    capacity are dropped.
 2. **Confirm** the fastest screened candidates, in order, with :func:`memfit_parallel.prediction.predict`
    (the real parallel code captured for their ranks) until ``top`` fit and the next screened time is
-   beyond ``CONFIRM_BAND ×`` the best confirmed one, or once one fits, ``CONFIRM_UNTIL_S`` after the
-   search started. A confirmed candidate
+   beyond ``CONFIRM_BAND ×`` the best confirmed one, or once one fits, after ``MAX_CONFIRMED``
+   confirmations in all: a bound on work, not on time, so a loaded machine takes longer and finds the
+   same (an optional ``time_limit_s`` stops it earlier, and the result says what it cut). A confirmed candidate
    that does not fit is predicted once more with swapping (:func:`memfit_parallel.prediction.swap_activations`
    on the same capture: no further capture, so swapping takes nothing from the time budget). Only
    confirmed predictions are ranked and shown: the search never proposes a configuration whose
    captured prediction does not fit.
 3. **Fill** (as soon as ``top`` fit, before step 2's further confirmations within its band) the memory
    the fastest Auto-SAC configuration leaves: its keep fraction is bisected between its budget and
-   the next one of the grid (three captured predictions; one starts only if the previous one's
-   duration still ends before the search's 50th second), and those faster than it that fit with the
-   planning margin to spare join the ranking.
+   the next one of the grid (``REFINE_STEPS`` captured predictions; under a ``time_limit_s``, one
+   starts only if the previous one's duration still ends before it), and those faster than it that
+   fit with the planning margin to spare join the ranking.
+
+Every order is deterministic: by screened or predicted time, ties in the order candidates are
+enumerated (:func:`candidates`); nothing is chosen by how long anything took.
 """
 
 from __future__ import annotations
@@ -90,10 +94,13 @@ AC_MODES = (("none", None), ("sac", 0.5), ("full", None))
 """Activation checkpointing without a plan: none, TorchTitan's op-level SAC keeping half the matmuls, full."""
 REFINE_STEPS = 3
 """Bisection steps between two Auto-SAC budgets for the fastest Auto-SAC configuration (:func:`_fill_auto_sac`)."""
-CONFIRM_UNTIL_S = 45.0
-"""Once a configuration is confirmed to fit, confirmation stops this many seconds after the search started."""
-REFINE_UNTIL_S = 50.0
-"""The bisection stops this many seconds after the search started (the search's target is a minute)."""
+MAX_CONFIRMED = 9
+"""Once a configuration is confirmed to fit, confirmation stops after this many confirmations (captures) in all.
+
+A bound on work: until 2026-11 the confirmation stopped 45 s after the search started, so its answer
+followed the machine's load (Llama 3 70B on 64 × h100, batch 128 × 4096: 9 confirmed and 5 ranked on
+the quiet 2-core development machine, 3 ranked beside two CPU-heavy processes, 1 under heavier load).
+9 is what that quiet machine confirmed in the 45 s."""
 AUTO_SAC_KEEP = (0.25, 0.5, 0.75)
 """Auto-SAC budgets searched: the fraction of a block's activations its plan keeps. On Llama 3 8B (h100,
 8k tokens) the op-level policy keeps about 22 % of a block's activations for 55 % of its forward time
@@ -113,6 +120,15 @@ class SearchResult:
     screened_fitting: int
     confirmed: int
     seconds: float
+    max_confirmed: int = MAX_CONFIRMED
+    time_limit_s: float | None = None
+    stopped_by: str | None = None
+    """What cut the confirmation short: ``"max_confirmed"`` or ``"time_limit"``; ``None`` when it ended by
+    itself (``top`` fit and the rest screened beyond the band, or no candidate left)."""
+    not_confirmed: int = 0
+    """Screened candidates left unconfirmed where :attr:`stopped_by` cut the confirmation."""
+    fill_steps_not_run: int = 0
+    """The filling's bisection steps the time limit left out (of :data:`REFINE_STEPS`)."""
     rejected: list[tuple[str, int]] = field(default_factory=list)
     """Confirmed candidates that did not fit: (description, predicted peak bytes)."""
     notes: list[str] = field(default_factory=list)
@@ -134,6 +150,11 @@ class SearchResult:
             "screened_fitting": self.screened_fitting,
             "confirmed": self.confirmed,
             "search_seconds": self.seconds,
+            "max_confirmed": self.max_confirmed,
+            "time_limit_s": self.time_limit_s,
+            "stopped_by": self.stopped_by,
+            "not_confirmed": self.not_confirmed,
+            "fill_steps_not_run": self.fill_steps_not_run,
             "notes": self.notes,
         }
 
@@ -519,20 +540,30 @@ def search(
     *,
     dtype: str | None = None,
     top: int = 5,
-    confirm_until_s: float = CONFIRM_UNTIL_S,
-    fill_until_s: float = REFINE_UNTIL_S,
+    max_confirmed: int = MAX_CONFIRMED,
+    time_limit_s: float | None = None,
 ) -> SearchResult:
     """The fastest configurations of ``workload`` on ``devices`` devices that are predicted to fit (module docs).
 
-    Once a configuration is confirmed to fit, the confirmation (step 2) stops ``confirm_until_s`` seconds
-    after the search started, and the filling (step 3) ``fill_until_s`` seconds after it. Both trade the
-    choice's quality for time on a slow machine.
+    Once a configuration is confirmed to fit, the confirmation (step 2) stops after ``max_confirmed``
+    confirmations in all, whatever the machine's speed. ``time_limit_s`` (none by default) also stops it
+    once that many seconds have passed since the search started and one configuration fits, and starts
+    no step of the filling (step 3) that would end past it: a faster answer that may miss the best, and
+    the result says what was cut (:attr:`SearchResult.stopped_by`, ``not_confirmed``, ``fill_steps_not_run``
+    and a note). The screening, and the confirmation until one configuration fits, run whatever the limit.
 
     Raises:
-        MemfitError: an unknown model or device, a device count nothing divides the workload over, or
-            nothing predicted to fit (the message says what to change).
+        MemfitError: an unknown model or device, a device count nothing divides the workload over,
+            nothing predicted to fit, or a ``max_confirmed`` / ``time_limit_s`` that is not positive (the
+            message says what to change).
     """
     started = time.perf_counter()
+    if isinstance(max_confirmed, bool) or not isinstance(max_confirmed, int) or max_confirmed < 1:
+        raise MemfitError(f"max_confirmed must be a positive whole number of confirmations, got {max_confirmed!r}")
+    if time_limit_s is not None and (
+        isinstance(time_limit_s, bool) or not isinstance(time_limit_s, int | float) or not 0 < time_limit_s < math.inf
+    ):
+        raise MemfitError(f"the time limit must be a positive number of seconds (or none), got {time_limit_s!r}")
     spec = hardware if isinstance(hardware, HardwareSpec) else get_spec(hardware)
     dtype = dtype or ("float32" if spec.name == "cpu" else "bfloat16")
     if devices < 1:
@@ -566,20 +597,25 @@ def search(
     ranked: list[Prediction] = []
     rejected: list[tuple[str, int]] = []
     confirmed = 0
-    deadline = started + confirm_until_s
+    deadline = math.inf if time_limit_s is None else started + time_limit_s
     errors = _FamilyErrors()
     over_like_family = 0
     filled = False  # step 3 runs once ``top`` fit, or after the confirmation
+    fill_steps_not_run = 0
     index = 0
-    left_at_deadline = 0  # screened candidates not confirmed because the time box ran out
+    stopped_by: str | None = None
+    not_confirmed = 0
     while index < len(fitting):
         screened_s, screened_bytes, config = fitting[index]
-        if ranked and time.perf_counter() > deadline:
-            left_at_deadline = len(fitting) - index
-            break
         best_s = min(p.step_s for p in ranked) if ranked else float("inf")
         if len(ranked) >= top and screened_s > CONFIRM_BAND * best_s:
             break  # the screening's error band: nothing further down can beat the best confirmed
+        if ranked and confirmed >= max_confirmed:
+            stopped_by, not_confirmed = "max_confirmed", len(fitting) - index
+            break
+        if ranked and time.perf_counter() > deadline:
+            stopped_by, not_confirmed = "time_limit", len(fitting) - index
+            break
         mode = _mode(config)
         if config.tp > 1 and not refs[mode].under_tp:
             refs[mode] = _with_tp(workload, spec, mode, dtype, refs[mode], tp_degrees)
@@ -599,7 +635,8 @@ def search(
         if p.fits:
             ranked.append(p)
         if len(ranked) >= top and not filled:  # before the band's further confirmations: it improves the choice
-            ranked += _fill_auto_sac(workload, spec, ranked, started + fill_until_s)
+            found, fill_steps_not_run = _fill_auto_sac(workload, spec, ranked, deadline)
+            ranked += found
             filled = True
     if not ranked:
         least = min(screened, key=lambda s: s[1])
@@ -617,7 +654,8 @@ def search(
             "checkpointing, CP and TP use)"
         )
     if not filled:
-        ranked += _fill_auto_sac(workload, spec, ranked, started + fill_until_s)
+        found, fill_steps_not_run = _fill_auto_sac(workload, spec, ranked, deadline)
+        ranked += found
     ranked.sort(key=lambda p: p.step_s)
     for _ in range(len(ranked)):  # ties within 0.1 %: the configuration with fewer parallel dimensions first
         for i in range(len(ranked) - 1):
@@ -625,51 +663,59 @@ def search(
             if b.step_s <= a.step_s * 1.001 and _dims(b.config) < _dims(a.config):
                 ranked[i], ranked[i + 1] = b, a
     ranked = ranked[:top]
-    if len(ranked) < top:
+    short = f"{len(ranked)} of the {top} configurations asked for: " if len(ranked) < top else ""
+    if stopped_by == "max_confirmed":
         notes.append(
-            f"{len(ranked)} of the {top} configurations asked for: "
-            + (
-                f"the confirmation stopped at its {confirm_until_s:.0f} s time box with {left_at_deadline} screened "
-                "candidates not captured (a loaded machine confirms fewer; the best found is shown)"
-                if left_at_deadline
-                else "no other screened configuration was confirmed to fit"
-            )
+            f"{short}the confirmation stopped at its bound of {max_confirmed} confirmations with {not_confirmed} "
+            "screened candidates not confirmed (a larger max_confirmed, --max-confirmed, confirms more)"
         )
+    elif stopped_by == "time_limit" or fill_steps_not_run:
+        cut = [f"{not_confirmed} screened candidates not confirmed"] if stopped_by == "time_limit" else []
+        if fill_steps_not_run:
+            cut.append(f"{fill_steps_not_run} of the filling's {REFINE_STEPS} steps not run")
+        notes.append(
+            f"{short}the time limit of {time_limit_s:g} s cut the search: {' and '.join(cut)} (without a time "
+            "limit the search runs them, however long the machine takes)"
+        )
+    elif short:
+        notes.append(short + "no other screened configuration was confirmed to fit")
     return SearchResult(
         workload=workload, hardware=spec.name, devices=devices, ranked=ranked, candidates=len(pool),
         screened_fitting=len(fitting), confirmed=confirmed, seconds=time.perf_counter() - started,
-        rejected=rejected, notes=notes,
+        max_confirmed=max_confirmed, time_limit_s=time_limit_s, stopped_by=stopped_by,
+        not_confirmed=not_confirmed, fill_steps_not_run=fill_steps_not_run, rejected=rejected, notes=notes,
     )  # fmt: skip
 
 
 def _fill_auto_sac(
     workload: Workload, spec: HardwareSpec, ranked: list[Prediction], deadline: float
-) -> list[Prediction]:
+) -> tuple[list[Prediction], int]:
     """The fastest Auto-SAC configuration again, keeping as much as fits between its budget and the next.
 
     The budgets are a grid (:data:`AUTO_SAC_KEEP`): a configuration that fits at one and not at the
     next leaves memory unused, which keeping more would turn into less recomputation. Bisect the
     keep fraction between the two (:data:`REFINE_STEPS` predictions, each a capture; one starts only
-    if the previous one's duration, from now, still ends before ``deadline``) and return the
-    predictions faster than the grid's that fit with memfit's planning margin to spare
-    (:func:`memfit.plan.default_margin`, as the swap model keeps): filling the device to the byte
-    would stake the run on the prediction's last percent.
+    if the previous one's duration, from now, still ends before ``deadline``, the search's time limit,
+    ``math.inf`` without one) and return the predictions faster than the grid's that fit with memfit's
+    planning margin to spare (:func:`memfit.plan.default_margin`, as the swap model keeps): filling the
+    device to the byte would stake the run on the prediction's last percent. Also return how many steps
+    the deadline left out.
     """
     auto = [p for p in ranked if p.config.sac_plan is not None and p.config.sac_memory_fraction is not None]
     if not auto:
-        return []
+        return [], 0
     from memfit_parallel.autosac import auto_sac
 
     best = min(auto, key=lambda p: p.step_s)
     if any(p.step_s < best.step_s and not p.config.swap and _layout(p.config) == _layout(best.config) for p in ranked):
-        return []  # the same layout fits faster checkpointing less: what the filling finds lies between, slower
+        return [], 0  # the same layout fits faster checkpointing less: what the filling finds lies between, slower
     low = best.config.sac_memory_fraction
     high = min([k for k in AUTO_SAC_KEEP if k > low], default=1.0)
     found = []
     last_s = 0.0  # the previous step's seconds: a step that would end past the deadline is not started
-    for _ in range(REFINE_STEPS):
+    for step in range(REFINE_STEPS):
         if time.perf_counter() + last_s > deadline:
-            break
+            return found, REFINE_STEPS - step
         keep = round((low + high) / 2, 4)
         started = time.perf_counter()
         p = predict(workload, auto_sac(best.config, workload, spec, keep), spec)
@@ -680,7 +726,7 @@ def _fill_auto_sac(
                 found.append(p)
         else:
             high = keep
-    return found
+    return found, 0
 
 
 def _rescreen_under_tp(
