@@ -175,6 +175,7 @@ def test_what_python_could_not_run_is_a_clear_error_before_anything_runs(tmp_pat
         (["python", str(tmp_path / "train.sh")], "train.sh is a script for /bin/bash, not Python"),
         (["python", str(tmp_path / "configs")], "configs is a directory without a __main__.py"),
         (["python", "-u", "train.py"], "python option -u cannot be given: memfit runs the script in this process"),
+        (["bash", "train.sh"], "'bash' is not a Python script but a program"),
     ]:
         result = CliRunner().invoke(cli, ["run", "--backend", "cpu-sim", "--", *command], terminal_width=200)
         assert result.exit_code == 1 and why in " ".join(result.output.split()), result.output

@@ -45,3 +45,11 @@ def test_profile_explains_what_it_needs(tmp_path):
     assert result.exit_code != 0 and "no Detailed-mode iteration" in result.output
     result = runner.invoke(cli, ["profile", "--backend", "warp-drive", "--", "python", str(script), "1"])
     assert result.exit_code != 0 and "unknown backend 'warp-drive'" in result.output
+
+
+def test_an_unknown_option_is_said_to_be_one(tmp_path):
+    """Before: "'--frobnicate' is not a Python script" (as memfit run, issue 29)."""
+    (tmp_path / "train.py").write_text("")
+    result = CliRunner().invoke(cli, ["profile", "--frobnicate", "--", "python", str(tmp_path / "train.py")])
+    assert result.exit_code == 2 and "No such option '--frobnicate'" in result.output
+    assert "not a Python script" not in result.output

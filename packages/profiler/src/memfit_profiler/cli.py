@@ -74,7 +74,8 @@ def largest_activations(trace: Trace, top: int = 5) -> Table:
     return table
 
 
-@click.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+# options end at the command's first word: an unknown option before it is click's "No such option" error
+@click.command(context_settings={"allow_interspersed_args": False})
 @click.option("--backend", default=None, help="Backend to run on (cpu-sim, cuda, npu); default: the best available.")
 @click.option("--capacity", default=None, help="Device capacity to enforce or emulate, e.g. 8GiB.")
 @click.option(

@@ -14,6 +14,7 @@ import contextlib
 import importlib.util
 import os
 import runpy
+import shutil
 import signal
 import sys
 import threading
@@ -72,6 +73,12 @@ class PythonCommand:
             )
         script = Path(args[0])
         if not script.exists():
+            program = shutil.which(args[0]) if os.sep not in args[0] else None
+            if program is not None:  # bash, torchrun, ...: not something to run in this Python process
+                raise MemfitError(
+                    f"{args[0]!r} is not a Python script but a program ({program}); memfit runs Python training "
+                    f"in this process: {cli_name} -- python train.py ..."
+                )
             raise MemfitError(f"{args[0]}: no such file (looked in {Path.cwd()})")
         _check_runnable(script, cli_name)
         return cls(argv=(str(script), *args[1:]), script=script)
