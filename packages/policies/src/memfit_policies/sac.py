@@ -16,8 +16,9 @@ Two levels, as in the thesis:
    each one's bytes to discard, minimising recomputation time under the budget, with the peak
    constrained **at every position of the step** — the memory curve of the trace is cut where a
    module's savings start (its forward ends) or stop (its backward starts), and each piece's
-   highest point must fit, plus each recomputation's own transient — not only at the end of
-   forward. PuLP with CBC, always with a time limit and a relative gap.
+   highest point must fit, plus each recomputation's own transient and what checkpointing itself
+   holds (:func:`checkpoint_state_bytes`) — not only at the end of forward. PuLP with CBC, always
+   with a time limit and a relative gap.
 3. **Local policies** (:data:`LOCAL_POLICIES`): which operators of a module to keep to meet its
    discard target — greedy MSPS, 0/1 knapsack by dynamic programming, or a per-module ILP.
 
@@ -41,6 +42,11 @@ Decisions the thesis leaves open and memfit's choices (``docs/sac.md`` says why)
   ILP's epigraph form needs) and needs no extra dependency;
 * the module's last operator creates its output, which the next module keeps anyway: it counts
   0 bytes (upstream does the same);
+* what torch's checkpoint holds per checkpointed call besides activations — the CPU RNG state it
+  preserves (:func:`checkpoint_state_bytes`, 5,056 B), from the start of the module's forward to
+  the end of its backward, and a second copy while it recomputes (``fork_rng``) — counts as device
+  bytes (``region_bytes``): on cpu-sim it is; on an accelerator it is host memory, and counting
+  it costs a few kB per checkpointed module;
 * operator times: the trace's durations when it has them (a simulated trace: the simulator's
   calibrated or roofline model), otherwise estimated from the operators' sizes (FLOPs of matrix
   products, bytes of the rest, a fixed launch cost) and scaled to the measured step time — the
@@ -60,6 +66,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from collections.abc import Callable, Collection, Sequence
@@ -132,6 +139,37 @@ class SacPlannerConfig(MemfitModel):
     checkpoint machinery and memfit's wrapper, forward and backward; measured by
     ``benchmarks/sac_policy_overhead.py``): the ILP weighs it, so it checkpoints fewer, larger
     modules where many small ones would recompute about as much. 0 to ignore."""
+    region_bytes: Size | None = None
+    """Device bytes a checkpointed module holds beyond its activations, from its forward to the end
+    of its backward (twice while it recomputes); default :func:`checkpoint_state_bytes`, what torch's
+    checkpoint keeps on cpu-sim. On an accelerator that state is host memory: 0 plans without it
+    (the default over-counts a few kB per checkpointed module there)."""
+
+
+CPU_RNG_STATE_BYTES = 5056
+"""Size of ``torch.get_rng_state()`` (the CPU Mersenne Twister's state), for planning without torch."""
+
+
+@functools.cache
+def checkpoint_state_bytes() -> int:
+    """Bytes torch's checkpoint holds per checkpointed call besides activations: the CPU RNG state.
+
+    With ``preserve_rng_state`` (memfit's executor always asks for it, so that recomputed random
+    operators draw what forward drew) checkpoint copies the CPU generator's state at the start of
+    the forward and keeps it until the module's backward has run; while recomputing, ``fork_rng``
+    copies it once more. On cpu-sim these are device bytes (measured: 5,056 B more at the peak per
+    checkpointed module); an accelerator's generator state comes as a CPU tensor too, so there
+    they are host bytes.
+    """
+    try:
+        import torch
+    except ImportError:
+        return CPU_RNG_STATE_BYTES
+    return int(torch.get_rng_state().nbytes)
+
+
+def _region_bytes(region_bytes: int | None) -> int:
+    return checkpoint_state_bytes() if region_bytes is None else int(region_bytes)
 
 
 # -- per-module statistics --------------------------------------------------------------------
@@ -167,6 +205,14 @@ class ModuleStats:
     """How far the forward rose above the level it ended at: what recomputing it adds for a moment."""
     excluded: np.ndarray | None = None
     """Operators the caller rules out of keeping (:meth:`never_keeping`); none by default."""
+    backward_end: int | None = None
+    """Trace index of the last backward operator of the module (or a descendant); ``None``: not
+    known, taken as ``backward_start``."""
+
+    @property
+    def held_until(self) -> int:
+        """Trace index of the last operator while a checkpoint of the module still holds its state."""
+        return self.backward_start if self.backward_end is None else max(self.backward_start, self.backward_end)
 
     def never_keeping(self, names: Collection[str]) -> ModuleStats:
         """These statistics with the operators named ``names`` never kept (always recomputed), as random ones are."""
@@ -344,7 +390,7 @@ def module_stats(trace: Trace, seconds: np.ndarray | None = None) -> dict[str, M
         forward = forward[kept]
         if forward.size < 2:
             continue
-        stats[name] = _stats_of(trace, name, forward, int(backward[0]), seconds, used_in_backward, curve, random_names)
+        stats[name] = _stats_of(trace, name, forward, backward, seconds, used_in_backward, curve, random_names)
     return stats
 
 
@@ -360,7 +406,7 @@ def _stats_of(
     trace: Trace,
     name: str,
     forward: np.ndarray,
-    backward_start: int,
+    backward: np.ndarray,
     seconds: np.ndarray,
     used_in_backward: np.ndarray,
     curve: np.ndarray,
@@ -431,8 +477,9 @@ def _stats_of(
         forced_store=forced,
         saved_bytes=max(0, saved),
         forward_end=end,
-        backward_start=backward_start,
+        backward_start=int(backward[0]),
         transient_bytes=transient,
+        backward_end=int(backward[-1]),
     )
 
 
@@ -825,19 +872,23 @@ class _Segments:
 
     peak: np.ndarray
     alive: np.ndarray  # (pieces, modules): the module's freed bytes count in this piece
+    held: np.ndarray  # (pieces, modules): a checkpoint of the module holds its state (region bytes) in this piece
     recompute_at: list[int] = field(default_factory=list)  # per module: the piece its recomputation falls in
 
 
 def _segments(curve: np.ndarray, stats: Sequence[ModuleStats]) -> _Segments:
-    cuts = sorted({0, curve.size} | {s.forward_end + 1 for s in stats} | {s.backward_start for s in stats})
-    starts = np.array(cuts[:-1])
+    cuts = {0, curve.size} | {s.forward_end + 1 for s in stats} | {s.backward_start for s in stats}
+    cuts |= {int(s.op_index[0]) for s in stats} | {min(curve.size, s.held_until + 1) for s in stats}
+    starts = np.array(sorted(cuts)[:-1])
     peak = np.maximum.reduceat(curve, starts) if curve.size else np.zeros(0)
     alive = np.zeros((starts.size, len(stats)), dtype=bool)
+    held = np.zeros((starts.size, len(stats)), dtype=bool)
     recompute_at = []
     for j, s in enumerate(stats):
         alive[:, j] = (starts >= s.forward_end + 1) & (starts < s.backward_start)
+        held[:, j] = (starts >= s.op_index[0]) & (starts <= s.held_until)
         recompute_at.append(int(np.searchsorted(starts, s.backward_start, side="right") - 1))
-    return _Segments(peak.astype(np.int64), alive, recompute_at)
+    return _Segments(peak.astype(np.int64), alive, held, recompute_at)
 
 
 def _nested(stats: Sequence[ModuleStats]) -> list[tuple[int, int]]:
@@ -854,6 +905,7 @@ def solve_module_budgets(
     gap: float = 0.01,
     policy_seconds: Sequence[float] | None = None,
     region_seconds: float = 0.0,
+    region_bytes: int | None = None,
 ) -> ModuleBudgets:
     """The global ILP (thesis §5.4), with the peak constrained in every piece of the step.
 
@@ -861,7 +913,9 @@ def solve_module_budgets(
     (fraction of its forward recomputed, above the trade-off fit) and ``rct`` (seconds recomputed).
     Freed bytes ``d = IA - ACM (1 - r)`` when ``y``, 0 otherwise. In every piece of the step the
     curve's highest point minus the freed bytes of the modules waiting for backward, plus the
-    transient of a recomputation falling in the piece, stays under ``limit_bytes``.
+    transient of a recomputation falling in the piece, plus ``region_bytes`` (default
+    :func:`checkpoint_state_bytes`) for each checkpointed module from its forward to the end of its
+    backward and once more where it recomputes, stays under ``limit_bytes``.
 
     ``policy_seconds`` (per module, what its operator-level policy costs a step): a binary ``s``
     per module says whether it is checkpointed *selectively*, at that cost; otherwise ``r = 1``,
@@ -876,6 +930,7 @@ def solve_module_budgets(
     import pulp
 
     started = time.perf_counter()
+    region = _region_bytes(region_bytes) / 2.0**20
     segments = _segments(curve, stats)
     problem = pulp.LpProblem("sac_modules", pulp.LpMinimize)
     y = [problem.add_variable(f"y{i}", cat="Binary") for i in range(len(stats))]
@@ -904,10 +959,18 @@ def solve_module_budgets(
         problem += y[i] + y[j] <= 1
     for p in range(segments.peak.size):
         saving = [freed[j] for j in np.flatnonzero(segments.alive[p])]
-        transient = [y[j] * (s.transient_bytes / scale) for j, s in enumerate(stats) if segments.recompute_at[j] == p]
-        if not saving and not transient:
+        transient = [
+            y[j] * (s.transient_bytes / scale + region) for j, s in enumerate(stats) if segments.recompute_at[j] == p
+        ]
+        if not saving and not transient and segments.peak[p] > limit_bytes:
+            continue  # nothing saves here: the piece is over the limit whatever is checkpointed
+        held = [y[j] * region for j in np.flatnonzero(segments.held[p])] if region > 0 else []
+        if not saving and not transient and not held:
             continue
-        problem += segments.peak[p] / scale - pulp.lpSum(saving) + pulp.lpSum(transient) <= limit_bytes / scale
+        problem += (
+            segments.peak[p] / scale - pulp.lpSum(saving) + pulp.lpSum(transient) + pulp.lpSum(held)
+            <= limit_bytes / scale
+        )
     status = problem.solve(_cbc(time_limit, gap))
     name = pulp.LpStatus[status]
     solved = time.perf_counter() - started
@@ -947,17 +1010,23 @@ class SacSolution:
         return self.recompute_seconds + self.policy_seconds + self.region_seconds
 
 
-def predicted_curve(trace: Trace, stats: dict[str, ModuleStats], keep: dict[str, np.ndarray]) -> np.ndarray:
+def predicted_curve(
+    trace: Trace, stats: dict[str, ModuleStats], keep: dict[str, np.ndarray], region_bytes: int | None = None
+) -> np.ndarray:
     """The trace's memory curve with the chosen modules checkpointed.
 
     Each frees its bytes from the end of its forward to the start of its backward, and its
-    recomputation adds its transient at that start.
+    recomputation adds its transient at that start. Each holds ``region_bytes`` (default
+    :func:`checkpoint_state_bytes`: checkpoint's copy of the RNG state) from the start of its
+    forward to the end of its backward, and once more while it recomputes.
     """
+    region = _region_bytes(region_bytes)
     curve = trace.no_swap_memory_curve().astype(np.int64).copy()
     for name, k in keep.items():
         s = stats[name]
         curve[s.forward_end + 1 : s.backward_start] -= s.freed_bytes(k)
-        curve[s.backward_start] += s.transient_bytes
+        curve[s.backward_start] += s.transient_bytes + region
+        curve[int(s.op_index[0]) : s.held_until + 1] += region
     return curve
 
 
@@ -973,6 +1042,7 @@ def solve_sac(
     policy_overhead: float = 0.0,
     stats: dict[str, ModuleStats] | None = None,
     region_overhead: float = 0.0,
+    region_bytes: int | None = None,
 ) -> SacSolution:
     """Both levels: module budgets from the global ILP, then each chosen module's operators.
 
@@ -982,8 +1052,10 @@ def solve_sac(
     checkpointed fully instead (it then frees more memory, so the plan still fits). ``stats``:
     :func:`module_stats` of the trace, when the caller solves several limits on one trace
     (computed here otherwise). ``region_overhead``: seconds any checkpointed module costs a step
-    beyond its recomputation, weighed by the ILP as well.
+    beyond its recomputation, weighed by the ILP as well. ``region_bytes``: device bytes any
+    checkpointed module holds beyond its activations (default :func:`checkpoint_state_bytes`).
     """
+    region_bytes = _region_bytes(region_bytes)
     all_stats = stats if stats is not None else module_stats(trace, seconds)
     if modules is not None:
         unknown = sorted(set(modules) - set(all_stats))
@@ -1005,13 +1077,12 @@ def solve_sac(
     for policies in costs:
         budgets = solve_module_budgets(
             chosen_stats, curve, limit_bytes, time_limit=time_limit, gap=gap, policy_seconds=policies,
-            region_seconds=region_overhead,
+            region_seconds=region_overhead, region_bytes=region_bytes,
         )  # fmt: skip
-        solutions.append(
-            _local_solution(
-                trace, all_stats, chosen_stats, budgets, local, policy_overhead, limit_bytes, curve, region_overhead
-            )
-        )
+        solutions.append(_local_solution(
+            trace, all_stats, chosen_stats, budgets, local, policy_overhead, limit_bytes, curve, region_overhead,
+            region_bytes,
+        ))  # fmt: skip
     return min(solutions, key=lambda s: _solution_preference(s, limit_bytes))
 
 
@@ -1033,6 +1104,7 @@ def _local_solution(
     limit_bytes: int,
     curve: np.ndarray,
     region_overhead: float = 0.0,
+    region_bytes: int | None = None,
 ) -> SacSolution:
     """The local policies' operators for the ILP's module budgets, re-checked (:func:`solve_sac`).
 
@@ -1040,7 +1112,7 @@ def _local_solution(
     """
     if not budgets.discard:
         too_high = int(curve.max(initial=0)) > limit_bytes
-        budgets.discard = _fallback(trace, {s.module: s for s in chosen_stats}) if too_high else {}
+        budgets.discard = _fallback(trace, {s.module: s for s in chosen_stats}, region_bytes) if too_high else {}
     local_policy = LOCAL_POLICIES[local]
     started = time.perf_counter()
     keep = {name: local_policy(all_stats[name], 1.0 - r) for name, r in budgets.discard.items()}
@@ -1050,7 +1122,7 @@ def _local_solution(
         s = all_stats[name]
         if k.any() and s.total_seconds <= s.recompute_seconds(k) + policy_overhead * len(s.names):
             keep[name] = np.zeros_like(k)
-    predicted = predicted_curve(trace, all_stats, keep)
+    predicted = predicted_curve(trace, all_stats, keep, region_bytes)
     recompute = sum(all_stats[n].recompute_seconds(k) for n, k in keep.items())
     policy_seconds = policy_overhead * sum(len(all_stats[n].names) for n, k in keep.items() if k.any())
     return SacSolution(
@@ -1058,7 +1130,7 @@ def _local_solution(
     )
 
 
-def _fallback(trace: Trace, stats: dict[str, ModuleStats]) -> dict[str, float]:
+def _fallback(trace: Trace, stats: dict[str, ModuleStats], region_bytes: int | None = None) -> dict[str, float]:
     """No solution under the limit: full checkpointing of the nesting level with the lowest peak.
 
     The outermost modules are not always it: a module's backward recomputes its whole forward at
@@ -1074,7 +1146,7 @@ def _fallback(trace: Trace, stats: dict[str, ModuleStats]) -> dict[str, float]:
     for depth in sorted(set(ancestors.values())):
         level = [n for n in names if ancestors[n] == depth or (ancestors[n] < depth and not has_child[n])]
         full = {n: LOCAL_POLICIES["greedy"](stats[n], 0.0) for n in level}  # as the plan would apply it
-        peak = int(predicted_curve(trace, stats, full).max())
+        peak = int(predicted_curve(trace, stats, full, region_bytes).max())
         if best is None or peak < best[0]:
             best = (peak, level)
     return {n: 1.0 for n in best[1]} if best else {}
@@ -1102,6 +1174,7 @@ def generate_sac_plan(
         seconds=seconds,
         policy_overhead=config.policy_overhead,
         region_overhead=config.region_overhead,
+        region_bytes=config.region_bytes,
     )
     return sac_plan(trace, budget_bytes, margin, solution, source_of_times, planner=planner)
 
