@@ -77,9 +77,7 @@ def run(backend, budget, report_path, matcher, release_mode, planner, adapt, ver
 
         memfit run --backend cpu-sim --budget 4GiB --report run.json -- python train.py
     """
-    from memfit_executor.session import SwapSession  # imports torch: only when the command runs
-
-    # everything the user gave is checked before the backend is made and the script runs
+    # everything the user gave is checked before torch is imported, the backend made and the script run
     try:
         script = PythonCommand.parse(command, cli_name="memfit run")
     except MemfitError as exc:
@@ -92,6 +90,8 @@ def run(backend, budget, report_path, matcher, release_mode, planner, adapt, ver
             raise click.BadParameter(str(exc), param_hint=hint) from exc
     if verbose:
         logging.basicConfig(level=logging.INFO, format="%(message)s")
+    from memfit_executor.session import SwapSession  # imports torch: only once the input is known good
+
     try:
         session = SwapSession(budget, backend, matcher=matcher, release_mode=release_mode, planner=planner, adapt=adapt)
     except MemfitError as exc:  # an unknown planner: before the script runs
