@@ -195,6 +195,9 @@ class RuntimeStats:
     the block being free for reuse — with stream-event release, the planned release (freed there,
     stream-ordered); with ``record_stream``, the first poll (the stand-in for the allocator's event
     query) that finds the block released and its copy done."""
+    beyond_budget: int = 0
+    """Allocations Algorithm 3 could not bring within the budget that the capacity let go on above it
+    (see :class:`SwapRuntime`'s ``capacity_bytes``); the allocator's peak says by how much."""
     arms: int = 0
     """Times the ``armed`` retry mode put the operator-level retry on (see :meth:`SwapRuntime.set_retry_mode`)."""
     per_iteration: list[dict[str, int]] = field(default_factory=list)
@@ -230,6 +233,12 @@ class SwapRuntime:
             count mis-swaps against; ``None`` in production.
         history: how many iterations' counters ``stats.per_iteration`` keeps (the latest); a
             runtime left on for a whole run must not grow with it.
+        budget_bytes: where Algorithm 3 acts: the caller sets the backend's capacity to it;
+            default: the backend's capacity, whatever it is at the time.
+        capacity_bytes: what the device may hold beyond the budget: an allocation Algorithm 3
+            cannot bring within the budget goes on up to it (the backend's capacity is raised as
+            far as it needs, for the rest of the iteration) instead of failing; default: the budget
+            (nothing passes it). See :class:`~memfit_executor.session.SwapSession`.
     """
 
     def __init__(
@@ -243,6 +252,8 @@ class SwapRuntime:
         matcher: str = "fuzzy",
         oracle: IdentityOracle | None = None,
         history: int = 1000,
+        budget_bytes: int | None = None,
+        capacity_bytes: int | None = None,
     ) -> None:
         if matcher not in ("fuzzy", "position"):
             raise MemfitError(f"matcher must be 'fuzzy' or 'position', got {matcher!r}")
@@ -250,6 +261,13 @@ class SwapRuntime:
             raise MemfitError(f"history must be at least 1 iteration, got {history}")
         self.history = history
         self.backend = backend
+        if capacity_bytes is not None and budget_bytes is None:
+            budget_bytes = backend.capacity_bytes
+        if capacity_bytes is not None and capacity_bytes < budget_bytes:
+            raise MemfitError(f"the capacity ({capacity_bytes} bytes) is below the budget ({budget_bytes} bytes)")
+        self._budget_bytes = budget_bytes
+        self._capacity_bytes = capacity_bytes
+        self._raised = False  # the backend's capacity is above the budget for this iteration (_beyond_budget)
         self.device = backend.device
         self.clock = clock
         self.on_swap = on_swap
@@ -302,6 +320,16 @@ class SwapRuntime:
         self._iteration = RuntimeStats()
         self.oom_enabled = True
         """Whether Algorithm 3 answers OOM (a session turns it off in Stable for the Capuchin-style baseline)."""
+
+    @property
+    def budget_bytes(self) -> int:
+        """Where Algorithm 3 acts (see the class docs)."""
+        return self._budget_bytes if self._budget_bytes is not None else self.backend.capacity_bytes
+
+    @property
+    def capacity_bytes(self) -> int:
+        """Up to where the device may hold what Algorithm 3 cannot bring within the budget (see the class docs)."""
+        return self._capacity_bytes if self._capacity_bytes is not None else self.budget_bytes
 
     # -- lifecycle ---------------------------------------------------------------------------
     def install(self, hooks: Any = None) -> None:
@@ -424,6 +452,9 @@ class SwapRuntime:
         self._swap_ins.clear()
         self._in_backward = True
         self._last_op = -1
+        if self._raised:
+            self.backend.set_capacity(self.budget_bytes)
+            self._raised = False
         counters = {
             "swaps": self._iteration.swaps,
             "swapped_out_bytes": self._iteration.swapped_out_bytes,
@@ -433,6 +464,7 @@ class SwapRuntime:
             "copy_waits": self._iteration.copy_waits,
             "mismatched": self._iteration.mismatched,
             "misswaps": self._iteration.misswaps,
+            "beyond_budget": self._iteration.beyond_budget,
             "plan": self.matcher.locked if self.matcher is not None else None,
         }
         self.stats.per_iteration.append(counters)
@@ -675,7 +707,7 @@ class SwapRuntime:
         if self.oom_enabled and attempt < _MAX_RETRIES:
             event = OOMEvent(
                 requested_bytes=request,
-                capacity_bytes=self.backend.capacity_bytes,
+                capacity_bytes=self.budget_bytes,  # the limit the request failed against: Algorithm 3's target
                 in_use_bytes=in_use,
                 attempt=attempt,
                 backend=self.backend,
@@ -688,8 +720,30 @@ class SwapRuntime:
                     self._iteration.ooms_survived += 1
                 return True
             in_use = self.backend.memory_allocated()
+        if self._beyond_budget(request, in_use):
+            return True
         self.failure = self._failure(request, in_use)
         return False
+
+    def _beyond_budget(self, request: int, in_use: int) -> bool:
+        """Raise the device's limit above the budget, within the capacity, so that ``request`` fits; whether it did.
+
+        Only what Algorithm 3 could not hold comes here. The limit is raised just as far as this
+        allocation needs, so a later one past it asks Algorithm 3 again; where the device counts
+        reserved bytes (CUDA's caching allocator) and a retry at that limit failed all the same,
+        to the capacity. :meth:`end_iteration` puts the limit back at the budget.
+        """
+        limit = self.backend.capacity_bytes
+        if limit >= self.capacity_bytes:
+            return False
+        need = max(in_use, self.backend.memory_reserved()) + request
+        if need > self.capacity_bytes:
+            return False
+        self.backend.set_capacity(need if need > limit else self.capacity_bytes)
+        self._raised = True
+        self.stats.beyond_budget += 1
+        self._iteration.beyond_budget += 1
+        return True
 
     def _failure(self, request: int, in_use: int) -> OOMFailure:
         device = (RESIDENT, COPYING, INFLIGHT)
@@ -705,7 +759,7 @@ class SwapRuntime:
         return OOMFailure(
             request_bytes=request,
             in_use_bytes=in_use,
-            capacity_bytes=self.backend.capacity_bytes,
+            capacity_bytes=self.capacity_bytes,
             activation_bytes=activations,
             static_bytes=sum(static.values()) if static else None,
             largest=tuple(self.largest_live()),
@@ -782,7 +836,7 @@ class SwapRuntime:
 
     def _arm_threshold(self) -> int:
         self._arm_key = (self.binding, self._largest_saved)
-        capacity = self.backend.capacity_bytes
+        capacity = self.budget_bytes
         if self._headroom is not None:
             return capacity - self._headroom
         peak = self.binding.plan.predicted.peak_bytes if self.binding is not None else 0
