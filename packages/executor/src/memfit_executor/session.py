@@ -18,7 +18,8 @@ tracks each **sequence** the run keeps coming back to (:mod:`memfit_profiler.sta
   among a few values) get a plan each, all in place at once.
 
 A plan that stops holding is replaced (Build 2 of the design: *adapt*). When three Stable
-iterations of a sequence in a row need more than two passive swaps each, the sequence is planned
+iterations of a sequence in a row need more than two passive swaps each (or go above the budget,
+where a capacity above it let them), the sequence is planned
 again from a fresh trace with 5% less of the budget (twice at most); when in three in a row more
 than a quarter of the planned releases had to wait for their copy to the host (the copy stream
 is slower than the plan assumed: a busy host, a shared link), it is planned again with the copy
@@ -34,11 +35,12 @@ Example:
     import memfit
     from memfit.models import build_training
 
-    with memfit.swap(budget="4MiB", backend="cpu-sim") as session:
+    # room on the device for twice the budget: whether the peak stays within it is memfit's doing
+    with memfit.swap(budget="4MiB", backend="cpu-sim", capacity="8MiB") as session:
         run = build_training("tiny", batch_size=4, seq_len=64)
         for _ in range(20):
             run.step()
-    print(session.report()["peak_device_bytes"] <= session.budget_bytes)
+    print(session.report()["peak_device_bytes"] <= session.budget_bytes)  # the allocator's own peak
     ```
 """
 
@@ -215,16 +217,29 @@ class SwapSession:
     """A training run under a device-memory budget. Use :func:`memfit.swap` to make one.
 
     Args:
-        budget: device bytes the run may use (a size such as ``"12GiB"``); the backend's
-            capacity is set to it for the session (restored after). ``None``: the device's capacity.
+        budget: device bytes the run may use (a size such as ``"12GiB"``): what the planners plan
+            for and memfit holds; an allocation that would pass it asks the OOM handler (Algorithm 3)
+            first. ``None``: the device's capacity.
         backend: a backend name (``cpu-sim``, ``cuda``, ``npu``), a backend object, or ``None``
             for the best available.
+        capacity: device bytes the device itself enforces for the session (the backend's
+            capacity, restored after); default: the budget, so that nothing passes it. Above the
+            budget, what memfit cannot hold (Algorithm 3 found nothing left to free) goes on up to
+            the capacity instead of failing, and shows as a measured peak above the budget (the
+            report's ``peak_device_bytes``, the allocator's own peak): how tests and benchmarks
+            check that plans hold. Below the budget it is an error.
         hooks: plugin hooks (planners, OOM handlers); default: the installed plugins.
         **options: see :class:`SwapOptions`.
     """
 
     def __init__(
-        self, budget: int | str | None = None, backend: Any = None, *, hooks: Hooks | None = None, **options: Any
+        self,
+        budget: int | str | None = None,
+        backend: Any = None,
+        *,
+        capacity: int | str | None = None,
+        hooks: Hooks | None = None,
+        **options: Any,
     ) -> None:
         self.options = SwapOptions.model_validate(options)
         self.hooks = hooks or get_hooks()
@@ -250,6 +265,17 @@ class SwapSession:
             self.budget_bytes = parse_size(budget, what="swap budget")
             if self.budget_bytes <= 0:
                 raise MemfitError(f"the swap budget must be positive, got {budget!r}")
+        self._capacity_arg = capacity
+        self.capacity_bytes = 0
+        """What the device enforces for the session (see the class docs): the budget unless ``capacity`` was given."""
+        if capacity is not None:
+            self.capacity_bytes = parse_size(capacity, what="capacity")
+            if self.capacity_bytes <= 0:
+                raise MemfitError(f"the capacity must be positive, got {capacity!r}")
+            if budget is not None:
+                self._check_capacity()
+        else:
+            self.capacity_bytes = self.budget_bytes
         self.backend: Any = None
         self.profiler: Any = None
         self.runtime: SwapRuntime | None = None
@@ -295,13 +321,19 @@ class SwapSession:
             self._owns_backend = True
         else:
             self.backend = backend
+        if self._budget_arg is None:
+            self.budget_bytes = self.capacity_bytes or self.backend.capacity_bytes
+        if self._capacity_arg is None:
+            self.capacity_bytes = self.budget_bytes
         # measured before the budget caps the device: the measurement needs room for its buffer
         self._bandwidth = self.backend.copy_bandwidth()
-        if self._budget_arg is not None:
+        if self._budget_arg is not None or self._capacity_arg is not None:
             self._saved_capacity = self.backend.capacity_bytes
+            # the device's own check of the capacity (a GPU's total) now, not once memory first passes the budget
+            self.backend.set_capacity(self.capacity_bytes)
+            # the device stops at the budget and asks Algorithm 3; what that cannot hold, the runtime
+            # lets go on up to the capacity (SwapRuntime.capacity_bytes)
             self.backend.set_capacity(self.budget_bytes)
-        else:
-            self.budget_bytes = self.backend.capacity_bytes
         # the report's peak is the session's, not what the program held before it began
         self.backend.reset_peak_memory_stats()
         self._activation = self.backend.activate()
@@ -318,6 +350,8 @@ class SwapSession:
             matcher=self.options.matcher,
             oracle=self.oracle,
             history=self.options.history,
+            budget_bytes=self.budget_bytes,
+            capacity_bytes=self.capacity_bytes,
         )
         if self.profiler is not None:
             self.profiler.set_saved_bytes_source(self.runtime.take_saved_bytes)
@@ -360,6 +394,14 @@ class SwapSession:
         if exc is not None and runtime is not None and self.backend.is_oom(exc):
             if not isinstance(exc, SwapOutOfMemoryError):
                 raise self._oom_error(exc) from exc
+
+    def _check_capacity(self) -> None:
+        if self.capacity_bytes < self.budget_bytes:
+            raise MemfitError(
+                f"the capacity of {format_size(self.capacity_bytes)} is below the swap budget of "
+                f"{format_size(self.budget_bytes)}: the capacity is what the device enforces, the budget what memfit "
+                f"plans for within it. Give a capacity of at least the budget (default: the budget itself)"
+            )
 
     def _start_profiler(self) -> Any:
         if importlib.util.find_spec("memfit_profiler") is None:
@@ -408,6 +450,8 @@ class SwapSession:
         request = self.backend.oom_request_bytes(exc)
         failure = self.runtime.failure
         budget = format_size(self.budget_bytes)
+        if self.capacity_bytes > self.budget_bytes:
+            budget += f" (nor the capacity of {format_size(self.capacity_bytes)} above it)"
         if failure is None or (request and abs(failure.request_bytes - request) > max(1, request // 100)):
             return SwapOutOfMemoryError(
                 f"out of memory under memfit's swap executor: a request of {format_size(request)} did not fit the "
@@ -480,6 +524,12 @@ class SwapSession:
         )
         if len(self.iterations) > self.options.history:
             del self.iterations[0]
+        if record.peak_device_bytes > self.budget_bytes:
+            self._note(
+                f"device memory went above the budget of {format_size(self.budget_bytes)} (per_iteration's "
+                f"peak_device_bytes): the plans and passive swaps did not hold it, and the capacity of "
+                f"{format_size(self.capacity_bytes)} let training go on"
+            )
         stage = record.sequence_stage.value
         self._stage_iterations[stage] += 1
         self._stage_seconds[stage] += record.seconds
@@ -634,6 +684,7 @@ class SwapSession:
         self, record: Any, plans: _SequencePlans, counters: dict[str, Any], finished_log: SaveLog | None
     ) -> None:
         if plans.applied_trial is not None and plans.candidates:
+            # the allocator's peak: above the budget only where the capacity let what memfit could not hold go on
             within = record.peak_device_bytes <= self.budget_bytes
             plans.trials.append(_Trial(plans.applied_trial, record.seconds, within, counters["passive_swaps"]))
         if plans.candidates:
@@ -716,7 +767,8 @@ class SwapSession:
     ) -> None:
         """Adapt (module docs): plan a Stable sequence again when its plan stops holding."""
         copied, seconds = throughput
-        plans.strained = plans.strained + 1 if counters["passive_swaps"] > STRAINED_PASSIVE_SWAPS else 0
+        strained = counters["passive_swaps"] > STRAINED_PASSIVE_SWAPS or record.peak_device_bytes > self.budget_bytes
+        plans.strained = plans.strained + 1 if strained else 0
         behind = counters["swaps"] > 0 and counters["copy_waits"] > BEHIND_WAIT_FRACTION * counters["swaps"]
         plans.behind = plans.behind + 1 if behind else 0
         # Plan for the slowest iteration of the run: the link may have slowed down within it (an
@@ -775,6 +827,7 @@ class SwapSession:
         return {
             "backend": self.backend.name,
             "budget_bytes": self.budget_bytes,
+            "capacity_bytes": self.capacity_bytes,
             "peak_device_bytes": int(peak),
             "iterations": self._stage_iterations.total(),
             "iterations_per_stage": dict(self._stage_iterations),
