@@ -3,6 +3,7 @@ SIGTERM), and bad input checked before the script runs."""
 
 import json
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -161,9 +162,11 @@ def test_any_file_python_can_run_is_run_with_or_without_py(tmp_path):
     script.chmod(0o755)
     report = tmp_path / "report.json"
     args = ["run", "--backend", "cpu-sim", "--report", str(report), "--", "python", str(script)]
+    handler = signal.getsignal(signal.SIGTERM)
     result = CliRunner().invoke(cli, args, terminal_width=200)
     assert result.exit_code == 3, result.output
     assert json.loads(report.read_text())["iterations"] == 2
+    assert signal.getsignal(signal.SIGTERM) is handler  # memfit's SIGTERM handler is gone with the run
 
 
 def test_what_python_could_not_run_is_a_clear_error_before_anything_runs(tmp_path):

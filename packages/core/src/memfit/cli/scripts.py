@@ -160,8 +160,8 @@ class Termination:
     Python's default for SIGTERM ends the process at once: no summary, no report. Here, until
     :meth:`script_finished`, SIGTERM raises ``SystemExit(143)`` in the main thread, so the script
     stops as at a ``sys.exit`` (its ``finally`` blocks run) and memfit reports what it measured;
-    after, while memfit writes its summary and report, it is only remembered (:attr:`received`):
-    the report is what the signal asked to be kept. 143 is 128 + 15, as a shell reports SIGTERM.
+    after, while memfit writes its summary and report, it is only remembered (:attr:`received`),
+    so the report is not cut short. 143 is 128 + 15, as a shell reports SIGTERM.
     The previous handler is restored on exit. Outside the main thread (signals cannot be
     handled there) it does nothing.
     """
@@ -171,17 +171,19 @@ class Termination:
     def __init__(self) -> None:
         self.received = False
         self._raising = True
+        self._installed = False
         self._previous: Any = None
 
     def __enter__(self) -> Termination:
         if threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGTERM, self._handle)
+            self._installed = True
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
-            self._previous = None
+        if self._installed:  # the previous handler may be None (set outside Python): restored all the same
+            signal.signal(signal.SIGTERM, self._previous if self._previous is not None else signal.SIG_DFL)
+            self._installed = False
 
     def script_finished(self) -> None:
         """From now on SIGTERM is only remembered: memfit is writing what the run measured."""
