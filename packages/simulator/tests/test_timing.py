@@ -4,14 +4,25 @@ Nothing here depends on wall-clock time: where the suite measures, a synthetic c
 from a known machine, and the assertions are on what was fitted from it.
 """
 
+import dataclasses
+import json
 import math
+import os
 import warnings
 
 import numpy as np
 import pytest
 import torch
 from memfit_simulator import calibration as cal
-from memfit_simulator.calibration import Calibration, Grid, Piecewise, SuitePlan, attention_flops, run_suite
+from memfit_simulator.calibration import (
+    BusyCalibrationWarning,
+    Calibration,
+    Grid,
+    Piecewise,
+    SuitePlan,
+    attention_flops,
+    run_suite,
+)
 from memfit_simulator.hardware import get_spec
 from memfit_simulator.timing import (
     CalibratedTimeModel,
@@ -122,12 +133,16 @@ TINY_PLAN = SuitePlan(
 
 
 @pytest.fixture
-def synthetic_suite(monkeypatch):
+def synthetic_machine(monkeypatch):
+    """The suite times calls on a known machine (:func:`_machine`), idle (load 0) for the whole test."""
     monkeypatch.setattr(cal._Clock, "__call__", lambda self, fn: _machine(cal._first_op(fn)))
     monkeypatch.setattr(cal, "phase_overheads", lambda device: {"FWD": 4e-6, "BWD": 1e-6, "OPT": 2e-6})
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # a busy machine: irrelevant to a synthetic clock
-        return run_suite("cpu", plan=TINY_PLAN, progress=False)
+    monkeypatch.setattr(cal, "machine_load", lambda: 0.0)
+
+
+@pytest.fixture
+def synthetic_suite(synthetic_machine):
+    return run_suite("cpu", plan=TINY_PLAN, progress=False)
 
 
 def test_the_suite_covers_every_category_and_recovers_the_machine(synthetic_suite):
@@ -169,6 +184,96 @@ def test_the_calibration_round_trips_through_json_and_the_cache(synthetic_suite,
     assert path.name.endswith(f"-t{torch.get_num_threads()}.json")
     cal.calibration("cpu", progress=False, refresh=True)
     assert runs == ["cpu", "cpu"]
+
+
+def test_the_suite_records_whether_other_work_made_the_machine_busy(synthetic_machine, monkeypatch):
+    """The load before the suite, and what others added during it (its own threads are not other work)."""
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)  # busy above a load of 1.0
+    readings = []
+
+    def suite_at(before, after):
+        readings[:] = [before, after]
+        monkeypatch.setattr(cal, "machine_load", lambda: readings.pop(0))
+        fitted = run_suite("cpu", plan=TINY_PLAN, progress=False)
+        assert readings == []  # read before and after
+        return fitted
+
+    idle = suite_at(0.0, 0.0)
+    assert not idle.busy and idle.load_average == 0.0
+    busy_before = suite_at(4.2, 4.2)
+    assert busy_before.busy and busy_before.load_average >= 4.2
+    # a load that came during the suite: ~50 runnable threads at its end, more than its own could be
+    busy_during = suite_at(0.1, 50.0)
+    assert busy_during.busy and busy_during.load_average > 1.0
+
+
+def test_the_suites_own_threads_are_not_other_work():
+    keep = math.exp(-20 / 60)  # what remains of the load average's past after 20 s
+    # an idle 2-core machine: 20 s of the suite's 2 running threads raise the average from 0.1 toward 2
+    assert cal.load_of_others(0.1, 0.1 * keep + 2 * (1 - keep), 20.0, own=2.0) == pytest.approx(0.0, abs=1e-9)
+    # two CPU-bound processes beside it the whole time
+    assert cal.load_of_others(0.1, 0.1 * keep + 4 * (1 - keep), 20.0, own=2.0) == pytest.approx(2.0)
+    # a suite shorter than the average's 5 s update: a steady load stays what it was
+    assert cal.load_of_others(3.0, 3.0, 1.0, own=1.0) == pytest.approx(2.0)
+
+
+def test_a_calibration_made_busy_is_used_while_busy_and_measured_again_once_idle(
+    synthetic_suite, monkeypatch, tmp_path
+):
+    monkeypatch.setenv("MEMFIT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)  # busy above a load of 1.0
+    load = [4.2]
+    monkeypatch.setattr(cal, "machine_load", lambda: load[0])
+    made_busy = dataclasses.replace(synthetic_suite, load_average=4.2, busy=True)
+    suites, runs = iter([made_busy, synthetic_suite]), []
+    monkeypatch.setattr(cal, "run_suite", lambda device, progress=True: runs.append(device) or next(suites))
+    message = r"calibrated on a busy machine \(load 4\.2 on 2 cores.*uses it while the machine stays busy"
+    with pytest.warns(BusyCalibrationWarning, match=message):
+        assert cal.calibration("cpu", progress=False) == made_busy
+    (path,) = tmp_path.glob("calibration-cpu-*.json")
+    assert Calibration.from_json(path.read_text()).busy  # cached, marked busy
+    with pytest.warns(BusyCalibrationWarning):  # still busy: measuring again would be no better
+        assert cal.calibration("cpu", progress=False) == made_busy
+    assert runs == ["cpu"]
+    load[0] = 0.3
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", BusyCalibrationWarning)
+        assert cal.calibration("cpu", progress=False) == synthetic_suite  # idle: measured again, replacing it
+        assert runs == ["cpu", "cpu"] and Calibration.from_json(path.read_text()) == synthetic_suite
+        load[0] = 4.2
+        assert cal.calibration("cpu", progress=False) == synthetic_suite  # one made idle is kept
+    assert runs == ["cpu", "cpu"]
+
+
+def test_the_time_model_of_the_cpu_measures_again_once_a_busy_machine_is_idle(synthetic_suite, monkeypatch, tmp_path):
+    monkeypatch.setenv("MEMFIT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("MEMFIT_CALIBRATE", "1")
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    load = [4.2]
+    monkeypatch.setattr(cal, "machine_load", lambda: load[0])
+    runs = []
+    monkeypatch.setattr(cal, "run_suite", lambda device, progress=True: runs.append(device) or synthetic_suite)
+    cpu = get_spec("cpu")
+    made_busy = dataclasses.replace(synthetic_suite, load_average=4.2, busy=True)
+    cal.save_calibration(made_busy)
+    cal.cached_calibration.cache_clear()
+    try:
+        with pytest.warns(BusyCalibrationWarning):
+            assert time_model(cpu).calibration == made_busy
+        assert runs == []
+        load[0] = 0.3
+        assert time_model(cpu).calibration == synthetic_suite and runs == ["cpu"]
+        assert time_model(cpu).calibration == synthetic_suite and runs == ["cpu"]  # read once, then kept
+    finally:
+        cal.cached_calibration.cache_clear()
+
+
+def test_a_calibration_cached_before_busy_was_recorded_is_judged_by_its_load(synthetic_suite, monkeypatch):
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    raw = json.loads(synthetic_suite.to_json())
+    del raw["busy"]  # schema 1 as written before: the load average when the suite started
+    assert not Calibration.from_json(json.dumps({**raw, "load_average": 0.4})).busy
+    assert Calibration.from_json(json.dumps({**raw, "load_average": 4.45})).busy
 
 
 def test_a_device_uses_its_calibration_when_cached_else_its_figures(synthetic_suite, monkeypatch, tmp_path):
@@ -233,9 +338,7 @@ def test_the_real_suite_runs_on_this_cpu(monkeypatch, tmp_path):
         dtypes=("float32", "bfloat16"),
         budget_s=1e-4,
     )
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # the machine may be busy
-        fitted = run_suite("cpu", plan=plan, progress=False)
+    fitted = run_suite("cpu", plan=plan, progress=False)
     assert set(fitted.piecewise["add"]) == {"float32", "bfloat16"} and "attention_backward" in fitted.grids
     assert set(fitted.phase_overhead_s) == {"FWD", "BWD", "OPT"} and fitted.view_s > 0 and fitted.seconds > 0
     assert all(np.isfinite(list(fitted.phase_overhead_s.values())))

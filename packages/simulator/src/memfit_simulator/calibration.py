@@ -46,6 +46,7 @@ from __future__ import annotations
 import functools
 import itertools
 import json
+import math
 import os
 import platform
 import statistics
@@ -170,7 +171,11 @@ class Calibration:
     phase_overhead_s: dict[str, float]
     """Extra seconds per operator in a training step, by phase (``FWD``, ``BWD``, ``OPT``)."""
     load_average: float = 0.0
-    """The machine's 1-minute load average when the suite started (other work skews the timings)."""
+    """The load other work put on the machine while the suite ran: the most of the 1-minute load average
+    at its start and of what other processes added to it during the suite (:func:`load_of_others`)."""
+    busy: bool = False
+    """Made on a busy machine (:func:`is_busy`): used only while the machine is still busy, measured
+    again by the first :func:`calibration` that finds it idle."""
     schema: int = SCHEMA
 
     def to_json(self) -> str:
@@ -181,6 +186,8 @@ class Calibration:
         raw = json.loads(text)
         if raw.get("schema") != SCHEMA:
             raise ValueError(f"calibration schema {raw.get('schema')} is not {SCHEMA}")
+        # written before `busy` was recorded: `load_average` was the load when the suite started
+        raw.setdefault("busy", is_busy(raw.get("load_average", 0.0)))
         raw["piecewise"] = {k: {d: Piecewise(**m) for d, m in v.items()} for k, v in raw["piecewise"].items()}
         raw["grids"] = {
             k: {
@@ -190,6 +197,51 @@ class Calibration:
             for k, v in raw["grids"].items()
         }
         return cls(**raw)
+
+
+# -- a busy machine ------------------------------------------------------------------------------
+BUSY_LOAD_PER_CORE = 0.5
+"""A machine is busy when other work keeps more than this many threads per core runnable."""
+
+
+class BusyCalibrationWarning(UserWarning):
+    """A calibration made on a busy machine is in use: its timings are slower than the machine's own."""
+
+
+def machine_load() -> float:
+    """The 1-minute load average (0.0 where the system keeps none)."""
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+
+
+def is_busy(load: float) -> bool:
+    """Whether ``load`` (a 1-minute load average) is above :data:`BUSY_LOAD_PER_CORE` × the cores."""
+    return load > BUSY_LOAD_PER_CORE * (os.cpu_count() or 1)
+
+
+def load_of_others(before: float, after: float, seconds: float, own: float) -> float:
+    """The load other processes added while the suite ran: the load average less the suite's own threads.
+
+    The 1-minute load average moves toward the number of runnable threads ``n`` with weight
+    ``1 - d``, ``d = exp(-t / 60)`` (Linux updates it every 5 s), so after ``seconds``
+    ``after = before·d + n·(1 - d)``. The suite itself keeps ``own`` threads running (its CPU
+    seconds per second), which is not other work: on an idle 2-core machine its 2 threads for 20 s
+    raise the average by 2·(1 - e^(-1/3)) ≈ 0.57, more than half the threshold of 1.0 there. A suite
+    of a few seconds barely moves the average; then ``before`` says more.
+    """
+    keep = math.exp(-max(seconds, 5.0) / 60.0)
+    return max(0.0, (after - before * keep) / (1.0 - keep) - own)
+
+
+def _warn_busy(found: Calibration) -> None:
+    # one place and one text per calibration: Python shows it once per process
+    warnings.warn(
+        f"memfit's time model of {found.device} was calibrated on a busy machine (load {found.load_average:.1f} "
+        f"on {os.cpu_count()} cores, above {BUSY_LOAD_PER_CORE:g} per core): its timings are slower than this "
+        "machine's. memfit uses it while the machine stays busy (measuring again then would be no better) and "
+        "calibrates again, replacing it in the cache, on the first use that finds the machine idle",
+        BusyCalibrationWarning,
+        stacklevel=1,
+    )
 
 
 # -- the cache -----------------------------------------------------------------------------------
@@ -273,8 +325,28 @@ def cached_calibration(spec_name: str) -> Calibration | None:
     return load_calibration(spec_name)
 
 
+def calibration_in_use(spec_name: str) -> Calibration | None:
+    """The calibration the time model of ``spec_name`` uses, or None (then it uses the roofline).
+
+    ``cpu``: :func:`calibration` on first use, and again when the cached one was made on a busy
+    machine that is idle now. Another device: the cached calibration made on it, if any (only
+    ``calibration(device)`` run on that device measures it). A busy one in use warns.
+    """
+    found = cached_calibration(spec_name)
+    if spec_name == "cpu" and (found is None or (found.busy and not is_busy(machine_load()))):
+        found = calibration("cpu")
+    elif found is not None and found.busy:
+        _warn_busy(found)
+    return found
+
+
 def calibration(device: str = "cpu", *, progress: bool = True, refresh: bool = False) -> Calibration:
-    """This device's calibration: from the cache, or measured now (about 20 s on a 2-core CPU) and cached."""
+    """This device's calibration: from the cache, or measured now (about 20 s on a 2-core CPU) and cached.
+
+    A cached calibration made on a busy machine (:attr:`Calibration.busy`) is returned only while the
+    machine is still busy; once it is idle, the calibration is measured again and replaces it.
+    Returning a busy calibration warns (:class:`BusyCalibrationWarning`).
+    """
     name, version, threads = device_identity(device)
     spec_name = spec_name_for(device, name)
     if not refresh:
@@ -285,7 +357,10 @@ def calibration(device: str = "cpu", *, progress: bool = True, refresh: bool = F
                 found = Calibration.from_json(path.read_text())
             except (OSError, ValueError, KeyError, TypeError):
                 found = None
-        if found is not None:
+        if found is not None and not found.busy:
+            return found
+        if found is not None and is_busy(machine_load()):
+            _warn_busy(found)
             return found
     result = run_suite(device, progress=progress)
     try:
@@ -293,6 +368,8 @@ def calibration(device: str = "cpu", *, progress: bool = True, refresh: bool = F
     except OSError:
         pass
     cached_calibration.cache_clear()
+    if result.busy:
+        _warn_busy(result)
     return result
 
 
@@ -389,18 +466,16 @@ def run_suite(device: str = "cpu", *, plan: SuitePlan | None = None, progress: b
     in the core's caches; a loop over one input set would time the cache instead (on the
     2-core development machine a 256 KiB ``mul`` takes 6 µs warm, 18 µs cold, and 17–26 µs
     inside a real step).
+
+    Other work skews the timings: the 1-minute load average is read before and after the suite, and
+    the calibration records the higher of the load before and what other processes added during it
+    (:func:`load_of_others`) as :attr:`Calibration.load_average`, and whether that made the machine busy.
     """
     import torch
 
     plan = plan or SuitePlan()
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
-    if load > 0.5 * (os.cpu_count() or 1):
-        warnings.warn(
-            f"calibrating the time model on a busy machine (load average {load:.1f} on {os.cpu_count()} cores): "
-            "timings will be slow; run memfit_simulator.calibration.calibration(refresh=True) when it is idle",
-            stacklevel=2,
-        )
-    started = time.perf_counter()
+    load_before = machine_load()
+    started, cpu_started = time.perf_counter(), time.process_time()
     clock = _Clock(device, plan.budget_s)
     jobs = list(_jobs(plan, device))
     points: list[_Point] = []
@@ -428,11 +503,14 @@ def run_suite(device: str = "cpu", *, plan: SuitePlan | None = None, progress: b
             grids=grids,
             view_s=view_s,
             phase_overhead_s={"FWD": 0.0, "BWD": 0.0, "OPT": 0.0},
-            load_average=load,
         )
         overhead = phase_overheads(device)
         advance(2)
-    return Calibration(**{**partial.__dict__, "phase_overhead_s": overhead, "seconds": time.perf_counter() - started})
+    seconds = time.perf_counter() - started
+    own = (time.process_time() - cpu_started) / max(seconds, 1e-9)  # the suite's running threads, on average
+    load = max(load_before, load_of_others(load_before, machine_load(), seconds, own))
+    measured = {"phase_overhead_s": overhead, "seconds": seconds, "load_average": load, "busy": is_busy(load)}
+    return Calibration(**{**partial.__dict__, **measured})
 
 
 class _progress:

@@ -329,18 +329,16 @@ class CalibratedTimeModel:
 def time_model(spec: HardwareSpec) -> TimeModel:
     """The calibrated model of ``spec``'s device when there is one, else the roofline of its published figures.
 
-    The local CPU (``cpu``) is calibrated on first use and cached (set ``MEMFIT_CALIBRATE=0`` to
-    use the roofline instead); other devices use a calibration only when one made on them is
-    in the cache (see :mod:`memfit_simulator.calibration`).
+    The local CPU (``cpu``) is calibrated on first use and cached, and again when its calibration was
+    made on a busy machine that is idle now (set ``MEMFIT_CALIBRATE=0`` to use the roofline instead);
+    other devices use a calibration only when one made on them is in the cache
+    (:func:`memfit_simulator.calibration.calibration_in_use`).
     """
-    from memfit_simulator.calibration import cached_calibration, calibration
+    from memfit_simulator.calibration import calibration_in_use
 
     if os.environ.get("MEMFIT_CALIBRATE", "1") == "0":
         return RooflineTimeModel(spec)
-    found = cached_calibration(spec.name)
-    if found is None and spec.name == "cpu":
-        found = calibration("cpu")
-        cached_calibration.cache_clear()
+    found = calibration_in_use(spec.name)
     return CalibratedTimeModel(found) if found is not None else RooflineTimeModel(spec)
 
 
