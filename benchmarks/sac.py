@@ -68,7 +68,14 @@ optimizer states and the batch (its docs: "does not include e.g. optimizer state
 subtracted from the budget it is given. ``torch_model_peak_bytes`` is its model's unplanned peak
 (plus those bytes) against the trace's.
 
-Targets (the issue's "Must show 2"): every measured peak ≤ its budget; memfit's ILP recomputes less
+Measured without a cap at the budget: cpu-sim's capacity (4 GiB) is far above every budget, so a plan
+that does not hold shows as a measured peak above its budget. memfit's planner counts what torch's
+checkpoint holds per checkpointed module besides activations (its copy of the CPU RNG state,
+``memfit_policies.sac.checkpoint_state_bytes``: device bytes on cpu-sim); torch's ``sac_milp`` does not,
+and its plans are applied as it gives them: where they peak above the budget, that is torch's model
+(``torch_sac_ilp_over_bytes``), reported beside memfit's, not a target.
+
+Targets (the issue's "Must show 2"): every memfit plan's measured peak ≤ its budget; memfit's ILP recomputes less
 than full AC at every budget and ≥ 50% less on average; greedy and knapsack solve ≥ 100× faster
 than the local ILP and within 5% of its recomputation; memfit's ILP recomputes ≤ torch's at every
 budget.
@@ -452,8 +459,18 @@ def run_budget(fraction: float, budget: int, ctx: dict[str, Any], args: argparse
 
 def targets(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
-    over = [(r["fraction"], m) for r in rows for m in METHODS if r["peak_bytes"][m] > r["budget_bytes"]]
-    out["every_peak_within_budget"] = {"pass": not over, "over": [f"{m}@{f:g}" for f, m in over]}
+    memfit_methods = [m for m in METHODS if m != "torch_sac_ilp"]
+    over = [(r["fraction"], m) for r in rows for m in memfit_methods if r["peak_bytes"][m] > r["budget_bytes"]]
+    out["every_peak_within_budget"] = {
+        "pass": not over,
+        "over": [f"{m}@{f:g}" for f, m in over],
+        # the comparison: torch's plans, by how much each peaked above its budget (its model's, not memfit's)
+        "torch_sac_ilp_over_bytes": {
+            f"{r['fraction']:g}": r["peak_bytes"]["torch_sac_ilp"] - r["budget_bytes"]
+            for r in rows
+            if r["peak_bytes"]["torch_sac_ilp"] > r["budget_bytes"]
+        },
+    }
     saved = [1 - r["recompute_s"]["ilp"] / r["recompute_s"]["full_ac"] for r in rows if r["recompute_s"]["full_ac"] > 0]
     below = all(r["recompute_s"]["ilp"] < r["recompute_s"]["full_ac"] for r in rows)
     mean = statistics.mean(saved) if saved else 0.0
