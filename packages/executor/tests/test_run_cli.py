@@ -194,3 +194,24 @@ def test_the_budget_is_checked_before_the_backend_is_made(tmp_path):
     assert "no-such-backend" not in result.output
     with pytest.raises(MemfitError, match="invalid swap budget 'lots'"):  # the API too: at memfit.swap, not at with
         memfit.swap(budget="lots", backend="no-such-backend")
+
+
+def test_a_capacity_above_the_budget_lets_a_run_pass_its_budget_and_the_report_shows_it(tmp_path):
+    # a program that keeps 12 MiB alive needs more than an 8 MiB budget: with the device capped at the
+    # budget it is rescued by passive swaps; with room above the budget its real peak shows
+    body = TWO_STEPS + "keep = [torch.ones(2**20) for _ in range(3)]\n"
+    result, report = run(tmp_path, body, "--budget", "8MiB", "--capacity", "32MiB")
+    assert result.exit_code == 0, result.output
+    data = json.loads(report.read_text())
+    assert data["budget_bytes"] == 8 * MiB and data["capacity_bytes"] == 32 * MiB
+    assert data["peak_device_bytes"] > 8 * MiB  # the allocator's peak, above a budget nothing could hold
+    assert "device capacity" in result.stdout
+
+
+def test_a_bad_capacity_is_a_usage_error_before_the_script_runs(tmp_path):
+    marker = tmp_path / "ran"
+    for capacity, expected in (("lots", "capacity"), ("0", "must be positive"), ("1MiB", "budget")):
+        result, _ = run(tmp_path, f"open({str(marker)!r}, 'w')\n", "--budget", "8MiB", "--capacity", capacity)
+        assert result.exit_code != 0, (capacity, result.output)
+        assert expected in result.output, (capacity, result.output)
+        assert not marker.exists(), capacity

@@ -31,6 +31,12 @@ from rich.table import Table
     "--budget", default=None, help="Device memory the run may use, e.g. 12GiB; default: the device's capacity."
 )
 @click.option(
+    "--capacity",
+    default=None,
+    help="Device memory the device itself enforces for the run (at least the budget); default: the budget. "
+    "Above it, a plan that does not hold shows as a measured peak above the budget instead of an OOM.",
+)
+@click.option(
     "--report",
     "report_path",
     type=click.Path(dir_okay=False, path_type=Path),
@@ -68,7 +74,7 @@ from rich.table import Table
 )
 @click.option("-v", "--verbose", is_flag=True, help="Log stage transitions and plans as they happen.")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, required=True)
-def run(backend, budget, report_path, matcher, release_mode, planner, adapt, verbose, command):
+def run(backend, budget, capacity, report_path, matcher, release_mode, planner, adapt, verbose, command):
     """Run COMMAND (python train.py ...) under memfit's swap executor, within BUDGET.
 
     The script needs no change: iterations end at each optimizer step. Whatever the script does
@@ -82,7 +88,9 @@ def run(backend, budget, report_path, matcher, release_mode, planner, adapt, ver
         script = PythonCommand.parse(command, cli_name="memfit run")
     except MemfitError as exc:
         raise click.ClickException(str(exc)) from exc
-    for value, check, hint in ((budget, _check_budget, "--budget"), (report_path, check_writable, "--report")):
+    checks = ((budget, _check_budget, "--budget"), (capacity, _check_capacity, "--capacity"),
+              (report_path, check_writable, "--report"))  # fmt: skip
+    for value, check, hint in checks:
         try:
             if value is not None:
                 check(value)
@@ -93,7 +101,9 @@ def run(backend, budget, report_path, matcher, release_mode, planner, adapt, ver
     from memfit_executor.session import SwapSession  # imports torch: only once the input is known good
 
     try:
-        session = SwapSession(budget, backend, matcher=matcher, release_mode=release_mode, planner=planner, adapt=adapt)
+        session = SwapSession(
+            budget, backend, capacity=capacity, matcher=matcher, release_mode=release_mode, planner=planner, adapt=adapt
+        )
     except MemfitError as exc:  # an unknown planner: before the script runs
         raise click.ClickException(str(exc)) from exc
     failure: MemfitError | None = None
@@ -130,6 +140,11 @@ def _check_budget(budget: str) -> None:
         raise MemfitError(f"the budget must be positive, got {budget!r}")
 
 
+def _check_capacity(capacity: str) -> None:
+    if parse_size(capacity, what="capacity") <= 0:
+        raise MemfitError(f"the capacity must be positive, got {capacity!r}")
+
+
 def _write_report(report: dict[str, Any], path: Path, console: Console) -> None:
     """Write the report to ``path``, else (it was writable before the run) to a temporary file, else to stderr.
 
@@ -162,6 +177,8 @@ def summary(report: dict) -> Table:
     table = Table(title="memfit run", show_header=False)
     table.add_row("backend", report["backend"])
     table.add_row("budget", format_size(report["budget_bytes"]))
+    if report.get("capacity_bytes", report["budget_bytes"]) != report["budget_bytes"]:
+        table.add_row("device capacity", format_size(report["capacity_bytes"]))
     table.add_row("peak device memory", format_size(report["peak_device_bytes"]))
     table.add_row("iterations", str(report["iterations"]))
     stages = report["iterations_per_stage"]
