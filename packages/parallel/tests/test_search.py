@@ -97,6 +97,10 @@ def test_the_confirmation_stops_at_its_bound_and_says_how_many_it_left(monkeypat
     assert any(f"bound of 2 confirmations with {result.not_confirmed} screened candidates" in n for n in result.notes)
     unbounded = search(ONE_DEVICE, 1, "h100", top=3)
     assert [p.config for p in result.ranked] == [p.config for p in unbounded.ranked[:2]]
+    # once ``top`` fit, what is left counts only those the band would still confirm (21 of the 59 left here)
+    cut = search(TINY, 8, "h100", top=1, max_confirmed=1)
+    assert cut.stopped_by == "max_confirmed" and 0 < cut.not_confirmed < cut.screened_fitting - 1
+    assert any(f"{cut.not_confirmed} screened candidates not confirmed within 1.15 × the best" in n for n in cut.notes)
 
 
 def test_a_time_limit_cuts_the_search_and_says_what_it_cut(monkeypatch):

@@ -126,7 +126,8 @@ class SearchResult:
     """What cut the confirmation short: ``"max_confirmed"`` or ``"time_limit"``; ``None`` when it ended by
     itself (``top`` fit and the rest screened beyond the band, or no candidate left)."""
     not_confirmed: int = 0
-    """Screened candidates left unconfirmed where :attr:`stopped_by` cut the confirmation."""
+    """Screened candidates the confirmation would still have confirmed where :attr:`stopped_by` cut it: all
+    that were left while fewer than ``top`` fitted, else those within the band (:func:`_still_to_confirm`)."""
     fill_steps_not_run: int = 0
     """The filling's bisection steps the time limit left out (of :data:`REFINE_STEPS`)."""
     rejected: list[tuple[str, int]] = field(default_factory=list)
@@ -605,16 +606,18 @@ def search(
     index = 0
     stopped_by: str | None = None
     not_confirmed = 0
+    in_band = False  # whether ``top`` had fitted when the confirmation was cut: what it left counts within the band
     while index < len(fitting):
         screened_s, screened_bytes, config = fitting[index]
         best_s = min(p.step_s for p in ranked) if ranked else float("inf")
         if len(ranked) >= top and screened_s > CONFIRM_BAND * best_s:
             break  # the screening's error band: nothing further down can beat the best confirmed
         if ranked and confirmed >= max_confirmed:
-            stopped_by, not_confirmed = "max_confirmed", len(fitting) - index
-            break
-        if ranked and time.perf_counter() > deadline:
-            stopped_by, not_confirmed = "time_limit", len(fitting) - index
+            stopped_by = "max_confirmed"
+        elif ranked and time.perf_counter() > deadline:
+            stopped_by = "time_limit"
+        if stopped_by:
+            not_confirmed, in_band = _still_to_confirm(fitting[index:], ranked, top), len(ranked) >= top
             break
         mode = _mode(config)
         if config.tp > 1 and not refs[mode].under_tp:
@@ -664,13 +667,15 @@ def search(
                 ranked[i], ranked[i + 1] = b, a
     ranked = ranked[:top]
     short = f"{len(ranked)} of the {top} configurations asked for: " if len(ranked) < top else ""
+    within = f" within {CONFIRM_BAND:g} × the best confirmed time" if in_band else ""
     if stopped_by == "max_confirmed":
         notes.append(
-            f"{short}the confirmation stopped at its bound of {max_confirmed} confirmations with {not_confirmed} "
-            "screened candidates not confirmed (a larger max_confirmed, --max-confirmed, confirms more)"
+            f"{short}the confirmation stopped at its bound of {max_confirmed} confirmation{'s' * (max_confirmed > 1)} "
+            f"with {not_confirmed} screened candidates not confirmed{within} (a larger max_confirmed, "
+            "--max-confirmed, confirms them)"
         )
     elif stopped_by == "time_limit" or fill_steps_not_run:
-        cut = [f"{not_confirmed} screened candidates not confirmed"] if stopped_by == "time_limit" else []
+        cut = [f"{not_confirmed} screened candidates not confirmed{within}"] if stopped_by == "time_limit" else []
         if fill_steps_not_run:
             cut.append(f"{fill_steps_not_run} of the filling's {REFINE_STEPS} steps not run")
         notes.append(
@@ -685,6 +690,18 @@ def search(
         max_confirmed=max_confirmed, time_limit_s=time_limit_s, stopped_by=stopped_by,
         not_confirmed=not_confirmed, fill_steps_not_run=fill_steps_not_run, rejected=rejected, notes=notes,
     )  # fmt: skip
+
+
+def _still_to_confirm(rest: list[tuple[Any, ...]], ranked: list[Prediction], top: int) -> int:
+    """How many of ``rest`` (screened seconds, peak, config; fastest first) the confirmation would still take.
+
+    Once ``top`` fit, only those screened within :data:`CONFIRM_BAND` of the best confirmed time; before,
+    every one (an upper bound: a family's confirmations may spare some of them their capture).
+    """
+    if len(ranked) < top:
+        return len(rest)
+    best_s = min(p.step_s for p in ranked)
+    return sum(step_s <= CONFIRM_BAND * best_s for step_s, _, _ in rest)
 
 
 def _fill_auto_sac(
