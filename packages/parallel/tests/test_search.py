@@ -134,6 +134,13 @@ def test_a_time_limit_that_has_passed_runs_none_of_the_filling_and_counts_its_st
     assert _fill_auto_sac(ONE_DEVICE, get_spec("h100"), auto, -math.inf) == ([], REFINE_STEPS)
 
 
+def test_the_help_gives_the_search_s_own_bound():
+    from memfit_parallel.planning import MAX_CONFIRMED
+
+    shown = CliRunner().invoke(parallel, ["plan", "--help"])
+    assert f"Default: {MAX_CONFIRMED} (memfit_parallel.planning.MAX_CONFIRMED)" in " ".join(shown.output.split())
+
+
 def test_bad_bounds_say_what_to_give():
     with pytest.raises(MemfitError, match="max_confirmed must be a positive whole number"):
         search(ONE_DEVICE, 1, "h100", max_confirmed=0)

@@ -43,7 +43,7 @@ def parse_devices(text: str) -> tuple[int, str]:
 @click.option("--top", type=click.IntRange(1), default=5, show_default=True, help="Configurations to show.")
 @click.option("--max-confirmed", type=click.IntRange(1), default=None, metavar="N",
               help="Once one configuration fits, confirm (capture) at most N candidates in all: the search's bound, "
-              "whatever the machine's speed (default: memfit_parallel.planning.MAX_CONFIRMED).")  # fmt: skip
+              "whatever the machine's speed. Default: 9 (memfit_parallel.planning.MAX_CONFIRMED).")  # fmt: skip
 @click.option("--time-limit", type=click.FloatRange(0, min_open=True), default=None, metavar="SECONDS",
               help="Stop confirming once SECONDS have passed and one configuration fits, and start no filling step "
               "that would end past it; the output says what it cut. Default: none (the answer does not depend on "
