@@ -20,7 +20,7 @@ from memfit.models import LlamaConfig, build_training
 from memfit.plan import Recompute, Swap
 
 from tests.conftest import run_memfit
-from tests.test_swap_executor import native_run, params_of
+from tests.test_swap_executor import held, native_run, params_of, replanned_for_copies
 
 CONFIG = dataclasses.replace(LlamaConfig.preset("tiny"), n_layers=6, max_seq_len=256)
 
@@ -52,19 +52,22 @@ def test_twenty_iterations_at_a_third_of_the_peak_are_bit_identical(plain, plann
     losses, params, peak = plain
     budget = peak // 3
     calls: dict[int, int] = {}
-    # adapt=False: a busy machine's slow cpu-sim copies would re-plan for bandwidth (not tested here)
-    # joint without its swap-only share: at this budget swapping alone (with finer layers) is
-    # predicted cheapest, and this test is about recomputation (mixed with swaps) being exact
+    # pinned to the recomputing planners (and joint without its swap-only share: at this budget
+    # swapping alone, with finer layers, is predicted cheapest): this test is about recomputation,
+    # mixed with swaps, being exact; adapt stays on, as users have it
     options = {"joint": {"shares": [0.25, 0.5, 0.75, 1.0]}} if planner == "joint" else {}
+    # on a device with room for twice the budget: a peak within it is the plan's doing (the OOM
+    # handler cannot swap what checkpointed modules hold), not the device's refusal
     with memfit.swap(
-        budget=budget, backend="cpu-sim", planner=planner, adapt=False, planner_options=options
+        budget=budget, backend="cpu-sim", capacity=2 * budget, planner=planner, planner_options=options
     ) as session:
         got_losses, got_params, per_step = train(20, calls)
     report = session.report()
     assert got_losses == losses
     assert all((a == b).all() for a, b in zip(got_params, params, strict=True))
-    assert report["peak_device_bytes"] <= budget
-    assert report["stages"][-1] == "Stable"
+    assert held(report, budget)
+    # a busy machine's slow copies may have the joint plan re-planned near the end
+    assert report["stages"][-1] == "Stable" or replanned_for_copies(report)
     plan = session.plan
     assert plan is not None and plan.planner == planner
     recomputed = [a.module for a in plan.actions if isinstance(a, Recompute)]
@@ -99,8 +102,8 @@ def test_memfit_run_plans_recomputation_for_an_unmodified_script(tmp_path):
         )
     )
     report_path = tmp_path / "report.json"
-    result = run_memfit(
-        "run", "--backend", "cpu-sim", "--budget", "24MiB", "--planner", "sac", "--no-adapt",
+    result = run_memfit(  # --planner sac: what is tested is that memfit run applies recomputation
+        "run", "--backend", "cpu-sim", "--budget", "24MiB", "--planner", "sac",
         "--report", str(report_path), "--", sys.executable, str(script),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr

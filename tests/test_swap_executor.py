@@ -17,6 +17,7 @@ import torch
 from memfit.backends.cpu_sim import CpuSimBackend
 from memfit.errors import MemfitError
 from memfit.models import LlamaConfig, build_training
+from memfit_executor.session import STRAINED_PASSIVE_SWAPS
 
 from tests.conftest import run_memfit
 
@@ -38,6 +39,21 @@ def native_run(train, *args):
     return result, peak
 
 
+def held(report, budget):
+    """Whether the run stayed within ``budget`` by the allocator's own peak (``peak_device_bytes``: cpu-sim's count
+    of every allocation). Sessions here run on a device with room for twice the budget (``capacity=2 * budget``):
+    the device refuses nothing at the budget, so a peak within it is the plans' and the OOM handler's doing."""
+    return report["capacity_bytes"] >= 2 * budget and report["peak_device_bytes"] <= budget == report["budget_bytes"]
+
+
+def replanned_for_copies(report, sequence=None):
+    """Re-plans for a copy stream that fell behind: adapt's answer to a busy machine's slow cpu-sim copies."""
+    return [
+        r for r in report["replans"]
+        if r["reason"].startswith("copies ran at") and sequence in (None, r["sequence"])
+    ]  # fmt: skip
+
+
 def train_reference(steps):
     run = build_training(EXACT_CONFIG, batch_size=8, seq_len=128)
     losses = [run.step() for _ in range(steps)]
@@ -47,22 +63,25 @@ def train_reference(steps):
 def test_twenty_iterations_under_a_quarter_of_the_peak_are_bit_identical():
     (losses, params), peak = native_run(train_reference, 20)
     budget = peak // 4
-    # adapt=False here and below where adaptation is not what is tested: a busy machine slows
-    # cpu-sim's copies, which re-plans for bandwidth (tested on its own below) late in the run
-    with memfit.swap(budget=budget, backend="cpu-sim", adapt=False) as session:
+    # the defaults (planner auto, adapt on): the winner is chosen by measured time, so what is
+    # asserted holds for any winner — exact, within the budget, a plan doing the work in Stable
+    with memfit.swap(budget=budget, backend="cpu-sim", capacity=2 * budget) as session:
         got_losses, got_params = train_reference(20)
     report = session.report()
     assert got_losses == losses
     assert all((a == b).all() for a, b in zip(got_params, params, strict=True))
-    assert report["peak_device_bytes"] <= budget == report["budget_bytes"]
+    assert held(report, budget)
     assert report["iterations"] == 20
-    assert report["stages"][0] == "WarmUp" and report["stages"][-1] == "Stable"
+    assert report["stages"][0] == "WarmUp" and "Stable" in report["stages"]
+    # a re-plan for slow copies (a busy machine) may send the sequence back to GenPolicy near the end
+    assert report["stages"][-1] == "Stable" or replanned_for_copies(report)
     assert report["plans_generated"] >= 1 and session.plan is not None
     stable = [it for it in report["per_iteration"] if it["stage"] == "Stable"]
     warmup = [it for it in report["per_iteration"] if it["stage"] == "WarmUp"]
     # the plan does the work in Stable: far fewer passive swaps than with no plan
     assert sum(it["passive_swaps"] for it in stable) / len(stable) < 0.2 * min(it["passive_swaps"] for it in warmup)
-    assert all(it["swaps"] > 0 for it in stable)
+    assert sum(it["passive_swaps"] for it in stable) / len(stable) <= STRAINED_PASSIVE_SWAPS
+    assert all(it["plan"] is not None for it in stable)  # swapping or recomputing, whichever won
 
 
 @pytest.mark.gpu
@@ -134,27 +153,32 @@ def test_changing_sequences_for_300_iterations_and_the_capuchin_baseline():
     (losses, params), peak = native_run(train_changing, 300)
     budget = int(peak * 0.4)
 
-    # adapt=False: a re-plan for slow copies follows the measured copy throughput, which the load
-    # of the machine decides; re-planned on an iteration whose branch ran, the plan swaps a branch
-    # tensor, and in the other iterations the fuzzy matcher finds its twin (a mis-swap by the
-    # oracle). What this test checks is that changes of the program alone never force a re-plan.
-    with memfit.swap(budget=budget, backend="cpu-sim", identity_oracle=True, adapt=False) as session:
+    # the defaults, adapt on: what this test checks is that changes of the program alone never
+    # force a re-plan, which means something only where a plan that stops holding is re-planned.
+    # A re-plan for slow copies (the load of the machine decides the copy throughput) plans from
+    # the trace the sequence was first planned from, never from a branch's.
+    with memfit.swap(budget=budget, backend="cpu-sim", capacity=2 * budget, identity_oracle=True) as session:
         got_losses, got_params = train_changing(300)
     report = session.report()
     assert got_losses == losses
     assert all((a == b).all() for a, b in zip(got_params, params, strict=True))
-    assert report["peak_device_bytes"] <= budget
+    assert held(report, budget)
     # the oracle's ground truth (module path, call, operator), not the matcher's own signatures
     assert report["misswaps"] == 0
-    # skipped steps, validation passes and branches run on the plan: it is made once and kept
+    # skipped steps, validation passes and branches run on the plan: it is made once and kept,
+    # unless the copies fell behind
     its = report["per_iteration"]
     first_plan = report["planning_iterations"][0]
+    main = its[-1]["sequence"]
+    assert report["replans"] == replanned_for_copies(report)
+    replans = [r["iteration"] for r in report["replans"] if r["sequence"] == main]
+    planned = [p for p in report["planning_iterations"] if its[p]["sequence"] == main]
+    assert planned[0] == first_plan and len(planned) <= 1 + len(replans)
     after = its[first_plan:]
     stable = [it for it in after if it["stage"] == "Stable"]
-    assert len(stable) / len(after) >= 0.9
-    assert sum(it["passive_swaps"] for it in stable) / len(stable) <= 2
-    main = its[-1]["sequence"]
-    assert [p for p in report["planning_iterations"] if its[p]["sequence"] == main] == [first_plan]
+    # each re-plan costs its GenPolicy iterations (n + 1)
+    assert len(stable) / len(after) >= 0.9 - len(replans) * (session.options.n + 1) / len(after)
+    assert sum(it["passive_swaps"] for it in stable) / len(stable) <= STRAINED_PASSIVE_SWAPS
 
     # The Capuchin-style matcher, (operator index, i-th saved tensor), on the same run: like
     # Capuchin, it handles OOM while measuring and relies on the plan alone once Stable.
@@ -209,16 +233,22 @@ def train_lengths(lengths, module_calls=None):
 def swap_exactly_at_half_the_peak(lengths, planner="swap", module_calls=None):
     """Train ``lengths`` under half the unswapped peak (swap plans by default); check exactness and budget.
 
-    Swap plans of several sequences are in place at once; recomputation is one per model, so a
-    sequence whose plan recomputes is planned again swap-only when another recurs
-    (:func:`test_a_recomputing_plan_gives_way_to_swaps_when_a_second_sequence_recurs`).
+    Pinned to swap plans by default, because what these tests check is several sequences' plans in
+    place at once, which only swap plans can be: recomputation is one per model, so a sequence whose
+    plan recomputes is planned again swap-only when another recurs
+    (:func:`test_a_recomputing_plan_gives_way_to_swaps_when_a_second_sequence_recurs`). Under
+    ``auto`` that would happen or not by which candidate was timed fastest.
     """
     (losses, params), peak = native_run(train_lengths, lengths)
     budget = int(peak * 0.5)
-    with memfit.swap(budget=budget, backend="cpu-sim", adapt=False, planner=planner) as session:
+    with memfit.swap(budget=budget, backend="cpu-sim", capacity=2 * budget, planner=planner) as session:
         got_losses, got_params = train_lengths(lengths, module_calls)
     assert got_losses == losses and all((a == b).all() for a, b in zip(got_params, params, strict=True))
-    assert session.report()["peak_device_bytes"] <= budget
+    report = session.report()
+    assert held(report, budget)
+    if planner == "swap":  # `sac` has no plan left once a second sequence recurs: passive swaps do it all
+        stable = [it for it in report["per_iteration"] if it["stage"] == "Stable"]
+        assert sum(it["passive_swaps"] for it in stable) / len(stable) <= STRAINED_PASSIVE_SWAPS
     return session
 
 
@@ -232,7 +262,10 @@ def test_a_persistent_change_of_sequence_length_is_planned_for_and_the_old_plan_
     assert [it["stage"] for it in its[change : change + m + n + 3]] == (
         ["WarmUp"] * (m + 1) + ["GenPolicy"] * (n + 1) + ["Stable"]
     )
-    assert its[-1]["sequence"] == its[change - 1]["sequence"] and its[-1]["stage"] == "Stable"  # the old plan
+    old = its[change - 1]["sequence"]
+    assert its[-1]["sequence"] == old
+    # the old plan, unless a busy machine's slow copies had it re-planned
+    assert its[-1]["stage"] == "Stable" or replanned_for_copies(session.report(), old)
 
 
 def test_a_recomputing_plan_gives_way_to_swaps_when_a_second_sequence_recurs():
@@ -252,8 +285,9 @@ def test_a_recomputing_plan_gives_way_to_swaps_when_a_second_sequence_recurs():
 
 def test_sequence_lengths_that_take_turns_each_get_a_plan():
     session = swap_exactly_at_half_the_peak([32, 48, 64] * 12)
-    tail = session.report()["per_iteration"][-6:]
-    assert all(it["stage"] == "Stable" for it in tail)
+    report = session.report()
+    tail = report["per_iteration"][-6:]
+    assert all(it["stage"] == "Stable" for it in tail) or replanned_for_copies(report)
     assert len({it["sequence"] for it in tail}) == 3  # one plan per length, all in place at once
     assert len({(it["plan"]["sequence"]) for it in tail if it["plan"]}) == 3
 
@@ -276,11 +310,12 @@ def test_a_copy_stream_that_falls_behind_is_planned_for_again_with_the_measured_
     losses, peak = native_run(train, 26)
     budget = int(peak * 0.4)
     backend = CpuSimBackend(capacity=budget, copy_bandwidth=planned)
-    with memfit.swap(budget=budget, backend=backend, planner="swap") as session:  # copies: a swap plan
+    # pinned to swap plans: this tests how copies are re-planned, and a recomputing winner copies nothing
+    with memfit.swap(budget=budget, backend=backend, capacity=2 * budget, planner="swap") as session:
         got = train(26, backend)
     backend.close()
     report = session.report()
-    assert got == losses and report["peak_device_bytes"] <= budget
+    assert got == losses and held(report, budget)
     its = report["per_iteration"]
     assert its[slow_from - 1]["stage"] == "Stable"
     late = [r for r in report["replans"] if r["iteration"] >= slow_from and r["reason"].startswith("copies ran at")]
@@ -377,6 +412,27 @@ def test_memfit_swap_explains_a_missing_executor(monkeypatch):
         memfit.swap(budget="1GiB")
 
 
+def test_a_capacity_below_the_budget_is_a_clear_error():
+    with pytest.raises(MemfitError, match=r"the capacity of 4.00 MiB is below the swap budget of 8.00 MiB"):
+        memfit.swap(budget="8MiB", backend="cpu-sim", capacity="4MiB")
+    with pytest.raises(MemfitError, match="invalid capacity"):
+        memfit.swap(budget="8MiB", backend="cpu-sim", capacity="lots")
+
+
+def test_the_capacity_is_the_devices_for_the_session_and_the_budget_where_memfit_acts():
+    sim = CpuSimBackend(capacity="1GiB")
+    with memfit.swap(budget="8MiB", backend=sim, capacity="16MiB") as session:
+        assert sim.capacity_bytes == 8 * 2**20  # the allocator asks Algorithm 3 here; the runtime may raise it
+        assert session.runtime.capacity_bytes == 16 * 2**20
+    assert sim.capacity_bytes == 2**30  # restored
+    report = session.report()
+    assert (report["budget_bytes"], report["capacity_bytes"]) == (8 * 2**20, 16 * 2**20)
+    with memfit.swap(budget="8MiB", backend=sim) as session:  # the default: the budget, as before
+        assert sim.capacity_bytes == 8 * 2**20 and session.runtime.capacity_bytes == 8 * 2**20
+    assert session.report()["capacity_bytes"] == 8 * 2**20
+    sim.close()
+
+
 def test_a_bad_budget_is_a_clear_error():
     with pytest.raises(MemfitError, match="invalid swap budget"), memfit.swap(budget="lots", backend="cpu-sim"):
         pass
@@ -392,10 +448,11 @@ def test_a_typo_in_planner_options_is_an_error_before_training():
 def test_a_plan_that_cannot_fit_is_said_and_reported(caplog):
     (losses, _), peak = native_run(train_reference, 10)
     budget = int(peak * 0.22)  # passive swaps reach it; no plan does
-    with caplog.at_level("WARNING", logger="memfit.executor"), memfit.swap(budget=budget, backend="cpu-sim") as s:
+    session = memfit.swap(budget=budget, backend="cpu-sim", capacity=2 * budget)
+    with caplog.at_level("WARNING", logger="memfit.executor"), session as s:
         got, _ = train_reference(10)
     report = s.report()
-    assert got == losses and report["peak_device_bytes"] <= budget
+    assert got == losses and held(report, budget)
     assert report["plan_feasible"] is False and report["lowest_planned_peak_bytes"] > budget
     assert "no plan fits the budget" in caplog.text and any("no plan fits" in n for n in report["notes"])
     assert caplog.text.count("no plan fits the budget") == 1  # once for the sequence, not every planning iteration
