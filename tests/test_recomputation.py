@@ -103,7 +103,7 @@ def test_memfit_run_plans_recomputation_for_an_unmodified_script(tmp_path):
     )
     report_path = tmp_path / "report.json"
     result = run_memfit(  # --planner sac: what is tested is that memfit run applies recomputation
-        "run", "--backend", "cpu-sim", "--budget", "24MiB", "--planner", "sac",
+        "run", "--backend", "cpu-sim", "--budget", "24MiB", "--capacity", "48MiB", "--planner", "sac",
         "--report", str(report_path), "--", sys.executable, str(script),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr

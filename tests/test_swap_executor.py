@@ -359,6 +359,8 @@ def test_memfit_run_executes_an_unmodified_script_and_writes_the_report(tmp_path
         "cpu-sim",
         "--budget",
         "6MiB",
+        "--capacity",  # room for twice the budget: a peak within it is memfit's doing, not the device's refusal
+        "12MiB",
         "--report",
         str(report_path),
         "--",
