@@ -410,3 +410,43 @@ def test_a_plan_keeps_attention_whichever_kernel_the_device_runs():
         assert policy(forward, op, *args, dropout_p=0.0) == CheckpointPolicy.MUST_SAVE, kernel
     assert policy(forward, torch.ops.aten.mm.default, q, q) == CheckpointPolicy.MUST_SAVE
     assert decision_name("aten::mm") == "aten::mm"
+
+
+@pytest.mark.skipif(
+    not torch.distributed.is_available() or not hasattr(torch._C._distributed_c10d, "_get_work_registry_size"),
+    reason="needs torch.distributed and c10d's registry of unwaited collectives",
+)
+def test_an_output_read_from_a_collective_is_recomputed_so_the_recomputed_collective_is_waited_for(tmp_path):
+    """The plan keeps the add that reads an all-reduce. Recomputation runs the all-reduce again; had the add
+    been replayed from its kept output, nothing would wait for the new collective and c10d would hold it
+    (and its output) for good: under FSDP x TP the attention's residual add leaked 96 KiB a block a step."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(16, 16)
+
+        def forward(self, x):
+            return torch.relu(x + funcol.all_reduce(self.lin(x), "sum", dist.group.WORLD))
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model, inputs = nn.Sequential(Block()), [torch.randn(4, 16) for _ in range(3)]
+        plain = []
+        for x in inputs:
+            model(x.requires_grad_()).sum().backward()
+            plain.append(model[0].lin.weight.grad.clone())
+            model.zero_grad(set_to_none=True)
+        keep_the_add = Recompute(module="0", ops=("aten::addmm", "aten::add", "aten::relu"), save=(False, True, False))
+        with apply_recompute(model, [keep_the_add]) as applied:
+            for x, want in zip(inputs, plain, strict=True):
+                model(x.detach().requires_grad_()).sum().backward()
+                assert torch.equal(model[0].lin.weight.grad, want)
+                model.zero_grad(set_to_none=True)
+                assert torch._C._distributed_c10d._get_work_registry_size() == 0  # c10d's count, not ours
+        assert applied.recomputations == len(inputs)
+    finally:
+        dist.destroy_process_group()
