@@ -450,3 +450,31 @@ def test_an_output_read_from_a_collective_is_recomputed_so_the_recomputed_collec
         assert applied.recomputations == len(inputs)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("module", ["model.layers.0", "model.layers.0.self_attn"])
+def test_a_transformers_layer_or_its_attention_checkpointed_in_training_computes_what_it_computes_plainly(module):
+    """transformers hands its layers and their attention a KV cache in training too (``use_cache`` defaults on);
+    an attention module recomputed with it appended its keys twice (the mask then too short: a RuntimeError)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen2Config(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=128, max_position_embeddings=64, attn_implementation="eager",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(config).train()
+    ids = torch.randint(0, config.vocab_size, (2, 16))
+
+    def gradients():
+        model.zero_grad(set_to_none=True)
+        model(ids, labels=ids).loss.backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    plain = gradients()
+    with (
+        pytest.warns(RecomputePlanWarning, match="KV cache is turned off"),
+        apply_recompute(model, [Recompute(module=module)]) as applied,
+    ):
+        checkpointed = gradients()
+    assert applied.recomputations == 1
+    assert all(torch.equal(a, b) for a, b in zip(checkpointed, plain, strict=True))

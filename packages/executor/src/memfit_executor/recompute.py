@@ -345,7 +345,11 @@ class _CheckpointedForward:
             return args, kwargs  # the call itself is wrong: let the forward say so
         given = bound.arguments
         on = [k for k in self.cache_keywords if k in given and given[k] is not None and given[k] is not False]
-        off = {k: self.cache_keywords[k] for k in on}
+        off = {
+            k: None if self.cache_keywords[k] is _KV_CACHE_ONLY else self.cache_keywords[k]
+            for k in on
+            if self.cache_keywords[k] is not _KV_CACHE_ONLY or _is_kv_cache(given[k])
+        }
         if not off:
             return args, kwargs
         if not self.applied.warned_cache:
@@ -395,19 +399,40 @@ class _CheckpointedForward:
             )
 
 
+CACHE_ARGUMENTS = ("cache", "past_key_values", "past_key_value", "layer_past")
+"""The names transformers' layers and attention modules have given their KV cache (``cache`` since 5.x)."""
+
+
 def _cache_keywords(module: Any) -> dict[str, Any]:
-    """The cache arguments to turn off when ``module`` is recomputed (transformers' layers), with their off values.
+    """The cache arguments to turn off when ``module`` is recomputed, with their off values.
 
     transformers marks its decoder layers by subclassing ``GradientCheckpointingLayer``, whose
     ``_can_checkpoint_with_cache`` says whether the layer only reads its cache (then it may keep it).
+    Below a layer, an attention module a plan checkpoints writes the cache it is handed just the same
+    (``cache.update`` appends its keys and values: recomputed, the keys are twice as long as the mask);
+    its cache arguments are turned off when they hold a transformers ``Cache`` (:func:`_is_kv_cache`).
     """
-    if module is None or not hasattr(type(module), "_can_checkpoint_with_cache"):
+    if module is None:
         return {}
-    off: dict[str, Any] = {"use_cache": False}
-    if not type(module)._can_checkpoint_with_cache:
-        # the same cache under the names transformers' layers have used (``cache`` since 5.x)
-        off.update(cache=None, past_key_values=None, past_key_value=None, layer_past=None)
-    return off
+    if hasattr(type(module), "_can_checkpoint_with_cache"):
+        off: dict[str, Any] = {"use_cache": False}
+        if not type(module)._can_checkpoint_with_cache:
+            off.update(dict.fromkeys(CACHE_ARGUMENTS))
+        return off
+    try:
+        parameters = inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return {}
+    return {name: _KV_CACHE_ONLY for name in CACHE_ARGUMENTS if name in parameters}
+
+
+_KV_CACHE_ONLY = object()
+"""Off value of a module's cache argument that is turned off (to None) only when it holds a transformers Cache."""
+
+
+def _is_kv_cache(value: Any) -> bool:
+    """Whether ``value`` is a transformers KV cache (by its classes, so transformers need not be imported)."""
+    return any(c.__name__ == "Cache" and c.__module__.startswith("transformers") for c in type(value).__mro__)
 
 
 class AppliedRecompute:
