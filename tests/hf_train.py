@@ -7,7 +7,9 @@ JSON line: the losses, a digest of the final parameters, and the peak when measu
 Options reproduce what real training does to the operator sequence: ``--changes`` adds a
 data-dependent extra block (on about one batch in ten), a skipped optimizer step every 7th
 iteration (as a loss scaler does on overflow) and a validation pass every 10; ``--lengths``
-cycles the sequence length through several values.
+cycles the sequence length through several values; ``--log-between`` logs the loss (``loss.item()``)
+between ``backward()`` and the optimizer step, as most scripts do; ``--accumulate N`` accumulates the
+gradients of N micro-batches before each step (the loss divided by N, as people write it).
 """
 
 import argparse
@@ -18,11 +20,14 @@ import json
 import torch
 
 parser = argparse.ArgumentParser()
-parser.add_argument("--model", choices=["gpt2", "llama"], default="gpt2")
+parser.add_argument("--model", choices=["gpt2", "llama", "qwen2"], default="gpt2")
 parser.add_argument("--iterations", type=int, default=30)
 parser.add_argument("--batch", type=int, default=8)
 parser.add_argument("--lengths", default="128", help="sequence lengths, cycled through")
 parser.add_argument("--changes", action="store_true")
+parser.add_argument("--log-between", action="store_true")
+parser.add_argument("--accumulate", type=int, default=1)
+parser.add_argument("--dropout", type=float, default=0.0)
 parser.add_argument("--measure-peak", action="store_true")
 args = parser.parse_args()
 lengths = [int(x) for x in args.lengths.split(",")]
@@ -35,6 +40,16 @@ if args.model == "gpt2":
     model = GPT2LMHeadModel(config)
     blocks = model.transformer.h
     hidden = config.n_embd
+elif args.model == "qwen2":
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=512, max_position_embeddings=512, attn_implementation="eager", attention_dropout=args.dropout,
+    )  # fmt: skip
+    model = Qwen2ForCausalLM(config)
+    blocks = model.model.layers
+    hidden = config.hidden_size
 else:
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -80,8 +95,12 @@ with measuring:
             with torch.no_grad():
                 model(torch.randint(0, config.vocab_size, (args.batch, length), generator=generator), labels=ids)
         branch["on"] = args.changes and int(ids[0, 0]) % 10 == 0
-        loss = model(ids, labels=ids).loss
-        loss.backward()
+        for micro in range(args.accumulate):
+            part = ids if args.accumulate == 1 else torch.roll(ids, micro, dims=0)  # another batch per micro-step
+            loss = model(part, labels=part).loss / args.accumulate
+            loss.backward()
+        if args.log_between:
+            print(f"step {i}: loss {loss.item():.4f}", flush=True)  # logging before the step, as people do
         if not (args.changes and i % 7 == 6):
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -51,6 +51,59 @@ def test_a_skipped_optimizer_step_is_its_own_iteration_and_keeps_the_stage(backe
     assert after.ended_by == "optimizer"
 
 
+def test_logging_the_loss_between_backward_and_the_step_stays_in_the_step(backend):
+    """``loss.item()`` (and any forward operator without a backward pass after it) before the optimizer step is
+    part of the iteration: once it began an iteration of its own, and no Detailed trace was ever kept."""
+    run = build_training("tiny", batch_size=2, seq_len=16)
+    with OnlineProfiler(backend, m=1, n=1) as prof:
+        for i in range(6):
+            inputs, targets = run.data.batch(i)
+            loss = run.model.loss(inputs, targets)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(run.model.parameters(), 1.0)
+            print(f"loss {loss.item():.3f}")
+            run.optimizer.step()
+            run.optimizer.zero_grad(set_to_none=True)
+    assert len(prof.iterations) == prof.step_count == 6
+    assert [it.step for it in prof.iterations] == list(range(6))
+    assert all(it.ended_by == "optimizer" for it in prof.iterations)
+    assert prof.stage is Stage.STABLE and len(prof.traces) == sum(it.detailed for it in prof.iterations) >= 1
+
+
+def test_gradient_accumulation_is_a_step_of_several_iterations_whose_first_is_the_trace(backend):
+    run = build_training("tiny", batch_size=2, seq_len=16)
+    saved: list[int] = []
+
+    def pack(t):
+        saved.append(storage_key(t.untyped_storage()))
+        return t
+
+    with OnlineProfiler(backend, m=1, n=1, model=run.model) as prof:
+        for step in range(6):
+            for micro in range(3):
+                inputs, targets = run.data.batch(3 * step + micro)
+                with saved_tensors_hooks(pack, lambda t: t):
+                    (run.model.loss(inputs, targets) / 3).backward()
+                if micro == 0 and prof.is_detailed:
+                    first_pass_saves = set(saved)
+                saved.clear()
+            run.optimizer.step()
+            run.optimizer.zero_grad(set_to_none=True)
+    assert prof.step_count == 6 and len(prof.iterations) == 18
+    assert [it.step for it in prof.iterations] == [s for s in range(6) for _ in range(3)]
+    # every micro-batch runs one program: they are one sequence (the last one's optimizer phase is not compared)
+    assert len({it.sequence for it in prof.iterations[3:]}) == 1
+    detailed_steps = {it.step for it in prof.iterations if it.detailed}
+    assert len(prof.traces) == len(detailed_steps) >= 1
+    trace = prof.traces[-1]
+    first = next(it for it in prof.iterations if it.index == trace.iteration)
+    assert trace.n_ops == first.n_ops and not (trace.ops.phase == 2).any()  # the first pass, no optimizer
+    # the test's own record of what autograd saved in that pass: all of it is in the trace, nothing of the others
+    rows = {int(k) for k in trace.tensors.storage_id}
+    params = {storage_key(p.untyped_storage()) for p in run.model.parameters()}
+    assert first_pass_saves - params <= rows
+
+
 def test_a_validation_pass_is_a_one_off_that_keeps_the_stage(backend):
     run = build_training("tiny", batch_size=2, seq_len=16)
     with OnlineProfiler(backend, m=1, n=1) as prof:

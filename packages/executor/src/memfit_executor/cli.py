@@ -180,7 +180,9 @@ def summary(report: dict) -> Table:
     if report.get("capacity_bytes", report["budget_bytes"]) != report["budget_bytes"]:
         table.add_row("device capacity", format_size(report["capacity_bytes"]))
     table.add_row("peak device memory", format_size(report["peak_device_bytes"]))
-    table.add_row("iterations", str(report["iterations"]))
+    steps = report.get("optimizer_steps", report["iterations"])
+    passes = "" if steps == report["iterations"] else f" (forward-backward passes, in {steps} optimizer steps)"
+    table.add_row("iterations", f"{report['iterations']}{passes}")
     stages = report["iterations_per_stage"]
     table.add_row("iterations per stage", ", ".join(f"{k} {v}" for k, v in stages.items()) or "-")
     table.add_row("plans generated", str(report["plans_generated"]))

@@ -508,6 +508,7 @@ class SwapSession:
         self.iterations.append(
             {
                 "iteration": record.index,
+                "step": record.step,  # several iterations share a step that ran several passes (accumulation)
                 # the stage of the iteration's own sequence: Stable = it ran on a plan made for it
                 "stage": record.sequence_stage.value,
                 "run_stage": record.stage.value,
@@ -830,6 +831,7 @@ class SwapSession:
             "capacity_bytes": self.capacity_bytes,
             "peak_device_bytes": int(peak),
             "iterations": self._stage_iterations.total(),
+            "optimizer_steps": self.profiler.step_count if self.profiler is not None else 0,
             "iterations_per_stage": dict(self._stage_iterations),
             "seconds_per_stage": dict(self._stage_seconds),
             "stages": [it["stage"] for it in self.iterations],

@@ -2,11 +2,15 @@
 
 It records each iteration's operator sequence as integer tokens (Lightweight mode) and runs the
 stage machine on it; while the stage is GenPolicy it records in Detailed mode and turns each
-iteration into a :class:`memfit.trace.Trace`. Iterations end at an optimizer step (global
-optimizer hooks, so unmodified scripts work), at an explicit :meth:`OnlineProfiler.step`, or at
-the first forward operator after a backward pass with no optimizer step in between (a
-loss-scaler skip). Detailed traces also say which module each operator ran for and what each
-tensor is (parameter, activation, ...): see :mod:`memfit_profiler.modules`.
+iteration into a :class:`memfit.trace.Trace`. A step ends at an optimizer step (global
+optimizer hooks, so unmodified scripts work) or an explicit :meth:`OnlineProfiler.step`; an
+iteration is one forward-backward pass of a step: a step of gradient accumulation, or one a loss
+scaler skipped (its gradients carried into the next), runs several (``IterationRecord.step`` says
+which step each belongs to). What runs between a backward pass and the step without another
+backward pass (``loss.item()`` for a log line, metrics, unscaling, clipping) belongs to the pass
+before it. A Detailed step's trace is its first pass. Detailed traces also say which module each
+operator ran for and what each tensor is (parameter, activation, ...): see
+:mod:`memfit_profiler.modules`.
 
 Example:
     ```python
@@ -84,6 +88,9 @@ class IterationRecord:
     """It matched a known sequence (False: it started a new one)."""
     saved_bytes: int | None = None
     """Bytes its forward pass saved for backward, when a swap executor reported them."""
+    step: int = 0
+    """The optimizer step (or explicit :meth:`OnlineProfiler.step`) it belongs to, counted from 0. Several
+    iterations share one when the step ran several forward-backward passes (gradient accumulation)."""
 
 
 class OnlineProfiler:
@@ -148,6 +155,8 @@ class OnlineProfiler:
         self.observations: list[Observation] = []
         """The stage machine's verdicts on the latest ``history`` iterations, oldest first."""
         self.iteration_count = 0
+        self.step_count = 0
+        """Iteration boundaries seen: optimizer steps and explicit :meth:`step` calls."""
         """Iterations recorded since the start (``iterations[-1].index + 1``)."""
         self.stage_counts: Counter[Stage] = Counter()
         """Iterations run in each stage (of the run) since the start."""
@@ -345,8 +354,7 @@ class OnlineProfiler:
         ended_by: Literal["optimizer", "explicit"],
         modules: ModuleRecord | None = None,
     ) -> None:
-        cuts = [0, *raw.boundaries.tolist(), raw.tokens.size]
-        segments = [(a, b) for a, b in zip(cuts, cuts[1:], strict=False) if b > a]
+        segments = _segments(raw)
         forwards = self._saved_bytes_source() if self._saved_bytes_source is not None else None
         if not segments:
             return
@@ -371,19 +379,22 @@ class OnlineProfiler:
                 sequence_stage=obs.ran_as,
                 same_sequence=obs.same_sequence,
                 saved_bytes=saved,
+                step=self.step_count,
             )
             self._remember(record, obs)
-            if detailed and raw.detail is not None and len(segments) == 1:
-                self._keep_trace(raw, seconds, record.index, modules)
-            elif detailed and raw.detail is not None and last:
-                log.info(
-                    "memfit-profiler: iteration %d had no optimizer step; its detailed record is dropped", record.index
-                )
+            if detailed and raw.detail is not None and i == 0:
+                # with several forward-backward passes before the step (gradient accumulation, a skipped
+                # step), the first is the trace: it starts where the record does, so its operator indices
+                # are the ones the executor's record of the saves uses, and every pass runs its program
+                first = raw if len(segments) == 1 else _truncated(raw, b)
+                if first is not None:
+                    self._keep_trace(first, seconds * tokens.size / raw.tokens.size, record.index, modules)
             if obs.changed or obs.transitions:
                 for listener in self._listeners:
                     listener(obs)
             for iteration_listener in self._iteration_listeners:
                 iteration_listener(record)
+        self.step_count += 1
 
     def _remember(self, record: IterationRecord, obs: Observation) -> None:
         self.iterations.append(record)
@@ -480,6 +491,67 @@ class OnlineProfiler:
             trace, tensors=dataclasses.replace(tensors, op_count=count, op_tag=tag, op_call_stack=stack)
         )
         return annotate(trace, modules, raw.detail_base) if modules is not None else trace
+
+
+def _segments(raw: RawIteration) -> list[tuple[int, int]]:
+    """The forward-backward passes of one record (operator ranges), each an iteration to the stage machine.
+
+    The recorder cuts at the first forward operator after a backward pass. A cut only begins a new pass
+    when a backward pass follows it in the record: what runs between ``backward()`` and the optimizer
+    step without one (``loss.item()`` for a log line, metrics, a gradient scaler's unscaling, clipping)
+    belongs to the pass before it, not to an iteration of its own.
+    """
+    backward = np.flatnonzero(raw.phases == int(Phase.BWD))
+    cuts = [0]
+    for cut in raw.boundaries.tolist():
+        if backward.size and backward[-1] >= cut > cuts[-1]:  # a backward pass at or after the cut
+            cuts.append(cut)
+    cuts.append(int(raw.tokens.size))
+    return [(a, b) for a, b in zip(cuts, cuts[1:], strict=False) if b > a]
+
+
+def _truncated(raw: RawIteration, end: int) -> RawIteration | None:
+    """``raw`` cut at operator ``end`` (its first pass): operators, the tensors they use, the swaps before it.
+
+    ``None`` when the detailed columns do not reach ``end`` (the record's detail began later).
+    """
+    d = raw.detail
+    assert d is not None
+    n = end - raw.detail_base
+    if n <= 0 or n > d["device_bytes"].size:
+        return None
+    in_off, out_off = d["inputs_offsets"][: n + 1], d["outputs_offsets"][: n + 1]
+    in_val, out_val = d["inputs_values"][: in_off[-1]], d["outputs_values"][: out_off[-1]]
+    rows = np.unique(np.concatenate([in_val, out_val]))
+    renumber = np.full(d["nbytes"].size, -1, dtype=np.int64)
+    renumber[rows] = np.arange(rows.size)
+    shape_off = d["shape_offsets"]
+    lengths = np.diff(shape_off)[rows]
+    shapes = [d["shape_values"][shape_off[r] : shape_off[r + 1]] for r in rows.tolist()]
+    swaps = (d["swap_op"] < n) & (renumber[d["swap_row"]] >= 0)
+    detail = {
+        "device_bytes": d["device_bytes"][:n],
+        "inputs_offsets": in_off,
+        "inputs_values": renumber[in_val],
+        "outputs_offsets": out_off,
+        "outputs_values": renumber[out_val],
+        "storage_keys": d["storage_keys"][rows],
+        "nbytes": d["nbytes"][rows],
+        "dtype_names": d["dtype_names"][rows],
+        "shape_offsets": np.concatenate([[0], np.cumsum(lengths)]).astype(shape_off.dtype),
+        "shape_values": np.concatenate(shapes).astype(d["shape_values"].dtype) if shapes else d["shape_values"][:0],
+        "swap_op": d["swap_op"][swaps],
+        "swap_row": renumber[d["swap_row"][swaps]],
+        "swap_in": d["swap_in"][swaps],
+        "swap_passive": d["swap_passive"][swaps],
+    }
+    for key in set(d) - set(detail):  # the recorder's other per-operator columns (self time, ...)
+        if d[key].size == d["device_bytes"].size:
+            detail[key] = d[key][:n]
+    return RawIteration(
+        tokens=raw.tokens[:end], phases=raw.phases[:end], boundaries=raw.boundaries[:0],
+        detail_base=raw.detail_base, detail=detail,
+    )  # fmt: skip
 
 
 def _deliver(trace: Trace, callbacks: tuple[Callable[[OpDispatchEvent], None], ...]) -> None:
