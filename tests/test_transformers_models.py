@@ -137,29 +137,31 @@ def test_gpt2_compiled_with_graph_offload_trains_bit_identically():
 def test_qwen2_logging_the_loss_between_backward_and_the_step_is_one_iteration_a_step_and_gets_a_plan(tmp_path):
     """``loss.item()`` between ``backward()`` and ``optimizer.step()``, the commonest log line: once it split each
     step in two iterations (the second a few operators long) and no sequence was ever planned for."""
-    args = ("--model", "qwen2", "--iterations", "20", "--log-between")
+    args = ("--model", "qwen2", "--iterations", "30", "--log-between")
     ref = reference(*args)
     budget = int(ref["peak"] * 0.54)
     got, report = under_memfit(tmp_path, budget, *args)
     assert got["losses"] == ref["losses"] and got["params"] == ref["params"]
     assert report["peak_device_bytes"] <= budget
-    assert report["iterations"] == report["optimizer_steps"] == 20
+    assert report["iterations"] == report["optimizer_steps"] == 30
     assert report["plans_generated"] >= 1
-    assert len(stable_iterations(report)) >= 0.5 * 20 - 6 * len(replanned_for_copies(report))
+    # idle, WarmUp 4 and GenPolicy 6 (its candidates' trials among them); more trials when copies are slow
+    assert len(stable_iterations(report)) >= 0.5 * 30 - 6 * len(replanned_for_copies(report))
 
 
 @pytest.mark.parametrize("micro_batches", [2, 4])
 def test_qwen2_with_gradient_accumulation_and_dropout_gets_a_plan_every_micro_batch_runs(tmp_path, micro_batches):
     """Each micro-batch is an iteration of the step it belongs to; the first of a Detailed step is the trace,
     and its plan runs every micro-batch (bit-identical with dropout on: swapping does not touch the RNG)."""
-    args = ("--model", "qwen2", "--iterations", "12", "--accumulate", str(micro_batches), "--dropout", "0.1")
+    steps = 16
+    args = ("--model", "qwen2", "--iterations", str(steps), "--accumulate", str(micro_batches), "--dropout", "0.1")
     ref = reference(*args)
     budget = int(ref["peak"] * 0.54)
     got, report = under_memfit(tmp_path, budget, *args)
     assert got["losses"] == ref["losses"] and got["params"] == ref["params"]
     assert report["peak_device_bytes"] <= budget
-    assert report["optimizer_steps"] == 12 and report["iterations"] == 12 * micro_batches
-    assert [it["step"] for it in report["per_iteration"]] == [s for s in range(12) for _ in range(micro_batches)]
+    assert report["optimizer_steps"] == steps and report["iterations"] == steps * micro_batches
+    assert [it["step"] for it in report["per_iteration"]] == [s for s in range(steps) for _ in range(micro_batches)]
     assert report["plans_generated"] >= 1
-    iterations = 12 * micro_batches
+    iterations = steps * micro_batches
     assert len(stable_iterations(report)) >= 0.4 * iterations - 6 * len(replanned_for_copies(report))
