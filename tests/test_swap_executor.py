@@ -149,11 +149,6 @@ def train_changing(iterations):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=False,
-    reason="issue 29 finding: with adapt=True and capacity 2x the budget, a CI rehearsal beside a CPU-heavy "
-    "process saw 4 mis-swaps (the oracle); exactness and the budget held; not yet diagnosed",
-)
 def test_changing_sequences_for_300_iterations_and_the_capuchin_baseline():
     (losses, params), peak = native_run(train_changing, 300)
     budget = int(peak * 0.4)

@@ -352,6 +352,103 @@ def test_the_oracle_counts_a_swap_of_another_tensor_than_the_plan_meant():
     assert counters["swaps"] == 2 and counters["mismatched"] == 0 and counters["misswaps"] == 2
 
 
+def test_a_plan_that_swaps_one_of_two_look_alikes_swaps_the_one_it_means():
+    """Look-alikes (one signature) closer together than the tolerance: the plan swaps the second only.
+
+    A transformer's layers save many tensors of one signature a few dozen operators apart, fewer
+    than the tolerance (seen on cpu-sim: a plan made for a slow link, after a re-plan for slow
+    copies, swapped the input of ``feed_forward.w1`` and not that of ``attention.wo``, 36 operators
+    before it, tolerance 70: the oracle counted a wrong tensor in every iteration). Here four tanh
+    blocks 10 operators apart, tolerance 32, a plan bound as the session binds one (the trace of
+    the iteration it observed) that swaps the second block's output: the first block's must not
+    be taken for it. The oracle says which tensor was swapped; gradients are bit-identical.
+    """
+    from memfit.plan import LogicalLayer, Swap, TensorMatch
+    from memfit.trace import TraceBuilder
+    from memfit.types import Phase
+    from memfit_executor.matching import SaveLog, bind
+    from memfit_executor.oracle import IdentityOracle
+
+    blocks = torch.nn.ModuleList(torch.nn.Tanh() for _ in range(4))
+    x = torch.randn(64, 64, requires_grad=True)
+    sim = CpuSimBackend(capacity="64MiB")
+    clock, oracle = Scripted(), IdentityOracle().install()
+    runtime = SwapRuntime(sim, clock=clock, min_swap_bytes=KiB, oracle=oracle)  # the fuzzy matcher
+
+    def forward():
+        h = x
+        for i, block in enumerate(blocks):
+            clock.op = 10 * (i + 1)
+            h = block(h)  # tanh saves its output: four saves of one signature
+        return h.sum()
+
+    forward().backward()
+    expected, x.grad = x.grad.clone(), None
+    try:
+        with sim.activate():
+            runtime.install(Hooks(build_plugin_manager()))
+            runtime.observer = log = SaveLog()
+            forward().backward()
+            runtime.end_iteration()
+            runtime.observer = None
+            saves = sorted(log.saves.items(), key=lambda kv: kv[1].op_index)  # (storage key, first save)
+            assert len({f.signature for _, f in saves}) == 1 and [f.position for _, f in saves] == [0, 10, 20, 30]
+            # the observed iteration's trace: op k makes tensor k (reading tensor k - 1); backward reads them all
+            b = TraceBuilder(capacity_bytes=2**20, source="measured")
+            rows = [
+                b.add_tensor(nbytes=64 * 64 * 4, dtype="float32", shape=(64, 64), storage_id=key) for key, _ in saves
+            ]
+            for k, row in enumerate(rows):
+                b.add_op("aten::tanh", Phase.FWD, inputs=rows[k - 1 : k], outputs=(row,), device_bytes=0)
+            b.add_op("aten::sum", Phase.FWD, inputs=(rows[-1],), device_bytes=0)
+            for row in reversed(rows):
+                b.add_op("aten::tanh_backward", Phase.BWD, inputs=(row,), device_bytes=0)
+            trace = b.build(step_seconds=0.01)
+            second = Swap(tensor=TensorMatch(nbytes=64 * 64 * 4, dtype="float32"), swap_out_after_op=2,
+                          release_at_op=2, swap_in_layer=1, first_backward_use_op=7)  # fmt: skip
+            plan = MemoryPlan(
+                planner="swap", budget_bytes=2**20, source=PlanSource(kind="measured"),
+                layers=(LogicalLayer(start_op=0, phase="FWD"), LogicalLayer(start_op=5, phase="BWD")),
+                actions=(second,), predicted=PlanPrediction(peak_bytes=0),
+            )  # fmt: skip
+            binding = bind(plan, trace, log, (50, 50, 0), traced_here=True)
+            assert [e.identity[0] for e in binding.entries] == ["Tanh#1"]
+            runtime.apply([binding])
+            assert runtime.matcher.tolerance > 10  # the look-alikes are within it of each other
+            x.grad = None
+            forward().backward()  # the program the plan was made for, unchanged
+            counters = runtime.end_iteration()
+            runtime.uninstall()
+    finally:
+        oracle.uninstall()
+    sim.close()
+    assert counters["swaps"] == 1 and counters["misswaps"] == 0 and runtime.stats.released == 1
+    assert torch.equal(x.grad, expected)
+
+
+def test_a_look_alike_that_never_comes_does_not_take_the_place_of_one_that_does():
+    """The nearest of the pending look-alikes is the one a save is, not the earliest.
+
+    The bound iteration's look-alikes of an entry (twins) may not come in a later one: a module
+    the plan recomputes saves nothing memfit sees, a branch is not taken. A save must not be
+    matched to the first of them still pending, which would move the drift and take the next
+    save for a look-alike further on, the entry too (seen on cpu-sim with a recomputing plan).
+    """
+    from memfit_executor.matching import Twin
+
+    sig = (4096, torch.float32, (32, 32), 7)
+    planned = entry(4096, 40, 42, 90, (32, 32), index=0)
+    twins = tuple(Twin(sig, position, 0) for position in (10, 20, 30))
+    matcher = FuzzyMatcher([Binding(binding_for([planned]).plan, (planned,), {}, 100, twins)], tolerance=32)
+    assert matcher.match(sig, 30, 30, 0) is None  # the twin at 30 (those at 10 and 20 never came)
+    assert matcher.drift == 0
+    assert matcher.match(sig, 40, 40, 0).index == 0
+    matcher.reset()
+    assert matcher.match(sig, 10, 10, 0) is None  # all of them this time: each is itself
+    assert [matcher.match(sig, p, p, 0) for p in (20, 30)] == [None, None]
+    assert matcher.match(sig, 41, 41, 0).index == 0 and matcher.drift == 1
+
+
 def test_the_oracle_names_modules_by_path_and_counts_calls_per_forward_pass():
     from memfit_executor.oracle import IdentityOracle
 

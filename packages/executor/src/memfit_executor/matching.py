@@ -20,9 +20,20 @@ signature and positions: the plan's features find the row of the trace it was ma
 executor's own record of that iteration (:class:`SaveLog`) gives the row's first save.
 
 :class:`FuzzyMatcher` compares a save with the next few pending entries only (REF-CODE: 5, here
-``window`` = 8), in expected order. :class:`PositionMatcher` is the Capuchin-style baseline the
-paper compares against: ``(operator index, i-th tensor saved by it)``, exact, nothing else; it is
-shipped so the failure it causes on a changing sequence can be shown (``matcher="position"``).
+``window`` = 8), in expected order, and with the plan's **twins**: the saves of the bound iteration
+that look exactly like an entry (signature and ordinal) and that the plan does not swap. A
+transformer's layers save many tensors of one signature a few dozen operators apart, fewer than
+the tolerance; without its twins, a plan that swaps one of two such tensors takes the first of
+them, the one it does not mean, for its entry (seen on cpu-sim: a plan made for a slow link swaps
+the input of ``feed_forward.w1`` and not that of ``attention.wo``, 36 operators before it with a
+tolerance of 70, and the oracle counted the wrong tensor swapped in every iteration). A twin is
+matched as an entry is, and swaps nothing. Of the pending entries and twins that look like a save,
+the nearest to its expected position is the one it is: a twin that never comes (its module
+recomputed) must not take the place of the next one.
+
+:class:`PositionMatcher` is the Capuchin-style baseline the paper compares against: ``(operator
+index, i-th tensor saved by it)``, exact, nothing else; it is shipped so the failure it causes on a
+changing sequence can be shown (``matcher="position"``).
 """
 
 from __future__ import annotations
@@ -120,6 +131,15 @@ class Entry:
         return self.signature[0]
 
 
+@dataclass(frozen=True, slots=True)
+class Twin:
+    """A save of the bound iteration that looks exactly like an entry (signature, ordinal) and is not swapped."""
+
+    signature: Signature
+    position: int
+    ordinal: int
+
+
 @dataclass(frozen=True)
 class Binding:
     """A plan bound to an observed iteration: the entries the executor can apply, and why others cannot."""
@@ -130,6 +150,9 @@ class Binding:
     """Reasons the remaining swaps could not be bound, with counts."""
     forward_ops: int
     """Operators from the first save to the first backward operator of the observed iteration."""
+    twins: tuple[Twin, ...] = ()
+    """The saves of the observed iteration that only position tells apart from an entry, and that
+    the plan does not swap: the matcher takes them for what they are (see the module docs)."""
 
 
 def bind(
@@ -225,14 +248,23 @@ def bind(
     entries.sort(key=lambda e: (e.position, e.ordinal))
     if unbound:
         log.info("memfit-executor: %d of %d swaps bound; not bound: %s", len(entries), len(plan.actions), unbound)
-    return Binding(plan, tuple(entries), unbound, fwd_here - base)
+    looks = {(e.signature, e.ordinal) for e in entries}
+    swapped = {(e.op_index, e.ordinal) for e in entries}
+    twins = tuple(
+        Twin(f.signature, f.position, f.ordinal)
+        for f in sorted(save_log.saves.values(), key=lambda f: (f.position, f.ordinal))
+        if (f.signature, f.ordinal) in looks and (f.op_index, f.ordinal) not in swapped
+    )
+    return Binding(plan, tuple(entries), unbound, fwd_here - base, twins)
 
 
 class _Cursor:
-    """One binding's progress through a forward pass: which entries are pending, and the drift."""
+    """One binding's progress through a forward pass: which entries (and twins) are pending, and the drift."""
 
     def __init__(self, binding: Binding, window: int, tolerance: int | None) -> None:
-        self.entries = binding.entries
+        # the entries and their twins, in expected order (one save is never both)
+        items = (*binding.entries, *binding.twins)
+        self.items: list[Entry | Twin] = sorted(items, key=lambda e: (e.position, e.ordinal))
         self.window = window
         self.tolerance = tolerance if tolerance is not None else max(32, binding.forward_ops // 20)
         self.drift = 0
@@ -244,27 +276,35 @@ class _Cursor:
         self._next = 0
         self._matched.clear()
 
-    def match(self, signature: Signature, position: int, ordinal: int) -> Entry | None:
-        entries, expected = self.entries, position - self.drift
+    def match(self, signature: Signature, position: int, ordinal: int) -> Entry | Twin | None:
+        """The pending entry or twin this save is (consumed, and the drift re-estimated from it), or ``None``."""
+        items, expected = self.items, position - self.drift
         # entries far behind the current position will not come any more: skip them for good
-        while self._next < len(entries) and (
-            self._next in self._matched or entries[self._next].position + self.tolerance < expected
+        while self._next < len(items) and (
+            self._next in self._matched or items[self._next].position + self.tolerance < expected
         ):
             self._next += 1
+        # the nearest of the pending ones that look like it (the earliest of equally near ones): a
+        # twin that never comes (its module recomputed, a branch not taken) must not take the place
+        # of the one that does
+        best, off = None, 0
         seen = 0
         i = self._next
-        while i < len(entries) and seen < self.window:
+        while i < len(items) and seen < self.window:
             if i not in self._matched:
-                seen += 1
-                entry = entries[i]
-                if entry.position - self.tolerance > expected:
+                item = items[i]
+                if item.position - self.tolerance > expected:
                     break
-                if entry.signature == signature and entry.ordinal == ordinal:
-                    self._matched.add(i)
-                    self.drift = position - entry.position
-                    return entry
+                seen += not isinstance(item, Twin)  # the window counts the plan's entries; twins lie between them
+                if item.signature == signature and item.ordinal == ordinal:
+                    if best is None or abs(item.position - expected) < off:
+                        best, off = i, abs(item.position - expected)
             i += 1
-        return None
+        if best is None:
+            return None
+        self._matched.add(best)
+        self.drift = position - items[best].position
+        return items[best]
 
 
 class FuzzyMatcher:
@@ -309,12 +349,13 @@ class FuzzyMatcher:
     def match(self, signature: Signature, position: int, op_index: int, ordinal: int) -> Entry | None:
         """The pending entry this first save is, or ``None``. ``position`` is relative to the forward's first save."""
         if self.locked is not None:
-            return self._cursors[self.locked].match(signature, position, ordinal)
+            found = self._cursors[self.locked].match(signature, position, ordinal)
+            return found if isinstance(found, Entry) else None
         for i, cursor in enumerate(self._cursors):
-            entry = cursor.match(signature, position, ordinal)
-            if entry is not None:
+            found = cursor.match(signature, position, ordinal)  # a twin: that cursor has placed the save
+            if isinstance(found, Entry):  # the first planned swap decides, as without twins
                 self.locked = i
-                return entry
+                return found
         return None
 
     def observe_backward(self, entry: Entry, position: int) -> None:
