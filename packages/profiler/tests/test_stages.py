@@ -118,22 +118,47 @@ def test_small_changes_are_absorbed():
 def test_a_persistent_change_is_planned_for_after_m_plus_1_and_stable_after_m_plus_n_plus_2():
     m, n = 2, 5
     machine = stable_machine()
-    longer = sig(saved=2 * SAVED)  # a new sequence length: the same operators, larger tensors
-    verdicts = [machine.observe(longer) for _ in range(m + n + 2)]
+    other = sig(np.concatenate([FWD, BWD[::-1], OPT]))  # other operators: not a relative
+    verdicts = [machine.observe(other) for _ in range(m + n + 2)]
     assert not verdicts[0].same_sequence and all(v.same_sequence for v in verdicts[1:])
+    assert machine.sequences[-1].family != machine.sequences[0].family
     assert [v.ran_as for v in verdicts] == [Stage.WARMUP] * (m + 1) + [Stage.GENPOLICY] * (n + 1)
     assert verdicts[m].stage is Stage.GENPOLICY and verdicts[-1].stage is Stage.STABLE
-    assert machine.observe(longer).ran_as is Stage.STABLE  # iteration m + n + 2 after the change runs its plan
+    assert machine.observe(other).ran_as is Stage.STABLE  # iteration m + n + 2 after the change runs its plan
     assert {s.stage for s in machine.sequences} == {Stage.STABLE}  # the old sequence keeps its plan
+
+
+@pytest.mark.parametrize("traced", [False, True])
+def test_a_new_length_of_a_planned_program_follows_it_after_two_of_its_iterations_and_one_trial(traced):
+    machine = stable_machine()
+    longer = sig(saved=2 * SAVED)  # a new sequence length: the same operators, larger tensors
+    first = machine.observe(longer)
+    assert not first.same_sequence and first.ran_as is Stage.WARMUP and first.stage is Stage.STABLE  # seen once
+    assert machine.sequences[-1].family == machine.sequences[0].family
+    verdicts = [machine.observe(longer, traced=traced)]  # it recurs: planned for (from this iteration if traced)
+    assert verdicts[0].stage is Stage.GENPOLICY and machine.sequences[-1].follower
+    while machine.sequences[-1].stage is Stage.GENPOLICY:
+        verdicts.append(machine.observe(longer))
+    # planning iteration, then one trial; traced, the iteration that moved it was the planning one
+    assert [v.ran_as for v in verdicts] == [Stage.WARMUP] + [Stage.GENPOLICY] * (1 if traced else 2)
+    assert machine.observe(longer).ran_as is Stage.STABLE
+    assert {s.stage for s in machine.sequences} == {Stage.STABLE}
 
 
 def test_sequences_that_take_turns_each_reach_stable():
     machine = StageMachine(m=2, n=5)
     lengths = [sig(saved=f * SAVED) for f in (1.0, 1.5, 2.0)]
-    verdicts = [machine.observe(lengths[i % 3]) for i in range(30)]
+    verdicts = []
+    for i in range(30):  # traced as the profiler traces: while a sequence is in GenPolicy
+        verdicts.append(machine.observe(lengths[i % 3], traced=machine.stage is Stage.GENPOLICY))
     assert machine.stage is Stage.STABLE
     assert len(machine.sequences) == 3 and all(s.stage is Stage.STABLE for s in machine.sequences)
     assert verdicts[-1].ran_as is Stage.STABLE and len({v.sequence for v in verdicts}) == 3
+    # one family: the first to recur is planned for with n trials, the other two follow it with one
+    assert len({s.family for s in machine.sequences}) == 1
+    assert [s.follower for s in machine.sequences] == [False, True, True]
+    stable = [i for i, v in enumerate(verdicts) if v.ran_as is Stage.STABLE]
+    assert stable[0] <= 10 and len(stable) >= 15  # m + n + 2 of each's own: from iteration 26, 5 of 30
 
 
 def test_a_rare_sequence_is_never_planned_for_and_a_vanished_one_goes_back_to_warmup():

@@ -362,7 +362,8 @@ class OnlineProfiler:
             tokens, phases = raw.tokens[a:b], raw.phases[a:b]
             saved = None if forwards is None else sum(n for start, n in forwards if a <= start < b)
             ran_in, detailed = self.machine.stage, self._detailed
-            obs = self.machine.observe(tokens, phases, saved)
+            traced = detailed and raw.detail is not None and i == 0  # the pass kept as a trace (below)
+            obs = self.machine.observe(tokens, phases, saved, traced=traced)
             last = i == len(segments) - 1
             record = IterationRecord(
                 index=self.iteration_count,

@@ -43,6 +43,16 @@ previous iteration, and joins the closest one that passes the test, or starts a 
   their plans until ``max_sequences`` newer ones push them out.
 * The executor can send a Stable sequence back to GenPolicy (:meth:`StageMachine.replan`) when
   its plan stops holding (passive swaps keep happening, or copies fall behind).
+* **Relatives** (:meth:`StageMachine.is_relative`): a new sequence whose operators pass the test
+  against a known one but whose saved bytes do not — the same program at another sequence length
+  or batch size — joins that sequence's **family**. The family's matches count together, so a
+  relative that recurs (seen twice within the window) leaves WarmUp as soon as its family has
+  matched more than m times, instead of after m + 1 matches of its own; and when a relative of it
+  is already being planned for or has a plan, it is a **follower**: the iteration that moved it,
+  when traced, is the one it is planned from, and one trial of its candidates (the planner that
+  did best for its family first) takes it to Stable instead of n. Three lengths that take turns
+  then have plans from about their 10th step instead of their 28th. A relative seen once (a
+  one-off batch of another shape) is not planned for.
 
 **The stage of the run** (:attr:`StageMachine.stage`), which says how the next iteration is
 recorded, is GenPolicy while any sequence is in GenPolicy (Detailed recording: its next
@@ -75,6 +85,8 @@ log = logging.getLogger("memfit.profiler")
 NGRAM_BUCKETS = 4096
 """Hash buckets per n-gram order. Collisions only ever make two sequences look more alike; with
 4096 buckets and the few hundred distinct n-grams of a model they are rare."""
+FOLLOWER_TRIALS = 1
+"""GenPolicy trials of a follower (a relative of a sequence planned for: see the module docs)."""
 _PHASES = tuple(Phase)
 _START, _END = -1, -2  # sentinels around each phase, so that a one-operator phase has n-grams too
 
@@ -192,6 +204,10 @@ class KnownSequence:
     """Matches counted in the current stage (GenPolicy: towards n)."""
     seen: deque[int] = field(default_factory=deque)
     """Iterations that matched it, the latest ``window`` of them."""
+    family: int = -1
+    """The id of the first sequence of its family (relatives: see the module docs); its own id when it has none."""
+    follower: bool = False
+    """It left WarmUp while a relative was planned for or had a plan: planned for with one trial (module docs)."""
 
     @property
     def last_seen(self) -> int:
@@ -289,8 +305,25 @@ class StageMachine:
         volume_ok = sim.saved_bytes_diff is None or sim.saved_bytes_diff < self.length_tolerance
         return sim.length_diff < self.length_tolerance and sim.cosine > self.cosine_threshold and volume_ok
 
+    def is_relative(self, sim: Similarity) -> bool:
+        """The same operators, other saved bytes: the same program on tensors of another size (module docs)."""
+        return (
+            sim.saved_bytes_diff is not None
+            and sim.saved_bytes_diff >= self.length_tolerance
+            and sim.length_diff < self.length_tolerance
+            and sim.cosine > self.cosine_threshold
+        )
+
+    def family(self, seq: KnownSequence) -> list[KnownSequence]:
+        """The known sequences of ``seq``'s family, ``seq`` among them."""
+        return [s for s in self.sequences if s.family == seq.family]
+
     def observe(
-        self, tokens: np.ndarray | Signature, phases: np.ndarray | None = None, saved_bytes: int | None = None
+        self,
+        tokens: np.ndarray | Signature,
+        phases: np.ndarray | None = None,
+        saved_bytes: int | None = None,
+        traced: bool = False,
     ) -> Observation:
         """Process one finished iteration; returns the stage the next iteration runs in.
 
@@ -298,6 +331,8 @@ class StageMachine:
             tokens: the iteration's operator tokens (or a prepared :class:`Signature`).
             phases: the phase of each token (0 forward, 1 backward, 2 optimizer); default all forward.
             saved_bytes: bytes the forward pass saved for backward, when known (see the module docs).
+            traced: the iteration was recorded in Detailed mode: a follower that leaves WarmUp with
+                it is planned from it (see the module docs).
         """
         signature = tokens if isinstance(tokens, Signature) else Signature.of(tokens, phases, saved_bytes)
         iteration = self.iterations
@@ -310,9 +345,12 @@ class StageMachine:
             sim, seq = max(passing, key=lambda p: p[0].cosine)
             same, ran_as = True, seq.stage
         else:
-            seq = KnownSequence(self._next_id, signature)
+            seq = KnownSequence(self._next_id, signature, family=self._next_id)
             ran_as = Stage.WARMUP
             self._next_id += 1
+            relatives = [(sim, s) for sim, s in scored if self.is_relative(sim)]
+            if relatives:
+                seq.family = max(relatives, key=lambda p: p[0].cosine)[1].family
             self.sequences.append(seq)
             sim = max((p[0] for p in scored), key=lambda s: s.cosine, default=similarity(signature, signature))
             same = False
@@ -321,9 +359,13 @@ class StageMachine:
         while seq.seen and seq.seen[0] <= iteration - self.window:
             seq.seen.popleft()
         seq.steps += 1
-        if seq.stage is Stage.WARMUP and len(seq.seen) > self.m:
+        if seq.stage is Stage.WARMUP and (len(seq.seen) > self.m or self._family_recurs(seq, iteration)):
+            relatives = [s for s in self.family(seq) if s is not seq]
+            seq.follower = any(s.stage is not Stage.WARMUP for s in relatives)
             transitions.append(self._move(seq, Stage.GENPOLICY))
-        elif seq.stage is Stage.GENPOLICY and seq.steps > self.n:
+            if seq.follower and traced:
+                seq.steps = 1  # this iteration is its planning one
+        elif seq.stage is Stage.GENPOLICY and seq.steps > (min(self.n, FOLLOWER_TRIALS) if seq.follower else self.n):
             transitions.append(self._move(seq, Stage.STABLE))
         for other in self.sequences:
             if other.stage is Stage.GENPOLICY and other.last_seen <= iteration - self.window:
@@ -342,6 +384,14 @@ class StageMachine:
                 100 * sim.length_diff, sim.cosine, 100 * sim.exact_match,
             )  # fmt: skip
         return obs
+
+    def _family_recurs(self, seq: KnownSequence, iteration: int) -> bool:
+        """``seq`` recurs (twice within the window) and its family matched more than m times in it."""
+        family = self.family(seq)
+        if len(family) < 2 or len(seq.seen) < 2:
+            return False
+        recent = {i for s in family for i in s.seen if i > iteration - self.window}
+        return len(recent) > self.m
 
     def replan(self, sequence_id: int) -> Transition | None:
         """Send a Stable sequence back to GenPolicy: its plan no longer holds, generate a new one."""
