@@ -9,7 +9,9 @@ data-dependent extra block (on about one batch in ten), a skipped optimizer step
 iteration (as a loss scaler does on overflow) and a validation pass every 10; ``--lengths``
 cycles the sequence length through several values; ``--log-between`` logs the loss (``loss.item()``)
 between ``backward()`` and the optimizer step, as most scripts do; ``--accumulate N`` accumulates the
-gradients of N micro-batches before each step (the loss divided by N, as people write it).
+gradients of N micro-batches before each step (the loss divided by N, as people write it);
+``--grad-scaler`` steps through a ``torch.amp.GradScaler``, whose every 7th step overflows (an
+infinite loss scaled) and is skipped, as a loss scaler skips a step on overflow.
 """
 
 import argparse
@@ -20,7 +22,7 @@ import json
 import torch
 
 parser = argparse.ArgumentParser()
-parser.add_argument("--model", choices=["gpt2", "llama", "qwen2"], default="gpt2")
+parser.add_argument("--model", choices=["gpt2", "gpt-neox", "llama", "qwen2"], default="gpt2")
 parser.add_argument("--iterations", type=int, default=30)
 parser.add_argument("--batch", type=int, default=8)
 parser.add_argument("--lengths", default="128", help="sequence lengths, cycled through")
@@ -28,6 +30,7 @@ parser.add_argument("--changes", action="store_true")
 parser.add_argument("--log-between", action="store_true")
 parser.add_argument("--accumulate", type=int, default=1)
 parser.add_argument("--dropout", type=float, default=0.0)
+parser.add_argument("--grad-scaler", action="store_true")
 parser.add_argument("--measure-peak", action="store_true")
 args = parser.parse_args()
 lengths = [int(x) for x in args.lengths.split(",")]
@@ -40,6 +43,17 @@ if args.model == "gpt2":
     model = GPT2LMHeadModel(config)
     blocks = model.transformer.h
     hidden = config.n_embd
+elif args.model == "gpt-neox":
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    config = GPTNeoXConfig(
+        hidden_size=128, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4, vocab_size=512,
+        max_position_embeddings=512, attn_implementation="eager", hidden_dropout=args.dropout,
+        attention_dropout=args.dropout,
+    )  # fmt: skip
+    model = GPTNeoXForCausalLM(config)
+    blocks = model.gpt_neox.layers
+    hidden = config.hidden_size
 elif args.model == "qwen2":
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -85,6 +99,7 @@ if args.measure_peak:
     backend = CpuSimBackend(capacity="8GiB")
     measuring = backend.activate()
 
+scaler = torch.amp.GradScaler("cpu", init_scale=1024.0) if args.grad_scaler else None
 generator = torch.Generator().manual_seed(1)
 losses = []
 with measuring:
@@ -98,10 +113,16 @@ with measuring:
         for micro in range(args.accumulate):
             part = ids if args.accumulate == 1 else torch.roll(ids, micro, dims=0)  # another batch per micro-step
             loss = model(part, labels=part).loss / args.accumulate
-            loss.backward()
+            if scaler is None:
+                loss.backward()
+            else:  # every 7th step overflows: its gradients are not finite and the scaler skips it
+                scaler.scale(loss * float("inf") if i % 7 == 6 else loss).backward()
         if args.log_between:
             print(f"step {i}: loss {loss.item():.4f}", flush=True)  # logging before the step, as people do
-        if not (args.changes and i % 7 == 6):
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        elif not (args.changes and i % 7 == 6):
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())

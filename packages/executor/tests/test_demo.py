@@ -6,7 +6,7 @@ from click.testing import CliRunner
 from memfit.cli.main import cli
 from memfit.synthetic import training_trace
 from memfit_executor import demo as demo_module
-from memfit_executor.demo import _plot
+from memfit_executor.pictures import draw_run
 from rich.console import Console
 
 SMALL = ["--layers", "2", "--seq-len", "16", "--budget", "256MiB"]
@@ -24,7 +24,9 @@ def test_the_demo_picture_counts_whole_steps_in_one_unit(tmp_path, saved_figures
     """Before: fractional ticks (0.5, 1.5, ...) on the axis of whole steps."""
     steps = [{"peak_device_bytes": n} for n in (2_300_000, 3_290_000, 3_290_000)]
     trace = training_trace(n_layers=2, ops_per_layer=4, activation_bytes=2**20, param_bytes=2**20)
-    _plot(Console(file=None), tmp_path / "demo.png", steps, trace, peak=3_300_000, budget=256 * 2**20)
+    draw_run(
+        Console(file=None), tmp_path / "demo.png", steps, trace, 256 * 2**20, unswapped_peak=3_300_000, xlabel="step"
+    )
     steps_ax, ops_ax = saved_figures[-1].axes
     assert steps_ax.get_xlabel() == "step"
     assert all(float(tick).is_integer() for tick in steps_ax.get_xticks())

@@ -215,3 +215,60 @@ def test_a_bad_capacity_is_a_usage_error_before_the_script_runs(tmp_path):
         assert result.exit_code != 0, (capacity, result.output)
         assert expected in result.output, (capacity, result.output)
         assert not marker.exists(), capacity
+
+
+TRAINING = """
+import torch
+torch.manual_seed(0)
+def block():
+    return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+model = torch.nn.Sequential(*[block() for _ in range(6)])
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+for _ in range(16):  # activations (7 MiB) outweigh the parameters (0.8 MiB)
+    model(torch.randn(512, 64)).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def test_memfit_run_draws_the_run_by_stage_against_the_budget(tmp_path, saved_figures):
+    picture = tmp_path / "run.png"
+    result, report = run(tmp_path, TRAINING, "--budget", "5MiB", "--capacity", "10MiB", "--plot", str(picture))
+    assert result.exit_code == 0, result.output
+    assert picture.read_bytes()[:4] == b"\x89PNG" and "memory timeline written to" in result.stdout
+    steps_ax, ops_ax = saved_figures[-1].axes  # an iteration was traced: its operators' panel too
+    legend = [t.get_text() for t in steps_ax.get_legend().get_texts()]
+    stages = {it["stage"] for it in json.loads(report.read_text())["per_iteration"]}
+    assert {f"peak ({stage})" for stage in stages} <= set(legend) and "Stable" in stages
+    assert any(text.startswith("budget 5.00 MiB") for text in legend)
+    assert any(text.startswith("capacity 10.00 MiB") for text in legend)
+    assert steps_ax.get_xlabel() == "iteration" and ops_ax.get_xlabel() == "operator"
+
+
+def test_memfit_run_refuses_a_picture_it_could_not_write_before_the_script_runs(tmp_path):
+    ran = tmp_path / "ran"
+    result, _ = run(tmp_path, f"open({str(ran)!r}, 'w')\n", "--plot", str(tmp_path / "missing" / "run.png"))
+    assert result.exit_code == 2 and "--plot" in result.output and not ran.exists()
+
+
+@pytest.mark.parametrize("baseline", ["ac", "none"])
+def test_memfit_run_measures_what_a_user_would_do_instead_beside_it(tmp_path, baseline):
+    result, report = run(tmp_path, TRAINING, "--budget", "5MiB", "--capacity", "10MiB", "--baseline", baseline)
+    assert result.exit_code == 0, result.output
+    measured = json.loads(report.read_text())["baseline"]
+    assert measured["baseline"] == baseline and measured["steps"] == 10 and measured["step_seconds"] > 0
+    said = " ".join(result.stdout.split())
+    assert "memfit against" in said and "memfit (Stable steps)" in said
+    if baseline == "ac":  # the Sequential's six blocks, checkpointed with torch's checkpoint
+        assert measured["how"] == "torch checkpoint, 6 blocks"
+    else:
+        assert measured["how"] == "the script as it is"
+
+
+def test_full_checkpointing_as_the_baseline_holds_less_than_the_script_as_it_is(tmp_path):
+    peaks = {}
+    for baseline in ("ac", "none"):
+        result, report = run(tmp_path, TRAINING, "--budget", "5MiB", "--capacity", "10MiB", "--baseline", baseline)
+        assert result.exit_code == 0, result.output
+        peaks[baseline] = json.loads(report.read_text())["baseline"]["peak_device_bytes"]
+    assert peaks["ac"] < peaks["none"]  # the allocator's own peaks, in processes of their own

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -44,6 +45,26 @@ from rich.table import Table
     help="Write a JSON report here (peak, budget, stages, plans, swap traffic, passive swaps, OOMs survived).",
 )
 @click.option(
+    "--plot",
+    "plot_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Draw the run here (PNG): each iteration's peak coloured by stage against the budget, and memory through "
+    "the last traced iteration, by operator. Needs matplotlib.",
+)
+@click.option(
+    "--baseline",
+    type=click.Choice(["ac", "none"]),
+    default=None,
+    help="Then run the script's first --baseline-steps steps as a user would without memfit: full activation "
+    "checkpointing (ac: transformers' gradient_checkpointing_enable, else torch's checkpoint on every block) or as "
+    "it is (none), on the same backend uncapped, and print its peak and step time beside memfit's. The script runs "
+    "again: its side effects happen twice.",
+)
+@click.option(
+    "--baseline-steps", type=click.IntRange(2), default=10, show_default=True, help="Optimizer steps of the baseline."
+)
+@click.option(
     "--matcher",
     type=click.Choice(["fuzzy", "position"]),
     default="fuzzy",
@@ -74,7 +95,10 @@ from rich.table import Table
 )
 @click.option("-v", "--verbose", is_flag=True, help="Log stage transitions and plans as they happen.")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, required=True)
-def run(backend, budget, capacity, report_path, matcher, release_mode, planner, adapt, verbose, command):
+def run(
+    backend, budget, capacity, report_path, plot_path, baseline, baseline_steps, matcher, release_mode, planner, adapt,
+    verbose, command,
+):  # fmt: skip
     """Run COMMAND (python train.py ...) under memfit's swap executor, within BUDGET.
 
     The script needs no change: iterations end at each optimizer step. Whatever the script does
@@ -89,7 +113,7 @@ def run(backend, budget, capacity, report_path, matcher, release_mode, planner, 
     except MemfitError as exc:
         raise click.ClickException(str(exc)) from exc
     checks = ((budget, _check_budget, "--budget"), (capacity, _check_capacity, "--capacity"),
-              (report_path, check_writable, "--report"))  # fmt: skip
+              (report_path, check_writable, "--report"), (plot_path, check_writable, "--plot"))  # fmt: skip
     for value, check, hint in checks:
         try:
             if value is not None:
@@ -124,6 +148,8 @@ def run(backend, budget, capacity, report_path, matcher, release_mode, planner, 
                 console.print(summary(report))
                 if report_path is not None:
                     _write_report(report, report_path, console)
+                if plot_path is not None:
+                    _draw(session, report, plot_path, console)
     if failure is not None:
         raise click.ClickException(str(failure)) from failure
     if script_error is not None:
@@ -133,6 +159,74 @@ def run(backend, budget, capacity, report_path, matcher, release_mode, planner, 
         exit_code = Termination.exit_code
     if exit_code not in (None, 0):
         raise SystemExit(exit_code)
+    if baseline is not None:
+        report["baseline"] = _compare_with_baseline(baseline, baseline_steps, backend, command, report)
+        if report_path is not None:  # written again, with the baseline's figures
+            _write_report(report, report_path, Console())
+
+
+def _compare_with_baseline(
+    mode: str, steps: int, backend: str | None, command: tuple[str, ...], report: dict[str, Any]
+) -> dict[str, Any]:
+    """Run the script as a user would without memfit (:mod:`memfit_executor.baseline`); print both; its figures."""
+    import subprocess
+
+    console = Console()
+    console.print(f"baseline {mode}: running the script's first {steps} steps again without memfit ...")
+    with tempfile.TemporaryDirectory() as folder:
+        out = Path(folder) / "baseline.json"
+        args = [sys.executable, "-m", "memfit_executor.baseline", str(out), mode, str(steps), backend or "-", "--"]
+        done = subprocess.run([*args, *command], capture_output=True, text=True)
+        if done.returncode != 0 or not out.exists():
+            tail = "\n".join(done.stderr.strip().splitlines()[-15:])
+            raise click.ClickException(f"the baseline run ({mode}) failed (exit {done.returncode}):\n{tail}")
+        measured = json.loads(out.read_text())
+    console.print(comparison(report, measured))
+    return measured
+
+
+def stable_step_seconds(report: dict[str, Any]) -> float | None:
+    """The median time of memfit's steps whose every iteration ran Stable (on its plan); ``None`` without one."""
+    steps: dict[int, list[dict[str, Any]]] = {}
+    for it in report["per_iteration"]:
+        steps.setdefault(it.get("step", it["iteration"]), []).append(it)
+    seconds = [sum(it["seconds"] for it in its) for its in steps.values() if all(it["stage"] == "Stable" for it in its)]
+    return statistics.median(seconds) if seconds else None
+
+
+def comparison(report: dict[str, Any], baseline: dict[str, Any]) -> Table:
+    """The peak and Stable step time of memfit beside the baseline's."""
+    name = {"ac": "full activation checkpointing", "none": "no memfit"}[baseline["baseline"]]
+    table = Table("", "peak device memory", "step time", title=f"memfit against {name}")
+    ours = stable_step_seconds(report)
+    theirs = baseline["step_seconds"]
+    table.add_row("memfit (Stable steps)", format_size(report["peak_device_bytes"]), _ms(ours))
+    table.add_row(f"{name} ({baseline['how']})", format_size(baseline["peak_device_bytes"]), _ms(theirs))
+    if ours and theirs and baseline["peak_device_bytes"]:
+        table.add_row(
+            "memfit / baseline",
+            f"{report['peak_device_bytes'] / baseline['peak_device_bytes']:.2f}",
+            f"{ours / theirs:.2f}",
+        )
+    return table
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.1f} ms"
+
+
+def _draw(session: Any, report: dict[str, Any], path: Path, console: Console) -> None:
+    """The run's picture; a failure to draw is said, and the exit status stays the script's."""
+    from memfit_executor.pictures import draw_run
+
+    traces = session.profiler.traces if session.profiler is not None else []
+    try:
+        draw_run(
+            console, path, session.iterations, traces[-1] if traces else None, report["budget_bytes"],
+            capacity=report["capacity_bytes"],
+        )  # fmt: skip
+    except (OSError, MemfitError) as exc:
+        print(f"memfit run: could not draw the run to {path}: {exc}", file=sys.stderr)
 
 
 def _check_budget(budget: str) -> None:

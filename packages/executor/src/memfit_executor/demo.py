@@ -12,8 +12,6 @@ for that file). It lives in memfit-executor because it shows the executor at wor
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-import itertools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +22,8 @@ from memfit.errors import MemfitError
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+
+from memfit_executor.pictures import draw_run
 
 console = Console()
 
@@ -131,82 +131,20 @@ def run_demo(
         f"generated, {format_size(report['swapped_out_bytes'])} swapped out, {report['passive_swaps']} passive swaps"
     )
     written = (
-        _plot(console, plot, session.iterations, trace, peak, budget_bytes, keep_existing=keep_existing_plot)
+        draw_run(
+            console,
+            plot,
+            session.iterations,
+            trace,
+            budget_bytes,
+            unswapped_peak=peak,
+            xlabel="step",
+            keep_existing=keep_existing_plot,
+        )
         if plot is not None
         else None
     )
     return DemoResult(losses, run.step_seconds, peak, report["peak_device_bytes"], budget_bytes, plot=written)
-
-
-def _plot(
-    console: Console,
-    path: Path,
-    iterations: list[dict],
-    trace: Any,
-    peak: int,
-    budget: int,
-    *,
-    keep_existing: bool = False,
-) -> Path | None:
-    """Per-step peaks against the budget, and the last traced step's memory by operator.
-
-    With ``keep_existing``, an existing ``path`` is kept: the picture goes to the first free ``<stem>-N<suffix>``.
-    """
-    if importlib.util.find_spec("matplotlib") is None:
-        console.print(f"no plot written to {path}: matplotlib is not installed (pip install matplotlib)")
-        return None
-    from matplotlib.ticker import MaxNLocator
-    from memfit.plotting import ByteAxis, pyplot
-
-    plt = pyplot("pip install matplotlib")
-    levels = {"budget": budget, "unswapped peak": peak}
-    styles = {"budget": {"color": "tab:red"}, "unswapped peak": {"color": "tab:gray", "linestyle": "--"}}
-    # the operator panel only once a step was traced (the profiler traces from its GenPolicy stage on)
-    fig, axes = plt.subplots(1, 2 if trace is not None else 1, figsize=(12 if trace is not None else 6, 4.4))
-    steps_ax, *ops_axes = axes if trace is not None else [axes]
-    step_peaks = [it["peak_device_bytes"] for it in iterations]
-    # up to the unswapped peak: the picture is the budget against what the step needs without memfit
-    axis = ByteAxis.fit(steps_ax, top_bytes=max([*step_peaks, peak]), levels=levels)
-    steps_ax.bar(range(len(iterations)), axis.scaled(step_peaks), color="tab:blue", label="peak of the step")
-    axis.draw_levels(steps_ax, styles)
-    steps_ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole
-    steps_ax.set(xlabel="step", title="peak device memory per step")
-    for ops_ax in ops_axes:
-        unswapped = trace.no_swap_memory_curve()
-        axis = ByteAxis.fit(ops_ax, top_bytes=float(unswapped.max(initial=0)), levels={"budget": budget})
-        ops_ax.plot(axis.scaled(unswapped), color="tab:gray", label="without swaps (reconstructed)")
-        ops_ax.plot(axis.scaled(trace.ops.device_bytes), color="tab:blue", label="measured")
-        axis.draw_levels(ops_ax, styles)
-        ops_ax.set(xlabel="operator", title=f"device memory through step {trace.iteration}")
-    for ax in (steps_ax, *ops_axes):  # under the axes: the data reaches the top of each
-        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, fontsize="small", frameon=False)
-    fig.tight_layout()
-    if keep_existing:
-        file, written = _create_new(path)
-        try:
-            with file:  # the legends below the axes included
-                fig.savefig(file, format=path.suffix[1:] or "png", dpi=100, bbox_inches="tight")
-        except BaseException:
-            written.unlink()  # ours, just created: no half-drawn picture left
-            raise
-    else:  # a path the user gave: theirs to overwrite
-        fig.savefig(path, dpi=100, bbox_inches="tight")
-        written = path
-    plt.close(fig)
-    kept = f" ({path} exists and was kept)" if written != path else ""
-    console.print(f"memory timeline written to {written}{kept}")
-    return written
-
-
-def _create_new(path: Path) -> tuple[Any, Path]:
-    """``path``, or else the first free ``<stem>-N<suffix>`` beside it, created for writing (never an existing file)."""
-    for n in itertools.count():
-        candidate = path if n == 0 else path.with_name(f"{path.stem}-{n}{path.suffix}")
-        try:
-            return candidate.open("xb"), candidate  # exclusive: another run's file is not taken either
-        except FileExistsError:
-            continue
-    raise AssertionError("unreachable")
 
 
 @click.command()

@@ -271,6 +271,9 @@ class SwapRuntime:
         self.device = backend.device
         self.clock = clock
         self.on_swap = on_swap
+        self.on_backward: Callable[[], None] | None = None
+        """Called when a backward pass begins (its first unpack): the session's fallback for loops without
+        an optimizer step ends an iteration when that backward pass ends."""
         self.min_swap_bytes = min_swap_bytes
         self.track_below_plan = True
         """Track saved tensors smaller than the plan's smallest swap (for passive swaps). The
@@ -526,10 +529,13 @@ class SwapRuntime:
     def _unpack(self, ref: Any) -> torch.Tensor:
         if self._risk_check is not None:
             self._risk_check(0)
+        if not self._in_backward:
+            self._in_backward = True
+            if self.on_backward is not None:
+                self.on_backward()
         if not isinstance(ref, SavedRef):
             return ref
         stored = ref.stored
-        self._in_backward = True
         # the clock is read only when there is something it could trigger (the hot path is short)
         if self._releases or self._swap_ins or self._held or stored.state != RESIDENT:
             position = self._position()[0] - self._base

@@ -91,6 +91,17 @@ NO_OPTIMIZER_STEP = (
 )
 """Said when a session ends without an iteration, though the profiler was there to see one."""
 
+PASSES_BEFORE_A_STEP = 8
+"""Forward-backward passes without an optimizer step after which a session ends an iteration at the end
+of each backward pass instead, until an optimizer step is seen: gradient accumulation over more
+micro-batches than this before the first step only makes those passes iterations."""
+NO_STEP_YET = (
+    "memfit has seen {passes} forward-backward passes and no optimizer step (step() of a torch.optim optimizer), "
+    "which is where an iteration ends: from now on each backward pass ends an iteration, so that the loop is "
+    "planned for. If the loop updates parameters another way, that is what it should be; else end each iteration "
+    "with session.profiler.step() under memfit.swap"
+)
+
 
 class SwapOptions(MemfitModel):
     """Options of a swap session (everything but the budget and the backend)."""
@@ -300,8 +311,15 @@ class SwapSession:
         self._activation: Any = None
         self._handles: list[Any] = []
         self._seen_optimizers: set[int] = set()
+        self._passes = 0  # backward passes begun, counted until the first iteration ends
+        self._pass_mode = False  # no optimizer step yet: an iteration ends with each backward pass
+        self._pass_ends = 0  # iterations the session ended so
         self._log: SaveLog | None = None
         self._plans: dict[int, _SequencePlans] = {}
+        self._passive_held: dict[int, bool] = {}
+        """Per sequence: whether its latest iteration without a plan (passive swaps alone) stayed within the budget."""
+        self.dropped_plans: list[dict[str, Any]] = []
+        """Plans dropped for a sequence because they went above the budget where passive swaps alone had held it."""
         self._applied: list[tuple[int, int | None]] = []  # per binding in place: (sequence, candidate or None)
         self._in_place: list[Binding] = []
         self._external: Binding | None = None
@@ -355,6 +373,7 @@ class SwapSession:
         )
         if self.profiler is not None:
             self.profiler.set_saved_bytes_source(self.runtime.take_saved_bytes)
+            self.runtime.on_backward = self._on_backward
         self.runtime.install(self.hooks if self.options.oom_handler != "off" else _NoOOMHooks())
         # an unmodified script never hands us its model: find it, in case a plan recomputes
         self._models = ModelFinder()
@@ -420,6 +439,28 @@ class SwapSession:
         profiler.add_iteration_listener(self._on_iteration)
         profiler.start()
         return profiler
+
+    def _on_backward(self) -> None:
+        """A backward pass begins: with no optimizer step yet, past PASSES_BEFORE_A_STEP, its end ends an iteration.
+
+        At the end of the backward pass (the autograd engine's final callback), not where the next
+        forward pass begins: that is inside an operator, whose own record would straddle two iterations.
+        """
+        if not self._pass_mode:
+            if self.profiler.step_count:
+                self.runtime.on_backward = None  # steps end iterations: nothing to do per pass any more
+                return
+            self._passes += 1
+            if self._passes <= PASSES_BEFORE_A_STEP:
+                return
+            self._pass_mode = True
+            self._note(NO_STEP_YET.format(passes=self._passes - 1))
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_pass)
+
+    def _end_pass(self) -> None:
+        if self._pass_mode and self.profiler is not None:
+            self._pass_ends += 1
+            self.profiler.step()
 
     def _note(self, text: str) -> None:
         if text not in self.notes:
@@ -502,6 +543,9 @@ class SwapSession:
         from memfit_profiler.stages import Stage
 
         assert self.runtime is not None
+        if self._pass_mode and record.ended_by == "optimizer":
+            self._pass_mode = False  # a step after all (accumulation over many micro-batches): steps end iterations
+            self.runtime.on_backward = None
         counters = self.runtime.end_iteration()
         copied = self.backend.copy_throughput()
         owner = self._applied[counters["plan"]] if counters["plan"] is not None else self._recompute_owner
@@ -531,6 +575,8 @@ class SwapSession:
                 f"peak_device_bytes): the plans and passive swaps did not hold it, and the capacity of "
                 f"{format_size(self.capacity_bytes)} let training go on"
             )
+        if owner is None:  # what passive swaps alone do for this sequence: what a failed plan falls back to
+            self._passive_held[record.sequence] = record.peak_device_bytes <= self.budget_bytes
         stage = record.sequence_stage.value
         self._stage_iterations[stage] += 1
         self._stage_seconds[stage] += record.seconds
@@ -546,6 +592,7 @@ class SwapSession:
                 self._check_health(record, plans, counters, copied)
             for t in self.profiler.observations[-1].transitions:
                 self._on_transition(t.sequence, t.after)
+            self._plan_follower(record, counters, finished_log)
             self._one_sequence_recomputes(record)
         self._apply_plans(latest=record.sequence)
         next_stage = self.profiler.machine.stage  # a re-plan may have moved it since the record was made
@@ -580,9 +627,57 @@ class SwapSession:
             best = plans.best_trial()
             if best is not None:
                 plans.chosen = plans.candidates[best.candidate]
+                if not best.within_budget:
+                    self._drop_plan(plans, "on every trial of its candidates")
             elif plans.candidates:
                 plans.chosen = plans.candidates[0]
             plans.candidates, plans.trials, plans.strained, plans.behind = [], [], 0, 0
+
+    def _drop_plan(self, plans: _SequencePlans, when: str) -> None:
+        """Never worse than passive swaps: drop the plan of a sequence that passive swaps alone had held.
+
+        Its plan went above the budget; its Stable iterations then apply no plan.
+        """
+        if not self._passive_held.get(plans.sequence) or plans.chosen is None:
+            return
+        plans.chosen = None
+        iteration = self.iterations[-1]["iteration"] if self.iterations else 0
+        self.dropped_plans.append({"iteration": iteration, "sequence": plans.sequence, "when": when})
+        self._note(
+            f"the plan for sequence {plans.sequence} went above the budget of {format_size(self.budget_bytes)} {when}, "
+            f"where passive swaps alone had held it: it is dropped, and that sequence runs on passive swaps "
+            f"(dropped_plans in the report)"
+        )
+
+    def _plan_follower(self, record: Any, counters: dict[str, Any], finished_log: SaveLog | None) -> None:
+        """Plan a follower from the traced iteration with which it left WarmUp, not from its next one.
+
+        A follower is a relative of a sequence planned for (:mod:`memfit_profiler.stages`).
+        """
+        from memfit_profiler.stages import Stage
+
+        seq = self.profiler.machine.sequence(record.sequence)
+        plans = self._plans.get(record.sequence)
+        if seq is None or plans is None or not seq.follower or plans.candidates:
+            return
+        if seq.stage is Stage.GENPOLICY and record.sequence_stage is Stage.WARMUP and record.detailed:
+            self._genpolicy_step(record, plans, counters, finished_log)
+
+    def _family_planner(self, sequence: int) -> str | None:
+        """The planner whose plan did best for a relative of ``sequence``: its chosen plan, else its best trial."""
+        seq = self.profiler.machine.sequence(sequence)
+        if seq is None:
+            return None
+        for relative in self.profiler.machine.family(seq):
+            plans = self._plans.get(relative.id)
+            if plans is None or relative.id == sequence:
+                continue
+            if plans.chosen is not None:
+                return plans.chosen.plan.planner
+            best = plans.best_trial()
+            if best is not None:
+                return plans.candidates[best.candidate].plan.planner
+        return None
 
     def _one_sequence_recomputes(self, record: Any) -> None:
         """Recompute only while one sequence recurs: checkpointing applies to the whole model.
@@ -745,6 +840,9 @@ class SwapSession:
             )
         bound = (bind(p, trace, save_log, phase_ops, traced_here=True) for p in usable)
         candidates = [b for b in bound if b.entries or _recomputes(b.plan)]
+        family_planner = self._family_planner(plans.sequence)
+        if family_planner is not None:  # a follower's one trial: the planner that did best for its family first
+            candidates.sort(key=lambda b: b.plan.planner != family_planner)
         told = plans.feasible is False  # said once per sequence, not at every planning iteration
         plans.feasible = any(p.is_feasible() for p in proposed) if proposed else None
         plans.lowest_peak_bytes = min((p.predicted.peak_bytes for p in proposed), default=None)
@@ -753,7 +851,8 @@ class SwapSession:
             self._note(
                 f"no plan fits the budget of {format_size(self.budget_bytes)} (sequence {plans.sequence}, iteration "
                 f"{iteration}): the lowest peak the planners reach is {format_size(closest.predicted.peak_bytes)}. "
-                f"Training goes on with the closest plans and passive swaps, slower than a plan that fits. "
+                f"Training goes on with the closest plans and passive swaps, slower than a plan that fits, or, if "
+                f"those plans go above the budget on their trials, with passive swaps alone. "
                 f"{closest.predicted.shortfall}".strip()
             )
         if candidates:
@@ -768,6 +867,9 @@ class SwapSession:
     ) -> None:
         """Adapt (module docs): plan a Stable sequence again when its plan stops holding."""
         copied, seconds = throughput
+        if record.peak_device_bytes > self.budget_bytes and self._passive_held.get(plans.sequence):
+            self._drop_plan(plans, f"in iteration {record.index}")
+            return
         strained = counters["passive_swaps"] > STRAINED_PASSIVE_SWAPS or record.peak_device_bytes > self.budget_bytes
         plans.strained = plans.strained + 1 if strained else 0
         behind = counters["swaps"] > 0 and counters["copy_waits"] > BEHIND_WAIT_FRACTION * counters["swaps"]
@@ -831,7 +933,8 @@ class SwapSession:
             "capacity_bytes": self.capacity_bytes,
             "peak_device_bytes": int(peak),
             "iterations": self._stage_iterations.total(),
-            "optimizer_steps": self.profiler.step_count if self.profiler is not None else 0,
+            # the profiler's step count less the iterations the session ended itself (no optimizer step seen)
+            "optimizer_steps": self.profiler.step_count - self._pass_ends if self.profiler is not None else 0,
             "iterations_per_stage": dict(self._stage_iterations),
             "seconds_per_stage": dict(self._stage_seconds),
             "stages": [it["stage"] for it in self.iterations],
@@ -843,6 +946,7 @@ class SwapSession:
             "plan_feasible": all(feasible) if feasible else None,
             "lowest_planned_peak_bytes": max(lowest) if lowest else None,
             "replans": self.replans,
+            "dropped_plans": self.dropped_plans,
             "swapped_out_bytes": stats.swapped_out_bytes if stats else 0,
             "swapped_in_bytes": stats.swapped_in_bytes if stats else 0,
             "passive_swaps": stats.passive_swaps if stats else 0,
