@@ -1,0 +1,155 @@
+"""The swap executor on the loops people write: a long run of changing lengths, and memfit against full AC.
+
+Two parts, each in processes of its own, on cpu-sim:
+
+* ``long``: the reference Llama (``tiny``, 4 layers, batch 4) for ``--steps`` steps (default 1,000),
+  the sequence length of each step drawn (seeded) from 64…512 in steps of ``--granularity`` tokens
+  (default 64: packed batches of a few fixed lengths), run plainly and under ``memfit.swap`` at
+  ``--fraction`` (default 50 %) of the plain run's peak, with room for twice the budget: ``exact``
+  (losses and final parameters bit-identical), ``oom_deaths`` (the run raised out of memory),
+  ``peak_bytes`` against ``budget_bytes`` (the allocator's peak), ``stable_fraction`` (of the
+  iterations after the first plan), ``plans`` (plans generated), ``sequences`` and ``dropped_plans``.
+* ``baseline``: a Qwen2 built from its config (``tests/hf_train.py``), ``memfit run --baseline ac``
+  at the peak full activation checkpointing reaches (``gradient_checkpointing_enable()``), in
+  ``--rounds`` paired rounds (each: memfit's run, then full AC's steps): both peaks and the median
+  step times (memfit's Stable steps), and their ratio per round.
+
+Prints one JSON object ``{"long": {...}, "baseline": {...}}``.
+
+Run: python benchmarks/real_loops.py [--steps 1000] [--rounds 3] [--part long|baseline|both]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+HF_TRAIN = REPO / "tests" / "hf_train.py"
+
+
+def long_run(steps: int, granularity: int, fraction: float) -> dict:
+    import dataclasses
+    import random
+
+    import memfit
+    from memfit.backends.cpu_sim import CpuSimBackend
+    from memfit.models import LlamaConfig, build_training
+
+    config = dataclasses.replace(LlamaConfig.preset("tiny"), n_layers=4, max_seq_len=512)
+    rng = random.Random(7)
+    lengths = [rng.randrange(64, 513, granularity) for _ in range(steps)]
+
+    def train() -> tuple[list[float], list]:
+        run = build_training(config, batch_size=4, seq_len=max(lengths))
+        losses = []
+        for i, length in enumerate(lengths):
+            inputs, targets = run.data.batch(i)
+            loss = run.model.loss(inputs[:, :length], targets[:, :length])
+            loss.backward()
+            run.optimizer.step()
+            run.optimizer.zero_grad(set_to_none=True)
+            losses.append(float(loss.detach()))
+        return losses, [p.detach().numpy().copy() for p in run.model.parameters()]
+
+    sim = CpuSimBackend(capacity="8GiB")
+    with sim.activate():
+        sim.reset_peak_memory_stats()
+        losses, params = train()
+        peak = sim.max_memory_allocated()
+    sim.close()
+    budget = int(peak * fraction)
+    died = False
+    got: tuple[list[float], list] | None = None
+    session = memfit.swap(budget=budget, backend="cpu-sim", capacity=2 * budget)
+    try:
+        with session:
+            got = train()
+    except memfit.errors.MemfitError as exc:  # an out-of-memory the session could not handle
+        died = "out of memory" in str(exc)
+        if not died:
+            raise
+    report = session.report()
+    its = report["per_iteration"]
+    first = report["planning_iterations"][0] if report["planning_iterations"] else report["iterations"]
+    after = [it for it in its if it["iteration"] >= first]
+    exact = got is not None and got[0] == losses and all((a == b).all() for a, b in zip(got[1], params, strict=True))
+    return {
+        "steps": steps,
+        "lengths": sorted(set(lengths)),
+        "exact": exact,
+        "oom_deaths": int(died),
+        "peak_bytes": report["peak_device_bytes"],
+        "budget_bytes": budget,
+        "within_budget": report["peak_device_bytes"] <= budget,
+        "stable_fraction": sum(it["stage"] == "Stable" for it in after) / max(1, len(after)),
+        "plans": report["plans_generated"],
+        "sequences": report["sequences"],
+        "dropped_plans": len(report["dropped_plans"]),
+        "passive_swaps": report["passive_swaps"],
+    }
+
+
+def baseline_rounds(rounds: int, steps: int) -> dict:
+    from memfit_executor.cli import stable_step_seconds
+
+    args = ("--model", "qwen2", "--iterations", str(steps))
+    with tempfile.TemporaryDirectory() as folder:
+        out = Path(folder) / "ac.json"
+        cmd = [sys.executable, "-m", "memfit_executor.baseline", str(out), "ac", str(steps), "cpu-sim", "--"]
+        subprocess.run([*cmd, str(HF_TRAIN), *args], check=True, capture_output=True)
+        ac_peak = json.loads(out.read_text())["peak_device_bytes"]
+        results = []
+        for _ in range(rounds):
+            report_path = Path(folder) / "run.json"
+            memfit_cmd = [
+                sys.executable, "-c", "from memfit.cli.main import main; main()", "run", "--backend", "cpu-sim",
+                "--budget", str(ac_peak), "--capacity", str(2 * ac_peak), "--baseline", "ac",
+                "--baseline-steps", str(min(steps, 10)), "--report", str(report_path), "--",
+                sys.executable, str(HF_TRAIN), *args,
+            ]  # fmt: skip
+            subprocess.run(memfit_cmd, check=True, capture_output=True)
+            report = json.loads(report_path.read_text())
+            ours, theirs = stable_step_seconds(report), report["baseline"]["step_seconds"]
+            results.append({
+                "memfit_peak_bytes": report["peak_device_bytes"],
+                "ac_peak_bytes": report["baseline"]["peak_device_bytes"],
+                "memfit_step_seconds": ours,
+                "ac_step_seconds": theirs,
+                "step_ratio": ours / theirs if ours and theirs else None,
+                "stable": sum(it["stage"] == "Stable" for it in report["per_iteration"]),
+            })  # fmt: skip
+    ratios = [r["step_ratio"] for r in results if r["step_ratio"]]
+    return {
+        "model": "qwen2 (tests/hf_train.py)",
+        "budget_bytes": ac_peak,
+        "rounds": results,
+        "median_step_ratio": statistics.median(ratios) if ratios else None,
+        "memfit_within_ac_peak": all(r["memfit_peak_bytes"] <= ac_peak for r in results),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--part", choices=["long", "baseline", "both"], default="both")
+    parser.add_argument("--steps", type=int, default=1000, help="steps of the long run")
+    parser.add_argument("--granularity", type=int, default=64, help="lengths are 64 + k * this, up to 512")
+    parser.add_argument("--fraction", type=float, default=0.5, help="budget as a fraction of the plain peak")
+    parser.add_argument("--rounds", type=int, default=3, help="paired rounds of memfit against full AC")
+    parser.add_argument("--baseline-steps", type=int, default=30, help="steps of each memfit run in a round")
+    args = parser.parse_args()
+    result = {}
+    if args.part in ("long", "both"):
+        result["long"] = long_run(args.steps, args.granularity, args.fraction)
+    if args.part in ("baseline", "both"):
+        result["baseline"] = baseline_rounds(args.rounds, args.baseline_steps)
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
