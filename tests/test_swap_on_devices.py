@@ -61,7 +61,7 @@ def run_with_ballast(backend, budget, steps, calls, workload=CPU_WORKLOAD):
     per_step, ballast = [], None
     # one candidate: the plan does not depend on which candidate happened to be fastest on this machine;
     # a wide margin: the plan leaves room for two of the largest saved tensors below the arming threshold
-    options = {"candidates": 1, "planner_options": {"swap": {"margin": budget // 4}}}
+    options = {"planner": "swap", "candidates": 1, "planner_options": {"swap": {"margin": budget // 4}}}
     with memfit.swap(budget=budget, backend=backend, **options) as session:
         run = build_training(CONFIG, device=backend.device, **workload)
         losses = []
