@@ -11,7 +11,11 @@ cycles the sequence length through several values; ``--log-between`` logs the lo
 between ``backward()`` and the optimizer step, as most scripts do; ``--accumulate N`` accumulates the
 gradients of N micro-batches before each step (the loss divided by N, as people write it);
 ``--grad-scaler`` steps through a ``torch.amp.GradScaler``, whose every 7th step overflows (an
-infinite loss scaled) and is skipped, as a loss scaler skips a step on overflow.
+infinite loss scaled) and is skipped, as a loss scaler skips a step on overflow; ``--optimizers 2``
+trains the embeddings and the rest with two optimizers, each under its own LR schedule, with the
+gradients clipped and zeroed to zeros (``set_to_none=False``); ``--autocast bf16`` runs forward and
+loss under CPU autocast; ``--compile-block`` compiles one transformer block (``torch.compile``)
+inside the eager loop.
 """
 
 import argparse
@@ -31,6 +35,9 @@ parser.add_argument("--log-between", action="store_true")
 parser.add_argument("--accumulate", type=int, default=1)
 parser.add_argument("--dropout", type=float, default=0.0)
 parser.add_argument("--grad-scaler", action="store_true")
+parser.add_argument("--optimizers", type=int, choices=[1, 2], default=1)
+parser.add_argument("--autocast", choices=["bf16"], default=None)
+parser.add_argument("--compile-block", action="store_true")
 parser.add_argument("--measure-peak", action="store_true")
 args = parser.parse_args()
 lengths = [int(x) for x in args.lengths.split(",")]
@@ -76,7 +83,19 @@ else:
     hidden = config.hidden_size
 model.train()
 extra = torch.nn.Linear(hidden, hidden)
-optimizer = torch.optim.AdamW([*model.parameters(), *extra.parameters()], lr=1e-3)
+if args.optimizers == 1:
+    optimizers = [torch.optim.AdamW([*model.parameters(), *extra.parameters()], lr=1e-3)]
+    schedulers = []
+else:  # the embeddings with one optimizer, the rest with another, each under its own schedule
+    embeddings = {id(p) for p in model.get_input_embeddings().parameters()}
+    rest = [p for p in [*model.parameters(), *extra.parameters()] if id(p) not in embeddings]
+    optimizers = [torch.optim.SGD(model.get_input_embeddings().parameters(), lr=1e-2, momentum=0.9),
+                  torch.optim.AdamW(rest, lr=1e-3)]  # fmt: skip
+    schedulers = [torch.optim.lr_scheduler.StepLR(optimizers[0], step_size=5, gamma=0.5),
+                  torch.optim.lr_scheduler.LambdaLR(optimizers[1], lambda step: min(1.0, (step + 1) / 4))]  # fmt: skip
+if args.compile_block:
+    blocks[1].compile()
+autocast = torch.autocast("cpu", dtype=torch.bfloat16) if args.autocast else contextlib.nullcontext()
 branch = {"on": False}
 
 
@@ -112,7 +131,8 @@ with measuring:
         branch["on"] = args.changes and int(ids[0, 0]) % 10 == 0
         for micro in range(args.accumulate):
             part = ids if args.accumulate == 1 else torch.roll(ids, micro, dims=0)  # another batch per micro-step
-            loss = model(part, labels=part).loss / args.accumulate
+            with autocast:
+                loss = model(part, labels=part).loss / args.accumulate
             if scaler is None:
                 loss.backward()
             else:  # every 7th step overflows: its gradients are not finite and the scaler skips it
@@ -120,11 +140,17 @@ with measuring:
         if args.log_between:
             print(f"step {i}: loss {loss.item():.4f}", flush=True)  # logging before the step, as people do
         if scaler is not None:
-            scaler.step(optimizer)
+            scaler.step(optimizers[0])
             scaler.update()
         elif not (args.changes and i % 7 == 6):
-            optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+            if len(optimizers) > 1:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            for optimizer in optimizers:
+                optimizer.step()
+            for scheduler in schedulers:
+                scheduler.step()
+        for optimizer in optimizers:
+            optimizer.zero_grad(set_to_none=len(optimizers) == 1)
         losses.append(loss.item())
     digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
     peak = backend.max_memory_allocated() if backend is not None else None

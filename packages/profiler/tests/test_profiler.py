@@ -70,6 +70,38 @@ def test_logging_the_loss_between_backward_and_the_step_stays_in_the_step(backen
     assert prof.stage is Stage.STABLE and len(prof.traces) == sum(it.detailed for it in prof.iterations) >= 1
 
 
+def test_a_step_of_two_optimizers_is_one_iteration_ended_by_the_last(backend):
+    """The embeddings with one optimizer and the rest with another, each stepped after one backward pass: one
+    iteration a step (the first step ends at the first optimizer: the second's operators are left out), and
+    every later step's trace holds both optimizers' operators."""
+    run = build_training("tiny", batch_size=2, seq_len=16)
+    params = list(run.model.parameters())
+    first = torch.optim.SGD(params[:1], lr=0.1, momentum=0.9)
+    second = torch.optim.AdamW(params[1:], lr=1e-3)
+    with OnlineProfiler(backend, m=1, n=1) as prof:
+        for i in range(6):
+            inputs, targets = run.data.batch(i)
+            run.model.loss(inputs, targets).backward()
+            first.step()
+            second.step()
+            first.zero_grad(set_to_none=False)
+            second.zero_grad(set_to_none=False)
+        assert prof.stage is Stage.STABLE
+        # the last stops stepping: a step then ends when the first steps again, and at any optimizer's after
+        for i in range(6, 9):
+            inputs, targets = run.data.batch(i)
+            run.model.loss(inputs, targets).backward()
+            first.step()
+    # ... so the two passes until then are one iteration (once), and each pass after is one
+    assert len(prof.iterations) == prof.step_count == 8
+    assert all(it.ended_by == "optimizer" for it in prof.iterations)
+    assert prof.iterations[6].n_ops > 1.5 * prof.iterations[7].n_ops
+    steps = prof.iterations[1:6]
+    assert len({it.sequence for it in steps}) == 1 and len({it.phase_ops[2] for it in steps}) == 1
+    assert prof.traces and all((t.ops.phase == 2).sum() == steps[-1].phase_ops[2] for t in prof.traces)
+    assert prof.iterations[-1].phase_ops[2] < steps[-1].phase_ops[2]  # the first optimizer's alone
+
+
 def test_gradient_accumulation_is_a_step_of_several_iterations_whose_first_is_the_trace(backend):
     run = build_training("tiny", batch_size=2, seq_len=16)
     saved: list[int] = []

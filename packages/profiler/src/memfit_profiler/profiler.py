@@ -52,7 +52,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from memfit_profiler.modules import ModuleRecord, ModuleSpans, annotate
 from memfit_profiler.recorder import DETAILED, LIGHTWEIGHT, OFF, RawIteration, make_recorder
-from memfit_profiler.stages import Observation, Similarity, Stage, StageMachine
+from memfit_profiler.stages import KnownSequence, Observation, Similarity, Stage, StageMachine
 
 log = logging.getLogger("memfit.profiler")
 
@@ -155,9 +155,9 @@ class OnlineProfiler:
         self.observations: list[Observation] = []
         """The stage machine's verdicts on the latest ``history`` iterations, oldest first."""
         self.iteration_count = 0
-        self.step_count = 0
-        """Iteration boundaries seen: optimizer steps and explicit :meth:`step` calls."""
         """Iterations recorded since the start (``iterations[-1].index + 1``)."""
+        self.step_count = 0
+        """Steps ended: by an optimizer step (the last of the step's optimizers) or an explicit :meth:`step`."""
         self.stage_counts: Counter[Stage] = Counter()
         """Iterations run in each stage (of the run) since the start."""
         self._traces: list[Trace | tuple[RawIteration, float, int, frozenset[int], ModuleRecord | None]] = []
@@ -171,6 +171,11 @@ class OnlineProfiler:
         self._detailed = False
         self._started_at = 0.0
         self._running = False
+        self._step_ender: int | None = None
+        """``id`` of the optimizer whose step ends a step, once several were seen to step in one (else any)."""
+        self._ended_by_optimizer: int | None = None
+        self._stepped: set[int] = set()
+        """``id`` of the optimizers that stepped in the current iteration."""
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> OnlineProfiler:
@@ -271,6 +276,14 @@ class OnlineProfiler:
         """Send a Stable sequence back to GenPolicy, so that a new plan is generated for it."""
         self.machine.replan(sequence)
 
+    def sequence(self, sequence: int) -> KnownSequence | None:
+        """The known sequence with this id (its stage, family, whether it follows a relative), if still known."""
+        return self.machine.sequence(sequence)
+
+    def family(self, sequence: KnownSequence) -> list[KnownSequence]:
+        """The known sequences of ``sequence``'s family (other lengths of its program), itself among them."""
+        return self.machine.family(sequence)
+
     def position(self) -> tuple[int, int, int]:
         """``(operators recorded so far in this iteration, token of the latest or -1, context)``.
 
@@ -307,9 +320,24 @@ class OnlineProfiler:
         self.recorder.set_optimizer_phase(True)
 
     def _after_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """End the step at its last optimizer's step.
+
+        A loop with several optimizers (embeddings and the rest, or one per parameter group kind) steps
+        each after one backward pass. The first step of such a run ends at the first optimizer; the
+        others then step with no backward pass since: they are the step's later optimizers, their
+        operators are left out of any iteration and the last of them ends every later step. Should that
+        one stop stepping (a schedule that steps it every k steps), an optimizer stepping a second time
+        in one iteration ends the step and any optimizer ends the steps after.
+        """
         self.recorder.set_optimizer_phase(False)
         if self._detailed:  # only Detailed traces mark static storages; skip the walk otherwise
             self._static_keys.update(_storage_keys(optimizer_tensors(optimizer, gradients=True)))
+        key = id(optimizer)
+        if self._step_ender is not None and key != self._step_ender:
+            if key not in self._stepped:
+                self._stepped.add(key)
+                return  # an earlier optimizer of the step: the step goes on to its last
+            self._step_ender = None  # it stepped again and the last never came: a new step began
         self._end_iteration("optimizer", optimizer)
 
     def _begin_iteration(self) -> None:
@@ -343,8 +371,22 @@ class OnlineProfiler:
         with self._uncounted():  # the recorded columns are host bookkeeping, not device memory
             raw = self.recorder.take()
             modules = self._modules.finish(int(raw.tokens.size), optimizer) if self._detailed else None
-            self._process(raw, seconds, peak, ended_by, modules)
+            if self._later_optimizer(raw, optimizer):
+                log.debug("memfit-profiler: optimizers step together; a step ends at %s's", type(optimizer).__name__)
+                self._step_ender = id(optimizer)
+            else:
+                self._process(raw, seconds, peak, ended_by, modules)
+                self._ended_by_optimizer = id(optimizer) if optimizer is not None else None
+        self._stepped.clear()
         self._begin_iteration()
+
+    def _later_optimizer(self, raw: RawIteration, optimizer: torch.optim.Optimizer | None) -> bool:
+        """Whether ``optimizer`` stepped right after another ended the step, with no backward pass since."""
+        return (
+            optimizer is not None
+            and self._ended_by_optimizer not in (None, id(optimizer))
+            and not np.any(raw.phases == int(Phase.BWD))
+        )
 
     def _process(
         self,
