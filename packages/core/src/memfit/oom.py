@@ -6,7 +6,10 @@ unused device memory to the device, once per failure.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from memfit.plugins import hookimpl
@@ -28,6 +31,39 @@ def on_oom(event: OOMEvent) -> OOMResponse | None:
     if freed <= 0:
         return None
     return OOMResponse(action="retry", freed_bytes=freed, note=f"emptied the allocator cache ({freed} B)")
+
+
+def retry_on_oom(
+    call: Callable[[], T],
+    *,
+    backend: Backend,
+    ask: Callable[[int, int, BaseException], bool],
+    rerun: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
+) -> T:
+    """``call()``; while it fails with a device OOM and ``ask(requested_bytes, attempt, error)`` says retry, again.
+
+    memfit's one retry loop: :func:`call_with_oom_handling` runs it with the ``on_oom`` handlers as
+    ``ask``, the swap executor around every operator of a backend whose allocator cannot retry.
+    ``attempt`` counts the failures of this call so far (0 on the first); ``rerun()`` is a context the
+    re-runs go in (the executor's hides them from profilers: they are no operators of the program).
+
+    Raises:
+        Exception: the error itself, when it is no OOM (the backend's call) or ``ask`` says no.
+    """
+    try:
+        return call()
+    except Exception as exc:
+        if not backend.is_oom(exc) or not ask(backend.oom_request_bytes(exc), 0, exc):
+            raise
+    attempt = 1
+    with rerun():
+        while True:
+            try:
+                return call()
+            except Exception as exc:
+                if not backend.is_oom(exc) or not ask(backend.oom_request_bytes(exc), attempt, exc):
+                    raise
+                attempt += 1
 
 
 def call_with_oom_handling(
@@ -62,22 +98,19 @@ def call_with_oom_handling(
     from memfit.plugins import get_hooks
 
     hooks = hooks or get_hooks()
-    attempt = 0
-    while True:
-        try:
-            return fn(*args, **kwargs)
-        except Exception as exc:
-            if not backend.is_oom(exc) or attempt >= max_attempts:
-                raise
-            event = OOMEvent(
-                requested_bytes=backend.oom_request_bytes(exc),
-                capacity_bytes=backend.capacity_bytes,
-                in_use_bytes=backend.memory_allocated(),
-                attempt=attempt,
-                backend=backend,
-                error=exc,
-            )
-            response = hooks.handle_oom(event)
-            if response is None or response.action != "retry":
-                raise
-            attempt += 1
+
+    def ask(requested: int, attempt: int, error: BaseException) -> bool:
+        if attempt >= max_attempts:
+            return False
+        event = OOMEvent(
+            requested_bytes=requested,
+            capacity_bytes=backend.capacity_bytes,
+            in_use_bytes=backend.memory_allocated(),
+            attempt=attempt,
+            backend=backend,
+            error=error,
+        )
+        response = hooks.handle_oom(event)
+        return response is not None and response.action == "retry"
+
+    return retry_on_oom(functools.partial(fn, *args, **kwargs), backend=backend, ask=ask)

@@ -1,28 +1,13 @@
-"""memfit-executor's plugin module: the swap executor's OOM handler and the ``memfit run`` and ``memfit demo`` commands.
+"""memfit-executor's plugin module: the ``memfit run`` and ``memfit demo`` commands.
 
-Importing it does not import torch.
+Importing it does not import torch. The swap executor's OOM handler (Algorithm 3) is registered with
+the hooks by each runtime while it is installed (``memfit_executor.runtime``), not here.
 """
 
 from __future__ import annotations
 
 from memfit import hookimpl
-from memfit.types import CommandSpec, OOMEvent, OOMResponse
-
-
-@hookimpl
-def on_oom(event: OOMEvent) -> OOMResponse | None:
-    """Algorithm 3 (Chameleon, Appendix B): release pending swap-outs, then passive swaps, while a swap session runs."""
-    import sys
-
-    runtime_module = sys.modules.get("memfit_executor.runtime")
-    runtime = runtime_module.active_runtime() if runtime_module is not None else None
-    if runtime is None or runtime.backend is not event.backend:
-        return None
-    answer = runtime.handle_oom(event.requested_bytes, event.attempt)
-    if answer is None:
-        return None
-    freed, note = answer
-    return OOMResponse(action="retry", freed_bytes=freed, note=note)
+from memfit.types import CommandSpec
 
 
 @hookimpl

@@ -71,6 +71,7 @@ per operator there in any mode.
 from __future__ import annotations
 
 import bisect
+import functools
 import heapq
 import itertools
 import logging
@@ -81,10 +82,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from memfit import hookimpl
 from memfit.config import format_size
 from memfit.errors import MemfitError
 from memfit.native import hidden_from_profilers
+from memfit.oom import retry_on_oom
 from memfit.tensors import sole_owner, storage_key
+from memfit.types import OOMEvent, OOMResponse
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memfit_executor.matching import Binding, Entry, FirstSave, Identity, Matcher, SaveLog, make_matcher
@@ -320,6 +324,7 @@ class SwapRuntime:
         self._grad_owners: list[weakref.ref[torch.Tensor]] = []
         self._allocator_retry = False
         self._oom_hooks: Any = None
+        self._oom_handler: _OOMHandler | None = None
         self._iteration = RuntimeStats()
         self.oom_enabled = True
         """Whether Algorithm 3 answers OOM (a session turns it off in Stable for the Capuchin-style baseline)."""
@@ -343,7 +348,10 @@ class SwapRuntime:
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
         self._allocator_retry = self.backend.set_oom_handler(self._allocator_oom)
-        _set_active(self)
+        # Algorithm 3 answers the on_oom hook for this runtime while it is installed, first among the handlers
+        # registered (core's empty-the-cache handler is the last resort)
+        self._oom_handler = _OOMHandler(self)
+        self._oom_hooks.pm.register(self._oom_handler, name=f"memfit-executor-runtime-{id(self)}")
 
     def uninstall(self) -> None:
         """Leave the hooks and remove the OOM handler; tensors already saved keep working."""
@@ -354,7 +362,8 @@ class SwapRuntime:
             self.backend.set_oom_handler(None)
         self._hooks.__exit__(None, None, None)
         self._hooks = None
-        _set_active(None)
+        self._oom_hooks.pm.unregister(self._oom_handler)
+        self._oom_handler = None
 
     def set_retry_mode(self, mode: str, *, headroom: int | None = None) -> None:
         """Who catches OOM on a backend whose allocator cannot retry (see the module docs).
@@ -707,8 +716,6 @@ class SwapRuntime:
     # -- out of memory (Algorithm 3) -----------------------------------------------------------
     def _allocator_oom(self, request: int, attempt: int, error: BaseException | None = None) -> bool:
         """Ask the ``on_oom`` handlers about a failed allocation; whether to retry it."""
-        from memfit.types import OOMEvent
-
         in_use = self.backend.memory_allocated()
         if self.oom_enabled and attempt < _MAX_RETRIES:
             event = OOMEvent(
@@ -906,34 +913,33 @@ def _retrying(runtime: SwapRuntime, fn: Callable[..., Any], /, *args: Any, **kwa
     """``fn(*args, **kwargs)``, re-run while Algorithm 3 frees memory after an OOM (the backend says what is one).
 
     Outside the per-operator retry (mode ``off``, or an allocator that retries itself) it is a plain call.
+    Re-runs are no operators of the program's (cpu-sim's retry is not seen either): profilers do not see them.
     """
     if runtime._allocator_retry or runtime.retry_mode == "off":
         return fn(*args, **kwargs)
-    backend = runtime.backend
-    try:
-        return fn(*args, **kwargs)
-    except Exception as exc:
-        if not backend.is_oom(exc) or not runtime._allocator_oom(backend.oom_request_bytes(exc), 0, exc):
-            raise
-    attempt = 1
-    with hidden_from_profilers():  # a re-run is no operator of the program's (cpu-sim's retry is not seen either)
-        while True:
-            try:
-                return fn(*args, **kwargs)
-            except Exception as exc:
-                if not backend.is_oom(exc) or not runtime._allocator_oom(backend.oom_request_bytes(exc), attempt, exc):
-                    raise
-                attempt += 1
+    return retry_on_oom(
+        functools.partial(fn, *args, **kwargs), backend=runtime.backend, ask=runtime._allocator_oom,
+        rerun=hidden_from_profilers,
+    )  # fmt: skip
 
 
-_active: SwapRuntime | None = None
+class _OOMHandler:
+    """A runtime's ``on_oom`` hook implementation, registered with its hooks while it is installed.
 
+    Algorithm 3 (Chameleon, Appendix B) for the runtime's backend: release pending swap-outs, then
+    passive swaps. Registered as a plugin object rather than found by the executor's plugin module,
+    so that exactly the installed runtime answers, and none once it is uninstalled.
+    """
 
-def _set_active(runtime: SwapRuntime | None) -> None:
-    global _active
-    _active = runtime
+    def __init__(self, runtime: SwapRuntime) -> None:
+        self.runtime = runtime
 
-
-def active_runtime() -> SwapRuntime | None:
-    """The installed runtime, if any (the ``on_oom`` hook implementation asks it)."""
-    return _active
+    @hookimpl
+    def on_oom(self, event: OOMEvent) -> OOMResponse | None:
+        if self.runtime.backend is not event.backend:
+            return None
+        answer = self.runtime.handle_oom(event.requested_bytes, event.attempt)
+        if answer is None:
+            return None
+        freed, note = answer
+        return OOMResponse(action="retry", freed_bytes=freed, note=note)

@@ -595,7 +595,7 @@ class SwapSession:
             self._plan_follower(record, counters, finished_log)
             self._one_sequence_recomputes(record)
         self._apply_plans(latest=record.sequence)
-        next_stage = self.profiler.machine.stage  # a re-plan may have moved it since the record was made
+        next_stage = self.profiler.stage  # a re-plan may have moved it since the record was made
         if next_stage is Stage.STABLE:
             self.runtime.track_below_plan = False
             self.runtime.set_retry_mode("armed" if self.options.oom_handler == "always" else "off")
@@ -656,7 +656,7 @@ class SwapSession:
         """
         from memfit_profiler.stages import Stage
 
-        seq = self.profiler.machine.sequence(record.sequence)
+        seq = self.profiler.sequence(record.sequence)
         plans = self._plans.get(record.sequence)
         if seq is None or plans is None or not seq.follower or plans.candidates:
             return
@@ -665,10 +665,10 @@ class SwapSession:
 
     def _family_planner(self, sequence: int) -> str | None:
         """The planner whose plan did best for a relative of ``sequence``: its chosen plan, else its best trial."""
-        seq = self.profiler.machine.sequence(sequence)
+        seq = self.profiler.sequence(sequence)
         if seq is None:
             return None
-        for relative in self.profiler.machine.family(seq):
+        for relative in self.profiler.family(seq):
             plans = self._plans.get(relative.id)
             if plans is None or relative.id == sequence:
                 continue
@@ -704,10 +704,10 @@ class SwapSession:
             plans.candidates, plans.trials, plans.from_first_trace = [], [], True
             if plans.chosen is not None and _recomputes(plans.chosen.plan):
                 plans.chosen = None
-            seq = self.profiler.machine.sequence(plans.sequence)
+            seq = self.profiler.sequence(plans.sequence)
             if seq is not None and seq.stage is Stage.STABLE:
                 self.profiler.replan(plans.sequence)
-                self._on_transition(plans.sequence, self.profiler.machine.sequence(plans.sequence).stage)
+                self._on_transition(plans.sequence, self.profiler.sequence(plans.sequence).stage)
 
     def _apply_plans(self, latest: int) -> None:
         """Put in place, for the next iteration, every sequence's plan (or the candidate under trial)."""
@@ -721,7 +721,7 @@ class SwapSession:
             bindings.append(self._external)
         # the sequence of the latest iteration first: the next one most likely runs it again
         for plans in sorted(self._plans.values(), key=lambda p: p.sequence != latest):
-            seq = self.profiler.machine.sequence(plans.sequence)
+            seq = self.profiler.sequence(plans.sequence)
             trial = plans.next_trial() if seq is not None and seq.stage is Stage.GENPOLICY else None
             plans.applied_trial = trial
             if trial is not None:
@@ -910,7 +910,7 @@ class SwapSession:
             )
             log.info("memfit-executor: planning sequence %d again: %s", plans.sequence, reason)
             self.profiler.replan(plans.sequence)
-            self._on_transition(plans.sequence, self.profiler.machine.sequence(plans.sequence).stage)
+            self._on_transition(plans.sequence, self.profiler.sequence(plans.sequence).stage)
 
     # -- results ---------------------------------------------------------------------------
     @property

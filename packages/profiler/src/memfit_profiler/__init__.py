@@ -16,6 +16,7 @@ from memfit_profiler.__about__ import __version__
 
 _EXPORTS = {
     "IterationRecord": "memfit_profiler.profiler",
+    "KnownSequence": "memfit_profiler.stages",
     "OnlineProfiler": "memfit_profiler.profiler",
     "Observation": "memfit_profiler.stages",
     "Similarity": "memfit_profiler.stages",
