@@ -68,7 +68,9 @@ def test_the_simulator_times_an_offload_plan_as_the_planner_s_own_timeline_does(
     )
     own = simulate(program, [p.before_op for p in prefetches]).step_s
     assert simulated == pytest.approx(own, rel=1e-9, abs=1e-12)
-    assert simulated >= result.step_seconds
+    # a plan adds copies, never removes compute: no faster than the step without it, up to the order in which
+    # the two sums add the same operator times (one calibration made them differ by 5e-16 s in 0.67 s)
+    assert simulated >= result.step_seconds * (1 - 1e-12)
 
 
 def test_a_session_refuses_the_offload_planner_and_says_how_to_apply_it(tmp_path):
