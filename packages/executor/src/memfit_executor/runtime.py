@@ -345,13 +345,16 @@ class SwapRuntime:
         from memfit.plugins import get_hooks
 
         self._oom_hooks = hooks or get_hooks()
+        # Algorithm 3 answers the on_oom hook for this runtime while it is installed, first among the handlers
+        # registered (core's empty-the-cache handler is the last resort); hooks without a plugin manager (a
+        # session's oom_handler="off" answers no OOM) get none
+        pm = getattr(self._oom_hooks, "pm", None)
+        if pm is not None:
+            self._oom_handler = _OOMHandler(self)
+            pm.register(self._oom_handler, name=f"memfit-executor-runtime-{id(self)}")
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
         self._allocator_retry = self.backend.set_oom_handler(self._allocator_oom)
-        # Algorithm 3 answers the on_oom hook for this runtime while it is installed, first among the handlers
-        # registered (core's empty-the-cache handler is the last resort)
-        self._oom_handler = _OOMHandler(self)
-        self._oom_hooks.pm.register(self._oom_handler, name=f"memfit-executor-runtime-{id(self)}")
 
     def uninstall(self) -> None:
         """Leave the hooks and remove the OOM handler; tensors already saved keep working."""
@@ -362,8 +365,9 @@ class SwapRuntime:
             self.backend.set_oom_handler(None)
         self._hooks.__exit__(None, None, None)
         self._hooks = None
-        self._oom_hooks.pm.unregister(self._oom_handler)
-        self._oom_handler = None
+        if self._oom_handler is not None:
+            self._oom_hooks.pm.unregister(self._oom_handler)
+            self._oom_handler = None
 
     def set_retry_mode(self, mode: str, *, headroom: int | None = None) -> None:
         """Who catches OOM on a backend whose allocator cannot retry (see the module docs).
