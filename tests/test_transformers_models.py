@@ -42,15 +42,17 @@ def under_memfit(tmp_path, budget, *args, script=SCRIPT):
     return script_output(result.stdout), json.loads(report_path.read_text())
 
 
-def same_training(got, ref, report):
-    """Bit-identical losses and parameters; else a message with where they part and what memfit did then."""
+def assert_same_training(got, ref, report):
+    """Bit-identical losses and parameters; else say where the losses part and what memfit did up to there."""
     if got["losses"] == ref["losses"] and got["params"] == ref["params"]:
-        return True, ""
+        return
     first = next((i for i, (a, b) in enumerate(zip(got["losses"], ref["losses"], strict=False)) if a != b), None)
     keys = ("iteration", "stage", "sequence", "plan", "swaps", "passive_swaps", "ooms_survived", "late_swap_ins",
             "copy_waits", "beyond_budget", "peak_device_bytes")  # fmt: skip
-    early = [{k: it.get(k) for k in keys} for it in report["per_iteration"][: (first or 0) + 1]]
-    return False, f"losses first differ at step {first}; memfit's iterations up to it: {early}"
+    shown = report["per_iteration"] if first is None else report["per_iteration"][: first + 1]
+    early = [{k: it.get(k) for k in keys} for it in shown]
+    where = f"at step {first}" if first is not None else "in the parameters only"
+    raise AssertionError(f"training differs from the run without memfit {where}; memfit's iterations: {early}")
 
 
 def stable_iterations(report):
@@ -68,7 +70,7 @@ def test_gpt2_with_branches_skipped_steps_and_validation_under_a_third_of_its_pe
     ref = reference(*args)
     budget = ref["peak"] // 3
     got, report = under_memfit(tmp_path, budget, *args)
-    assert got["losses"] == ref["losses"] and got["params"] == ref["params"]  # bit-identical
+    assert_same_training(got, ref, report)
     assert report["peak_device_bytes"] <= budget
     stable = stable_iterations(report)
     assert enough_stable(report, 60)
@@ -80,7 +82,7 @@ def test_llama_under_half_its_peak(tmp_path):
     ref = reference(*args)
     budget = ref["peak"] // 2
     got, report = under_memfit(tmp_path, budget, *args)
-    assert got["losses"] == ref["losses"] and got["params"] == ref["params"]
+    assert_same_training(got, ref, report)
     assert report["peak_device_bytes"] <= budget
     stable = stable_iterations(report)
     assert enough_stable(report, 40)
@@ -92,7 +94,7 @@ def test_llama_with_the_sequence_length_cycling_through_three_values_reaches_sta
     ref = reference(*args)
     budget = ref["peak"] // 2
     got, report = under_memfit(tmp_path, budget, *args)
-    assert got["losses"] == ref["losses"] and got["params"] == ref["params"]
+    assert_same_training(got, ref, report)
     assert report["peak_device_bytes"] <= budget
     last = report["per_iteration"][-6:]
     assert all(it["stage"] == "Stable" for it in last) or replanned_for_copies(report)
@@ -152,8 +154,7 @@ def test_qwen2_logging_the_loss_between_backward_and_the_step_is_one_iteration_a
     ref = reference(*args)
     budget = int(ref["peak"] * 0.54)
     got, report = under_memfit(tmp_path, budget, *args)
-    same, why = same_training(got, ref, report)
-    assert same, why
+    assert_same_training(got, ref, report)
     assert report["peak_device_bytes"] <= budget
     assert report["iterations"] == report["optimizer_steps"] == 30
     assert report["plans_generated"] >= 1
@@ -170,7 +171,7 @@ def test_qwen2_with_gradient_accumulation_and_dropout_gets_a_plan_every_micro_ba
     ref = reference(*args)
     budget = int(ref["peak"] * 0.54)
     got, report = under_memfit(tmp_path, budget, *args)
-    assert got["losses"] == ref["losses"] and got["params"] == ref["params"]
+    assert_same_training(got, ref, report)
     assert report["peak_device_bytes"] <= budget
     assert report["optimizer_steps"] == steps and report["iterations"] == steps * micro_batches
     assert [it["step"] for it in report["per_iteration"]] == [s for s in range(steps) for _ in range(micro_batches)]
@@ -187,7 +188,7 @@ def test_qwen2_with_a_grad_scaler_that_skips_steps_gets_a_plan(tmp_path):
     ref = reference(*args)
     budget = int(ref["peak"] * 0.54)
     got, report = under_memfit(tmp_path, budget, *args)
-    assert got["losses"] == ref["losses"] and got["params"] == ref["params"]
+    assert_same_training(got, ref, report)
     assert report["peak_device_bytes"] <= budget
     skipped = len([i for i in range(steps) if i % 7 == 6])
     assert report["iterations"] == steps and report["optimizer_steps"] == steps - skipped
@@ -203,7 +204,7 @@ def test_qwen2_with_two_optimizers_lr_schedules_clipping_and_bf16_autocast_is_on
     ref = reference(*args)
     budget = int(ref["peak"] * 0.54)
     got, report = under_memfit(tmp_path, budget, *args)
-    assert got["losses"] == ref["losses"] and got["params"] == ref["params"]
+    assert_same_training(got, ref, report)
     assert report["peak_device_bytes"] <= budget
     assert report["iterations"] == report["optimizer_steps"] == steps and report["plans_generated"] >= 1
     # idle: WarmUp 6, GenPolicy 6, Stable 18
@@ -218,7 +219,7 @@ def test_qwen2_with_a_compiled_block_inside_the_eager_loop_trains_bit_identicall
     ref = reference(*args)
     budget = int(ref["peak"] * 0.54)
     got, report = under_memfit(tmp_path, budget, *args)
-    assert got["losses"] == ref["losses"] and got["params"] == ref["params"]
+    assert_same_training(got, ref, report)
     assert report["peak_device_bytes"] <= budget
     assert report["iterations"] == report["optimizer_steps"] == steps and report["plans_generated"] >= 1
     assert stable_iterations(report)  # idle: Stable from step 11
@@ -249,7 +250,7 @@ def test_gpt_neox_with_three_lengths_taking_turns_gets_plans_within_its_first_st
     ref = reference(*args)
     budget = int(ref["peak"] * 0.55)
     got, report = under_memfit(tmp_path, budget, *args)
-    assert got["losses"] == ref["losses"] and got["params"] == ref["params"]
+    assert_same_training(got, ref, report)
     assert report["peak_device_bytes"] <= budget
     assert report["iterations"] == report["optimizer_steps"] == steps and report["plans_generated"] >= 1
     stable = [it["iteration"] for it in stable_iterations(report)]
