@@ -731,8 +731,11 @@ class SwapSession:
                 applied.append((plans.sequence, None))
                 bindings.append(plans.chosen)
         applicable = [(a, b) for a, b in zip(applied, bindings, strict=True) if b.entries or _recomputes(b.plan)]
-        # recomputation changes the model, not one forward pass: the latest sequence's plan decides it
-        recompute = applicable[0][1].plan if applicable and _recomputes(applicable[0][1].plan) else None
+        # recomputation changes the model, not one forward pass: the latest sequence's own plan decides
+        # it. A sequence with no plan yet (a new length) runs without it: another sequence's
+        # checkpointed modules would keep that plan's peak only for the tensors of that sequence.
+        first = applicable[0] if applicable else None
+        recompute = first[1].plan if first and first[0][0] == latest and _recomputes(first[1].plan) else None
         if [id(b) for _, b in applicable] != [id(b) for b in self._in_place] or recompute is not self._recompute_plan:
             if applicable:
                 self.plan_changes.append(self.iterations[-1]["iteration"])
