@@ -573,3 +573,23 @@ def test_a_plan_that_goes_above_the_budget_where_passive_swaps_held_is_dropped_a
     after = its[report["dropped_plans"][0]["iteration"] + 1 :]
     assert len(after) >= 5 and all(it["stage"] == "Stable" and it["plan"] is None for it in after)
     assert all(it["peak_device_bytes"] <= budget for it in after)  # what held, holds again
+
+
+@pytest.mark.parametrize("release_mode", ["event", "record_stream"])
+def test_swaps_are_exact_and_within_budget_under_strict_cpu_sim(monkeypatch, release_mode):
+    """Strict cpu-sim (memfit.backends.cpu_sim): freed blocks poisoned, copies that take their addresses when queued
+    (holding no tensor) and lag the host. A block freed before the copy out of it has run, or a freed block read,
+    shows here as a NaN or a different loss."""
+    lengths = [64] * 12
+    (losses, params), peak = native_run(train_lengths, lengths)
+    monkeypatch.setenv("MEMFIT_CPU_SIM_STRICT", "3")
+    budget = int(peak * 0.5)
+    options = {"planner": "swap", "release_mode": release_mode}
+    with memfit.swap(budget=budget, backend="cpu-sim", capacity=2 * budget, **options) as session:
+        got_losses, got_params = train_lengths(lengths)
+    assert session.backend.strict
+    assert got_losses == losses and all((a == b).all() for a, b in zip(got_params, params, strict=True))
+    report = session.report()
+    assert held(report, budget)
+    its = report["per_iteration"]
+    assert sum(it["swaps"] for it in its) > 0 and sum(it["passive_swaps"] for it in its) > 0

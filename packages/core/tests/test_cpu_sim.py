@@ -4,7 +4,7 @@ import time
 
 import pytest
 import torch
-from memfit.backends.cpu_sim import CpuSimBackend
+from memfit.backends.cpu_sim import CpuSimBackend, SimEvent
 from memfit.errors import MemfitError
 from memfit.models import build_training
 from memfit.testing import BackendContract
@@ -142,3 +142,56 @@ def test_counting_covers_other_threads(cpu_sim):
         assert cpu_sim.memory_allocated() - before == MiB
         held.clear()
         assert cpu_sim.memory_allocated() == before
+
+
+def test_strict_cpu_sim_poisons_every_freed_block_and_the_default_does_not():
+    """A block read after its owner freed it must read garbage (NaN), not the stale but correct bytes."""
+    strict = CpuSimBackend(capacity="1GiB", strict=True)
+    default = CpuSimBackend(capacity="1GiB", strict=False)
+    for backend, poisoned in ((strict, True), (default, False)):
+        with backend.activate():
+            first = torch.ones(MiB)  # 4 MiB: a cached block, handed to the next request of its size
+            address = first.data_ptr()
+            del first
+            again = torch.empty(MiB)
+            assert again.data_ptr() == address
+            assert bool(again.isnan().all()) is poisoned
+            assert bool((again == 1).all()) is not poisoned
+        backend.close()
+    assert strict._native.set_poison(False) is False  # off again once the strict backend is inactive
+
+
+def test_a_strict_copy_reads_the_block_it_was_queued_on_and_a_block_freed_before_it_runs_reads_poisoned():
+    """As a device's copy engine: addresses taken at enqueue, no reference held. Freeing the source
+    before the copy has run (no event wait) is caught: the copy delivers NaN, not the data."""
+    strict = CpuSimBackend(capacity="1GiB", strict=True)
+    with strict.activate():
+        stream = strict.copy_stream()
+        gate = SimEvent()
+        stream.wait_event(gate)  # the copy below runs only once the gate opens: no timing involved
+        src = torch.ones(MiB)
+        storage = src.untyped_storage()
+        dst = strict.host_empty(src.shape, src.dtype)
+        done = strict.copy_async(dst, src, stream)
+        storage.resize_(0)  # the bug: the block is freed before the copy out of it has run
+        gate._complete()
+        done.synchronize()
+        assert bool(dst.isnan().all())
+        safe = torch.full((MiB,), 2.0)
+        dst = strict.host_empty(safe.shape, safe.dtype)
+        event = strict.copy_async(dst, safe, stream)
+        event.synchronize()  # waited for before the source goes: the data arrives
+        del safe
+        assert bool((dst == 2).all())
+    strict.close()
+
+
+def test_strictness_comes_from_the_environment_and_a_bad_value_says_what_to_set(monkeypatch):
+    monkeypatch.setenv("MEMFIT_CPU_SIM_STRICT", "1")
+    assert CpuSimBackend(capacity="1GiB").strict
+    assert not CpuSimBackend(capacity="1GiB", strict=False).strict
+    monkeypatch.setenv("MEMFIT_CPU_SIM_STRICT", "0")
+    assert not CpuSimBackend(capacity="1GiB").strict
+    monkeypatch.setenv("MEMFIT_CPU_SIM_STRICT", "yes please")
+    with pytest.raises(MemfitError, match="set it to 1 for strict cpu-sim, to an integer"):
+        CpuSimBackend(capacity="1GiB")

@@ -258,3 +258,16 @@ def test_adamw_states_offloaded_from_an_eager_model_train_bit_identically(eager_
         assert_same(step_grads, eager_step_grads)
     *_, eager_four_steps_params, _, _ = train_llama(4)
     assert_same(params, eager_four_steps_params)
+
+
+def test_llama_trains_bit_identically_with_offload_under_strict_cpu_sim(eager_llama, monkeypatch):
+    """Strict cpu-sim: freed blocks poisoned, copies that take their addresses when queued (holding no tensor) and
+    lag the host. A store whose device block is freed before its copy has run, or a read of a freed block, shows
+    here as a NaN or a different loss."""
+    monkeypatch.setenv("MEMFIT_CPU_SIM_STRICT", "5")
+    losses, grads, _, _, offload = train_llama(4, offload=OFFLOAD, optimizer=True)
+    eager_losses, eager_grads, *_ = eager_llama
+    assert_same(losses, eager_losses[:4])
+    for step_grads, eager_step_grads in zip(grads, eager_grads[:4], strict=True):
+        assert_same(step_grads, eager_step_grads)
+    assert offload.runtime.backend.strict and offload.decisions[0].chosen and offload.runtime.stats.prefetches > 0

@@ -11,6 +11,16 @@ There is one CPU allocator per process: only one cpu-sim backend can be active a
 allocations from every thread count while it is. Each backend counts in its own slot, so memory
 that earlier code still holds (caches, another backend's tensors) never counts against it, and a
 block counted by a backend leaves that backend's count when freed, whichever is active then.
+
+**Strict cpu-sim** (``strict=True``, or ``MEMFIT_CPU_SIM_STRICT=1`` in the environment, which
+reaches the processes ``memfit run`` starts) makes the breaches a GPU punishes visible: every
+block is poisoned as it is freed (0xFF bytes, NaN in float tensors), so reading a block after its
+owner freed it corrupts the results instead of reading stale but correct bytes; a copy takes its
+addresses when it is queued and holds no reference to its tensors, as a device's copy engine
+does, so freeing a block before the copy out of it has run is caught; and every copy on the copy
+stream lags the host by a seeded random delay (``MEMFIT_CPU_SIM_STRICT=<seed>`` picks the seed),
+so code that reads a copy's destination before waiting for its event reads it early.
+Training under strict cpu-sim must still be bit-identical to training without memfit.
 """
 
 from __future__ import annotations
@@ -19,7 +29,9 @@ import contextlib
 import ctypes
 import functools
 import importlib.util
+import os
 import queue
+import random
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -38,6 +50,10 @@ DEFAULT_CAPACITY = "16GiB"
 DEFAULT_COPY_BANDWIDTH = "12GB"
 """Bytes per second: an effective PCIe 3.0 x16 link. The real memcpy is the floor; the bandwidth
 only ever slows a copy down to what the emulated link would take."""
+
+STRICT_ENV = "MEMFIT_CPU_SIM_STRICT"
+STRICT_MAX_LAG_S = 0.003
+"""The longest a strict cpu-sim copy waits before it starts: several operators of a small model."""
 
 _active_lock = threading.Lock()
 _active: CpuSimBackend | None = None
@@ -67,7 +83,7 @@ class SimEvent:
             raise MemfitError(f"a cpu-sim copy failed: {self._error}") from self._error
 
 
-def _copy_without_threads(dst: torch.Tensor, src: torch.Tensor) -> Callable[[], None]:
+def _copy_without_threads(dst: torch.Tensor, src: torch.Tensor, *, at_enqueue: bool = False) -> Callable[[], None]:
     """The worker's copy: the bytes moved by ``memmove`` whenever that is what ``dst.copy_(src)`` does.
 
     A device's copy engine uses no CPU threads, and neither may cpu-sim's. ``copy_`` on the
@@ -78,6 +94,10 @@ def _copy_without_threads(dst: torch.Tensor, src: torch.Tensor) -> Callable[[], 
     the rest of the process. ``ctypes.memmove`` releases the GIL and is one plain ``memcpy``.
     Copies ``memmove`` cannot do exactly (another dtype or shape, lazy conjugate or negative
     bits) still go through ``copy_``.
+
+    ``at_enqueue`` (strict cpu-sim): the addresses are taken now and the tensors are not held, as
+    a device's copy engine takes them when the copy is queued; a block freed before the copy runs
+    is then read or written poisoned, not followed to wherever its storage lives by then.
     """
     nbytes = src.numel() * src.element_size()
     plain = (
@@ -91,6 +111,9 @@ def _copy_without_threads(dst: torch.Tensor, src: torch.Tensor) -> Callable[[], 
     )
     if not plain:
         return lambda: dst.copy_(src)
+    if at_enqueue:
+        dst_address, src_address = dst.data_ptr(), src.data_ptr()
+        return lambda: ctypes.memmove(dst_address, src_address, nbytes)
     return lambda: ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes)
 
 
@@ -113,8 +136,10 @@ class SimCopyStream:
     event_type: type[SimEvent] = SimEvent
     """What :meth:`submit` returns (a test backend may count the host waits on them)."""
 
-    def __init__(self, bytes_per_second: float, name: str = "memfit-cpu-sim-copy") -> None:
+    def __init__(self, bytes_per_second: float, name: str = "memfit-cpu-sim-copy", lag_seed: int | None = None) -> None:
         self.bytes_per_second = bytes_per_second
+        self._lag = random.Random(lag_seed) if lag_seed is not None else None
+        """Strict cpu-sim: each copy first waits a random time up to ``STRICT_MAX_LAG_S``, seeded."""
         self._queue: queue.SimpleQueue[tuple[Callable[[], None], int, SimEvent] | None] = queue.SimpleQueue()
         self._pending = 0
         self._pending_lock = threading.Lock()
@@ -131,6 +156,8 @@ class SimCopyStream:
             work, nbytes, event = item
             del item  # hold the tensors the work captured no longer than the work itself
             error = None
+            if self._lag is not None and nbytes:
+                time.sleep(self._lag.uniform(0.0, STRICT_MAX_LAG_S))
             start = time.perf_counter()
             try:
                 work()
@@ -180,6 +207,21 @@ class SimCopyStream:
         self._thread.join(timeout=5)
 
 
+def _strictness(strict: bool | None) -> tuple[bool, int | None]:
+    """(strict, the copy-lag seed) from the argument, else from ``MEMFIT_CPU_SIM_STRICT``."""
+    value = os.environ.get(STRICT_ENV, "").strip()
+    if strict is None:
+        strict = value not in ("", "0")
+    if not strict:
+        return False, None
+    try:
+        return True, int(value) if value else 0
+    except ValueError:
+        raise MemfitError(
+            f"{STRICT_ENV}={value!r}: set it to 1 for strict cpu-sim, to an integer to seed its copy lag, or to 0"
+        ) from None
+
+
 def _torch_available() -> bool:
     return importlib.util.find_spec("torch") is not None
 
@@ -191,6 +233,8 @@ class CpuSimBackend(Backend):
         capacity: device capacity, bytes or a human size (default 16 GiB).
         copy_bandwidth: host-device copy bandwidth in bytes per second, or a human size per
             second (default 12 GB/s).
+        strict: poison freed blocks and lag copies (see the module docs); ``None`` (default):
+            strict when ``MEMFIT_CPU_SIM_STRICT`` is set to anything but ``0``.
 
     Example:
         ```python
@@ -210,7 +254,12 @@ class CpuSimBackend(Backend):
     device_type = "cpu"
     comm_backend = "gloo"
 
-    def __init__(self, capacity: int | str = DEFAULT_CAPACITY, copy_bandwidth: int | str = DEFAULT_COPY_BANDWIDTH):
+    def __init__(
+        self,
+        capacity: int | str = DEFAULT_CAPACITY,
+        copy_bandwidth: int | str = DEFAULT_COPY_BANDWIDTH,
+        strict: bool | None = None,
+    ):
         from memfit.native import cpu_sim_allocator
 
         self._capacity = parse_size(capacity, what="cpu-sim capacity")
@@ -220,6 +269,7 @@ class CpuSimBackend(Backend):
                 f"cpu-sim capacity and copy bandwidth must be positive, got {capacity!r}, {copy_bandwidth!r}"
             )
         self.copy_bandwidth_bytes_per_s = bandwidth
+        self.strict, self._lag_seed = _strictness(strict)
         self._native = cpu_sim_allocator()
         self._native.install()
         self._slot = int(self._native.new_slot())  # this device's own count (see the allocator's notes)
@@ -311,6 +361,7 @@ class CpuSimBackend(Backend):
             # freed blocks are kept for reuse, as a device's caching allocator keeps them (see the
             # allocator's notes: glibc would page-fault them back in)
             caching = self._native.set_caching(True)
+            poison = self._native.set_poison(self.strict)
         try:
             yield self
         finally:
@@ -319,6 +370,7 @@ class CpuSimBackend(Backend):
                     self._native.set_counting(previous)
                     self._native.set_slot(previous_slot)
                     self._native.set_caching(caching)
+                    self._native.set_poison(poison)
                     if not caching:
                         self._native.empty_cache()
                     _active = None
@@ -342,7 +394,7 @@ class CpuSimBackend(Backend):
 
     def copy_stream(self) -> SimCopyStream:
         if self._copy is None:
-            self._copy = SimCopyStream(self.copy_bandwidth_bytes_per_s)
+            self._copy = SimCopyStream(self.copy_bandwidth_bytes_per_s, lag_seed=self._lag_seed)
         return self._copy
 
     def copy_async(self, dst: torch.Tensor, src: torch.Tensor, stream) -> SimEvent:  # type: ignore[override]
@@ -350,7 +402,8 @@ class CpuSimBackend(Backend):
         if isinstance(stream, HostStream):
             dst.copy_(src)
             return SimEvent(done=True)
-        return stream.submit(_copy_without_threads(dst, src), src.numel() * src.element_size())
+        work = _copy_without_threads(dst, src, at_enqueue=self.strict)
+        return stream.submit(work, src.numel() * src.element_size())
 
     def host_empty(self, shape, dtype) -> torch.Tensor:  # type: ignore[override]
         import torch

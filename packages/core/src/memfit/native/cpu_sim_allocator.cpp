@@ -28,6 +28,11 @@
 // next one. Each block carries a 64-byte header (keeps c10's 64-byte alignment) recording its
 // size and the slot it was counted in (0: not counted), so the deleter needs no lookup table and
 // no lock, and a block freed while its backend is inactive still leaves that backend's count.
+//
+// Strict cpu-sim poisons every block as it is freed (0xFF bytes: NaN in every float type, -1 in
+// every integer type), so whatever reads a block after its owner let go of it -- a copy queued
+// before the free, a kernel handed a freed activation -- reads garbage that shows in the results,
+// instead of the stale but still correct bytes a freed block usually keeps until it is reused.
 #include <torch/extension.h>
 
 #include <c10/core/CPUAllocator.h>
@@ -38,6 +43,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <mutex>
 #include <string>
@@ -64,6 +70,8 @@ std::atomic<int64_t> g_num_ooms{0};
 std::atomic<int64_t> g_last_oom_request{0};
 std::atomic<bool> g_counting{false};
 std::atomic<bool> g_npu_style_errors{false};
+std::atomic<bool> g_poison{false};
+std::atomic<int64_t> g_poisoned_bytes{0};
 thread_local bool t_exempt = false;
 thread_local bool t_in_handler = false;
 // (request_bytes, attempt) -> bool: retry? Owned reference, changed and read under the GIL only,
@@ -161,6 +169,10 @@ void delete_block(void* data) {
   auto* header = reinterpret_cast<Header*>(base);
   if (header->counted) {
     g_counts[header->counted].fetch_sub(static_cast<int64_t>(header->nbytes), std::memory_order_relaxed);
+  }
+  if (g_poison.load(std::memory_order_relaxed)) {
+    std::memset(data, 0xFF, header->nbytes);
+    g_poisoned_bytes.fetch_add(static_cast<int64_t>(header->nbytes), std::memory_order_relaxed);
   }
   if (!keep_cached(base, header->nbytes + kHeader)) c10::free_cpu(base);
 }
@@ -265,6 +277,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   }, "Enable or disable RecordFunction callbacks on the calling thread; returns the previous state.");
   m.def("set_npu_style_errors", [](bool on) { return g_npu_style_errors.exchange(on); },
         "Raise out-of-memory as a plain RuntimeError worded like older torch_npu; returns the previous setting.");
+  m.def("set_poison", [](bool on) { return g_poison.exchange(on); },
+        "Fill every freed block with 0xFF bytes (strict cpu-sim); returns the previous setting.");
+  m.def("poisoned_bytes", []() { return g_poisoned_bytes.load(); }, "Bytes poisoned so far.");
   m.def("num_allocs", []() { return g_num_allocs.load(); });
   m.def("num_ooms", []() { return g_num_ooms.load(); });
   m.def("last_oom_request", []() { return g_last_oom_request.load(); });
