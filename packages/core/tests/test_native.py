@@ -33,15 +33,17 @@ def test_missing_ninja_is_a_clear_error(monkeypatch, tmp_path):
         native.load_extension("memfit_test_ext2", (source,))
 
 
-def test_each_environment_builds_into_a_folder_of_its_own(monkeypatch, tmp_path):
-    # two virtualenvs sharing a cache folder rewrote each other's ninja file and rebuilt at every switch
+def test_environments_with_the_same_torch_build_share_one_build_and_another_torch_gets_its_own(monkeypatch, tmp_path):
+    # a machine builds once: CI's per-package virtualenvs each built the allocator (a minute each)
     monkeypatch.setenv("MEMFIT_CACHE_DIR", str(tmp_path))
     import torch
 
     here = native.cache_dir()
     assert here.parent == tmp_path / "native"
     assert torch.__version__.replace("+", "_") in here.name
-    monkeypatch.setattr(native.sys, "prefix", str(tmp_path / "another-venv"))
+    monkeypatch.setattr(native.sys, "prefix", str(tmp_path / "another-venv"))  # another virtualenv, same torch
+    assert native.cache_dir() == here
+    monkeypatch.setattr(torch.version, "git_version", "0" * 40)  # another build of torch
     assert native.cache_dir() != here
     assert native.cache_dir().parent == here.parent
 
@@ -49,10 +51,10 @@ def test_each_environment_builds_into_a_folder_of_its_own(monkeypatch, tmp_path)
 def test_a_build_is_imported_without_building_again(monkeypatch):
     from torch.utils import cpp_extension
 
-    native.cpu_sim_allocator()  # built for this environment (once)
+    native.cpu_sim_allocator()  # built for this torch build (once)
 
     def no_build(**kwargs):
-        raise AssertionError("rebuilt a library already built for this environment")
+        raise AssertionError("rebuilt a library already built for this torch build")
 
     monkeypatch.setattr(cpp_extension, "load", no_build)
     source = native.NATIVE_SOURCE_DIR / "cpu_sim_allocator.cpp"
@@ -60,12 +62,12 @@ def test_a_build_is_imported_without_building_again(monkeypatch):
     assert hasattr(module, "set_record_function_enabled")
 
 
-def test_a_build_stamped_for_another_environment_is_not_loaded(monkeypatch):
+def test_a_build_stamped_for_another_torch_build_is_not_loaded(monkeypatch):
     native.cpu_sim_allocator()
     source = native.NATIVE_SOURCE_DIR / "cpu_sim_allocator.cpp"
     build_dir = native.build_directory("memfit_cpu_sim_allocator", (source,))
     assert native._built_for_here(build_dir) is not None
-    other = {**native.environment_identity(), "prefix": "/elsewhere/venv"}
+    other = {**native.environment_identity(), "torch_git": "0" * 40}
     monkeypatch.setattr(native, "environment_identity", lambda: other)
     assert native._built_for_here(build_dir) is None
 
@@ -127,15 +129,21 @@ def test_a_lock_left_by_a_killed_build_does_not_hang_the_next_load():
 def test_concurrent_processes_build_once(tmp_path):
     # four torchrun ranks starting together in a new environment: one compiles, the others wait and import
     source = tmp_path / "tiny.cpp"
-    source.write_text("#include <torch/extension.h>\nint answer() { return 42; }\n"
-                      "PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def(\"answer\", &answer); }\n")
+    source.write_text(
+        "#include <torch/extension.h>\nint answer() { return 42; }\n"
+        'PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("answer", &answer); }\n'
+    )
     script = textwrap.dedent(f"""
         from memfit import native
         print(native.load_extension("memfit_test_tiny", ({str(source)!r},)).answer())
     """)
     env = {**os.environ, "MEMFIT_CACHE_DIR": str(tmp_path / "cache")}
-    procs = [subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for _ in range(3)
+    ]
     results = [p.communicate(timeout=900) for p in procs]
     assert all(p.returncode == 0 for p in procs), results
     assert [out.strip() for out, _ in results] == ["42"] * 3

@@ -1,16 +1,22 @@
 """Build and load memfit's small native (C++) extensions, in one place for every package.
 
-Extensions are compiled on first use with :func:`torch.utils.cpp_extension.load` into a folder of
-their own **per Python environment** under ``$MEMFIT_CACHE_DIR/native`` (default
-``~/.cache/memfit``). Later processes of that environment import the built library directly, in
-well under a second, without ninja. Building needs a C++ compiler and ``ninja`` (``pip install ninja``).
+Extensions are compiled on first use with :func:`torch.utils.cpp_extension.load` into a folder
+under ``$MEMFIT_CACHE_DIR/native`` (default ``~/.cache/memfit``) keyed by **the torch build**
+(its version and git commit, its C++ ABI and CUDA version), the Python version and extension
+suffix, the compiler and a hash of the sources. Later processes import the built library
+directly, in well under a second, without ninja. Building needs a C++ compiler and ``ninja``
+(``pip install ninja``).
 
-Why per environment: torch's build (a ninja file) names the include folders of the torch that runs
-it, so two virtualenvs sharing one build folder rewrote each other's ninja file and rebuilt on every
-switch (about 10 rebuilds in 12 minutes with two venvs in use). The folder is keyed by the
-environment (its prefix and its torch installation), the torch and Python versions and a hash of
-the sources; a stamp written after a successful build records what it was built for, and only a
-build whose stamp matches this environment is loaded.
+Why keyed by the torch build and not by the environment: a library built against one copy of a
+torch build runs against any other copy of it (it names torch's libraries by their sonames, which
+the process has loaded with ``import torch``), so every virtualenv with the same torch shares one
+build: a machine builds once (CI's per-package environments used to build once each, a minute a
+time). Why the library is imported directly once built: torch's builder (a ninja file) names the
+include folders of the torch that runs it, so two virtualenvs that both called it on one folder
+rewrote each other's ninja file and rebuilt on every switch (about 10 rebuilds in 12 minutes with
+two venvs in use). The builder runs only where no build is stamped for this torch build, once,
+under a lock; a stamp written after a successful build records what it was built for, and only a
+build whose stamp matches is loaded.
 
 Why the ownership checks: a native library runs with the user's rights. memfit loads one only from
 folders and files owned by the user (or root) that no one else can write, so a cache in a shared
@@ -46,14 +52,14 @@ def cache_root() -> Path:
 
 
 def environment_identity() -> dict[str, str]:
-    """What a build is valid for: this Python environment, its torch installation and versions."""
+    """What a build is valid for: the torch build, the Python ABI and the compiler (not where they are installed)."""
     import torch
 
     return {
-        "prefix": os.path.realpath(sys.prefix),
-        "torch": os.path.realpath(os.path.dirname(torch.__file__)),
         "torch_version": torch.__version__,
         "torch_git": getattr(torch.version, "git_version", "") or "",
+        "torch_cuda": str(torch.version.cuda),
+        "cxx11_abi": str(bool(torch._C._GLIBCXX_USE_CXX11_ABI)),
         "python": sys.version.split()[0],
         "ext_suffix": sysconfig.get_config_var("EXT_SUFFIX") or "",
         "cxx": os.environ.get("CXX", "c++"),
@@ -61,7 +67,7 @@ def environment_identity() -> dict[str, str]:
 
 
 def cache_dir() -> Path:
-    """Where this environment's built extensions live: one folder per environment, torch and Python version."""
+    """Where the extensions built for this torch build and Python live (shared by every environment that has them)."""
     import torch
 
     identity = environment_identity()
@@ -128,7 +134,7 @@ def _library(build_dir: Path) -> Path:
 
 
 def _built_for_here(build_dir: Path) -> Path | None:
-    """The library in ``build_dir`` if a stamp says it was built for this environment, else None."""
+    """The library in ``build_dir`` if a stamp says it was built for this torch build and Python, else None."""
     try:
         stamp = json.loads((build_dir / STAMP).read_text())
     except (OSError, ValueError):
@@ -153,7 +159,7 @@ def _import_library(module_name: str, library: Path) -> ModuleType:
 
 @functools.cache
 def load_extension(name: str, sources: tuple[str | os.PathLike[str], ...]) -> ModuleType:
-    """Import a C++ torch extension built for this environment, compiling it first if there is none.
+    """Import a C++ torch extension built for this torch build, compiling it first if there is none.
 
     The module name carries a hash of the sources, so an edited source is rebuilt instead of
     loading a stale cached build. Concurrent processes (torchrun ranks) build once: the others wait
@@ -190,7 +196,7 @@ def _build(name: str, sources: tuple[str | os.PathLike[str], ...], build_dir: Pa
         raise NativeBuildError(f"cannot build memfit's native extension {name!r}: {problem}")
     (build_dir / STAMP).unlink(missing_ok=True)
     # a first build takes about a minute on a 2-core machine: say why the process waits
-    print(f"memfit: compiling the native extension {name!r} for this environment (once) ...", file=sys.stderr)
+    print(f"memfit: compiling the native extension {name!r} for this torch build (once) ...", file=sys.stderr)
     try:
         module = cpp_extension.load(
             name=build_dir.name,
