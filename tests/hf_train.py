@@ -154,4 +154,5 @@ with measuring:
         losses.append(loss.item())
     digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
     peak = backend.max_memory_allocated() if backend is not None else None
-print(json.dumps({"losses": losses, "params": digest, "peak": peak}))
+# the intra-op thread count: reductions split by it, so two runs with different counts may differ in the last bit
+print(json.dumps({"losses": losses, "params": digest, "peak": peak, "threads": torch.get_num_threads()}))

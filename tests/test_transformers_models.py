@@ -52,7 +52,8 @@ def assert_same_training(got, ref, report):
     shown = report["per_iteration"] if first is None else report["per_iteration"][: first + 1]
     early = [{k: it.get(k) for k in keys} for it in shown]
     where = f"at step {first}" if first is not None else "in the parameters only"
-    raise AssertionError(f"training differs from the run without memfit {where}; memfit's iterations: {early}")
+    threads = f"intra-op threads {got.get('threads')} under memfit, {ref.get('threads')} without"
+    raise AssertionError(f"training differs from the run without memfit {where} ({threads}); memfit's record: {early}")
 
 
 def stable_iterations(report):
