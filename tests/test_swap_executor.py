@@ -588,6 +588,7 @@ def test_swaps_are_exact_and_within_budget_under_strict_cpu_sim(monkeypatch, rel
     with memfit.swap(budget=budget, backend="cpu-sim", capacity=2 * budget, **options) as session:
         got_losses, got_params = train_lengths(lengths)
     assert session.backend.strict
+    assert not session.backend.hazards, session.backend.hazards[0].explain()
     assert got_losses == losses and all((a == b).all() for a, b in zip(got_params, params, strict=True))
     report = session.report()
     assert held(report, budget)

@@ -161,29 +161,41 @@ def test_strict_cpu_sim_poisons_every_freed_block_and_the_default_does_not():
     assert strict._native.set_poison(False) is False  # off again once the strict backend is inactive
 
 
-def test_a_strict_copy_reads_the_block_it_was_queued_on_and_a_block_freed_before_it_runs_reads_poisoned():
-    """As a device's copy engine: addresses taken at enqueue, no reference held. Freeing the source
-    before the copy has run (no event wait) is caught: the copy delivers NaN, not the data."""
+def test_a_block_freed_under_a_pending_copy_is_reported_with_both_stacks_and_copied_poisoned():
+    """As a device's copy engine: addresses taken at enqueue, no reference held. Freeing the source before the
+    copy has run (no event wait) is caught: the copy's event fails saying who queued the copy and who freed the
+    block, and the copy delivers NaN, not the data."""
     strict = CpuSimBackend(capacity="1GiB", strict=True)
     with strict.activate():
         stream = strict.copy_stream()
         gate = SimEvent()
-        stream.wait_event(gate)  # the copy below runs only once the gate opens: no timing involved
+        stream.wait_event(gate)  # the copies below run only once the gate opens: no timing involved
         src = torch.ones(MiB)
         storage = src.untyped_storage()
         dst = strict.host_empty(src.shape, src.dtype)
-        done = strict.copy_async(dst, src, stream)
-        storage.resize_(0)  # the bug: the block is freed before the copy out of it has run
+        done = queue_the_copy(strict, dst, src, stream)
+        free_the_block(storage)  # the bug: the block is freed before the copy out of it has run
         gate._complete()
-        done.synchronize()
+        with pytest.raises(MemfitError, match="source block of a copy queued on the copy stream was freed"):
+            done.synchronize()
         assert bool(dst.isnan().all())
+        (hazard,) = strict.hazards
+        assert hazard.operand == "source"
+        assert "queue_the_copy" in hazard.queued_at and "free_the_block" in hazard.freed_at
         safe = torch.full((MiB,), 2.0)
         dst = strict.host_empty(safe.shape, safe.dtype)
-        event = strict.copy_async(dst, safe, stream)
-        event.synchronize()  # waited for before the source goes: the data arrives
+        strict.copy_async(dst, safe, stream).synchronize()  # waited for before the source goes: no hazard
         del safe
-        assert bool((dst == 2).all())
+        assert bool((dst == 2).all()) and len(strict.hazards) == 1
     strict.close()
+
+
+def queue_the_copy(backend, dst, src, stream):
+    return backend.copy_async(dst, src, stream)
+
+
+def free_the_block(storage):
+    storage.resize_(0)
 
 
 def test_strictness_comes_from_the_environment_and_a_bad_value_says_what_to_set(monkeypatch):

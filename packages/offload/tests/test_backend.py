@@ -271,3 +271,4 @@ def test_llama_trains_bit_identically_with_offload_under_strict_cpu_sim(eager_ll
     for step_grads, eager_step_grads in zip(grads, eager_grads[:4], strict=True):
         assert_same(step_grads, eager_step_grads)
     assert offload.runtime.backend.strict and offload.decisions[0].chosen and offload.runtime.stats.prefetches > 0
+    assert not offload.runtime.backend.hazards, offload.runtime.backend.hazards[0].explain()

@@ -17,7 +17,8 @@ reaches the processes ``memfit run`` starts) makes the breaches a GPU punishes v
 block is poisoned as it is freed (0xFF bytes, NaN in float tensors), so reading a block after its
 owner freed it corrupts the results instead of reading stale but correct bytes; a copy takes its
 addresses when it is queued and holds no reference to its tensors, as a device's copy engine
-does, so freeing a block before the copy out of it has run is caught; and every copy on the copy
+does, and a block freed while a queued copy still reads or writes it is a :class:`Hazard`: the
+copy's event fails saying who queued the copy and who freed the block; and every copy on the copy
 stream lags the host by a seeded random delay (``MEMFIT_CPU_SIM_STRICT=<seed>`` picks the seed),
 so code that reads a copy's destination before waiting for its event reads it early.
 Training under strict cpu-sim must still be bit-identical to training without memfit.
@@ -34,7 +35,9 @@ import queue
 import random
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from memfit.backends.base import Backend, check_copy_operands
@@ -71,7 +74,8 @@ class SimEvent:
             self._done.set()
 
     def _complete(self, error: BaseException | None = None) -> None:
-        self._error = error
+        if error is not None:  # a hazard strict cpu-sim saw while the copy was pending stays the event's error
+            self._error = error
         self._done.set()
 
     def query(self) -> bool:
@@ -81,6 +85,26 @@ class SimEvent:
         self._done.wait()
         if self._error is not None:
             raise MemfitError(f"a cpu-sim copy failed: {self._error}") from self._error
+
+
+@dataclass(frozen=True)
+class Hazard:
+    """Strict cpu-sim: a block freed while a queued copy still read or wrote it, with no stream ordering."""
+
+    operand: str
+    """``"source"`` or ``"destination"``: which side of the copy the freed block was."""
+    queued_at: str
+    """The Python stack that queued the copy."""
+    freed_at: str
+    """The Python stack that freed the block."""
+
+    def explain(self) -> str:
+        return (
+            f"strict cpu-sim: the {self.operand} block of a copy queued on the copy stream was freed before the copy "
+            "ran, with no stream ordering: a device would read or write memory the allocator may already have "
+            "handed to someone else. Wait for the copy's event (or mark the block with record_stream) before "
+            f"freeing it.\nThe copy was queued at:\n{self.queued_at}\nThe block was freed at:\n{self.freed_at}"
+        )
 
 
 def _copy_without_threads(dst: torch.Tensor, src: torch.Tensor, *, at_enqueue: bool = False) -> Callable[[], None]:
@@ -176,9 +200,9 @@ class SimCopyStream:
                     self._copied = (copied + nbytes, seconds + elapsed)
             event._complete(error)
 
-    def submit(self, work: Callable[[], None], nbytes: int = 0) -> SimEvent:
-        """Queue ``work``; returns the event completed after it."""
-        event = self.event_type()
+    def submit(self, work: Callable[[], None], nbytes: int = 0, event: SimEvent | None = None) -> SimEvent:
+        """Queue ``work``; returns the event (``event``, else a new one) completed after it."""
+        event = self.event_type() if event is None else event
         with self._pending_lock:
             self._pending += 1
         self._queue.put((work, nbytes, event))
@@ -270,6 +294,9 @@ class CpuSimBackend(Backend):
             )
         self.copy_bandwidth_bytes_per_s = bandwidth
         self.strict, self._lag_seed = _strictness(strict)
+        self.hazards: list[Hazard] = []
+        """Strict cpu-sim: every block freed while a pending copy read or wrote it (see :class:`Hazard`)."""
+        self._watches: dict[int, tuple[str, str, SimEvent]] = {}
         self._native = cpu_sim_allocator()
         self._native.install()
         self._slot = int(self._native.new_slot())  # this device's own count (see the allocator's notes)
@@ -362,6 +389,8 @@ class CpuSimBackend(Backend):
             # allocator's notes: glibc would page-fault them back in)
             caching = self._native.set_caching(True)
             poison = self._native.set_poison(self.strict)
+            if self.strict:
+                self._native.set_hazard_handler(self._on_hazard)
         try:
             yield self
         finally:
@@ -371,6 +400,8 @@ class CpuSimBackend(Backend):
                     self._native.set_slot(previous_slot)
                     self._native.set_caching(caching)
                     self._native.set_poison(poison)
+                    if self.strict:
+                        self._native.set_hazard_handler(None)
                     if not caching:
                         self._native.empty_cache()
                     _active = None
@@ -402,8 +433,38 @@ class CpuSimBackend(Backend):
         if isinstance(stream, HostStream):
             dst.copy_(src)
             return SimEvent(done=True)
+        nbytes = src.numel() * src.element_size()
         work = _copy_without_threads(dst, src, at_enqueue=self.strict)
-        return stream.submit(work, src.numel() * src.element_size())
+        if not self.strict or nbytes == 0:
+            return stream.submit(work, nbytes)
+        # strict: watch both operands' bytes until the copy has run; a free that overlaps them is a hazard
+        event = stream.event_type()
+        queued_at = "".join(traceback.format_stack(limit=16)[:-1])
+        ids = []
+        for operand, t in (("source", src), ("destination", dst)):
+            watch = int(self._native.watch(t.data_ptr(), t.numel() * t.element_size()))
+            self._watches[watch] = (operand, queued_at, event)
+            ids.append(watch)
+
+        def watched() -> None:
+            try:
+                work()
+            finally:
+                for watch in ids:
+                    self._native.unwatch(watch)
+                    self._watches.pop(watch, None)
+
+        return stream.submit(watched, nbytes, event=event)
+
+    def _on_hazard(self, watch: int) -> None:
+        """The native allocator freed a block a pending copy watches: record it, and fail that copy's event."""
+        found = self._watches.get(watch)
+        if found is None:
+            return
+        operand, queued_at, event = found
+        hazard = Hazard(operand, queued_at, "".join(traceback.format_stack(limit=16)[:-1]))
+        self.hazards.append(hazard)
+        event._error = MemfitError(hazard.explain())
 
     def host_empty(self, shape, dtype) -> torch.Tensor:  # type: ignore[override]
         import torch

@@ -33,6 +33,9 @@
 // every integer type), so whatever reads a block after its owner let go of it -- a copy queued
 // before the free, a kernel handed a freed activation -- reads garbage that shows in the results,
 // instead of the stale but still correct bytes a freed block usually keeps until it is reused.
+// Strict cpu-sim also watches the byte ranges its queued copies read and write: a block freed while
+// it overlaps a watched range (freed with a copy still pending on it, with no stream ordering) is
+// reported to a Python handler with the copy's id, which says who queued the copy and who freed it.
 #include <torch/extension.h>
 
 #include <c10/core/CPUAllocator.h>
@@ -45,6 +48,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <map>
 #include <mutex>
 #include <string>
 #include <unordered_map>
@@ -72,6 +76,39 @@ std::atomic<bool> g_counting{false};
 std::atomic<bool> g_npu_style_errors{false};
 std::atomic<bool> g_poison{false};
 std::atomic<int64_t> g_poisoned_bytes{0};
+
+// Strict cpu-sim's watched ranges: start address -> (end address, copy id).
+std::mutex g_watch_lock;
+std::multimap<uintptr_t, std::pair<uintptr_t, int64_t>> g_watched;
+std::atomic<int64_t> g_watch_count{0};
+std::atomic<int64_t> g_next_watch{1};
+PyObject* g_hazard_handler = nullptr;  // (copy id) -> None; owned, set under the GIL
+
+// The ids of watched ranges that [begin, end) overlaps.
+std::vector<int64_t> watched_overlapping(uintptr_t begin, uintptr_t end) {
+  std::vector<int64_t> ids;
+  std::lock_guard<std::mutex> guard(g_watch_lock);
+  for (const auto& [start, rest] : g_watched) {
+    if (start >= end) break;
+    if (rest.first > begin) ids.push_back(rest.second);
+  }
+  return ids;
+}
+
+void report_hazards(const std::vector<int64_t>& ids) {
+  if (ids.empty() || !Py_IsInitialized()) return;
+  py::gil_scoped_acquire gil;
+  if (g_hazard_handler == nullptr) return;
+  py::object handler = py::reinterpret_borrow<py::object>(g_hazard_handler);
+  for (int64_t id : ids) {
+    try {
+      handler(id);
+    } catch (py::error_already_set& e) {
+      e.restore();  // a free cannot carry a Python error out: report it as unraisable
+      PyErr_WriteUnraisable(g_hazard_handler);
+    }
+  }
+}
 thread_local bool t_exempt = false;
 thread_local bool t_in_handler = false;
 // (request_bytes, attempt) -> bool: retry? Owned reference, changed and read under the GIL only,
@@ -169,6 +206,10 @@ void delete_block(void* data) {
   auto* header = reinterpret_cast<Header*>(base);
   if (header->counted) {
     g_counts[header->counted].fetch_sub(static_cast<int64_t>(header->nbytes), std::memory_order_relaxed);
+  }
+  if (g_watch_count.load(std::memory_order_relaxed) > 0) {
+    auto begin = reinterpret_cast<uintptr_t>(data);
+    report_hazards(watched_overlapping(begin, begin + header->nbytes));
   }
   if (g_poison.load(std::memory_order_relaxed)) {
     std::memset(data, 0xFF, header->nbytes);
@@ -280,6 +321,29 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_poison", [](bool on) { return g_poison.exchange(on); },
         "Fill every freed block with 0xFF bytes (strict cpu-sim); returns the previous setting.");
   m.def("poisoned_bytes", []() { return g_poisoned_bytes.load(); }, "Bytes poisoned so far.");
+  m.def("watch", [](int64_t address, int64_t nbytes) {
+    const int64_t id = g_next_watch.fetch_add(1);
+    std::lock_guard<std::mutex> guard(g_watch_lock);
+    g_watched.emplace(static_cast<uintptr_t>(address), std::make_pair(static_cast<uintptr_t>(address + nbytes), id));
+    g_watch_count.fetch_add(1);
+    return id;
+  }, "Watch [address, address + nbytes) (a queued copy's operand); returns the watch's id.");
+  m.def("unwatch", [](int64_t id) {
+    std::lock_guard<std::mutex> guard(g_watch_lock);
+    for (auto it = g_watched.begin(); it != g_watched.end(); ++it) {
+      if (it->second.second == id) {
+        g_watched.erase(it);
+        g_watch_count.fetch_sub(1);
+        return true;
+      }
+    }
+    return false;
+  }, "Stop watching a range (its copy has run); whether it was watched.");
+  m.def("set_hazard_handler", [](py::object handler) {
+    PyObject* previous = g_hazard_handler;
+    g_hazard_handler = handler.is_none() ? nullptr : handler.inc_ref().ptr();
+    Py_XDECREF(previous);
+  }, "Call handler(watch_id) when a block overlapping a watched range is freed. None removes it.");
   m.def("num_allocs", []() { return g_num_allocs.load(); });
   m.def("num_ooms", []() { return g_num_ooms.load(); });
   m.def("last_oom_request", []() { return g_last_oom_request.load(); });
