@@ -14,6 +14,19 @@ def repo():
     return REPO
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _no_automatic_calibration():
+    """Tests never calibrate this machine into the user's cache: the simulator's roofline, unless a test sets it back.
+
+    As the simulator's and parallel's conftests do, for the processes these tests start too (``memfit plan
+    --simulate``, the recipes): a first calibration takes minutes on 2 cores, and one made while the suite keeps
+    the machine busy would be a wrong one. Module scope: a module's own module-scoped fixtures run inside it.
+    """
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MEMFIT_CALIBRATE", "0")
+        yield
+
+
 def run_memfit(*args, env_extra=None, cwd=None):
     """Run the installed ``memfit`` console script (as a user would) and return the completed process."""
     exe = shutil.which("memfit") or pytest.fail("the memfit console script is not on PATH; pip install packages/core")

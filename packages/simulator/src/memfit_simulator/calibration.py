@@ -3,7 +3,7 @@
 The suite runs real aten operators on random inputs of a grid of shapes on a torch device
 (``cpu``; ``cuda`` when there is one, timed with device events), once per machine, and caches the
 fitted models on disk (``$MEMFIT_CACHE_DIR``, default ``~/.cache/memfit``) keyed by device,
-torch version and thread count. It takes about 20 seconds on a 2-core CPU and needs no model:
+torch version and thread count. It takes about 2.5 minutes on an idle 2-core CPU and needs no model:
 what it measures is the machine, so a calibration serves every step simulated on it.
 
 Models, by operator category (:func:`memfit_simulator.timing.category`):
@@ -341,7 +341,7 @@ def calibration_in_use(spec_name: str) -> Calibration | None:
 
 
 def calibration(device: str = "cpu", *, progress: bool = True, refresh: bool = False) -> Calibration:
-    """This device's calibration: from the cache, or measured now (about 20 s on a 2-core CPU) and cached.
+    """This device's calibration: from the cache, or measured now (about 2.5 minutes on an idle 2-core CPU) and cached.
 
     A cached calibration made on a busy machine (:attr:`Calibration.busy`) is returned only while the
     machine is still busy; once it is idle, the calibration is measured again and replaces it.
@@ -514,7 +514,7 @@ def run_suite(device: str = "cpu", *, plan: SuitePlan | None = None, progress: b
 
 
 class _progress:
-    """A rich progress bar on a terminal; nothing otherwise."""
+    """A rich progress bar on a terminal; one line on stderr otherwise (a first calibration takes minutes)."""
 
     def __init__(self, enabled: bool, total: int) -> None:
         import sys
@@ -525,6 +525,13 @@ class _progress:
 
             self.bar = Progress(transient=True)
             self.total = total
+        elif enabled:
+            print(
+                "memfit: calibrating the time model on this machine (once; a few minutes on 2 cores; "
+                "MEMFIT_CALIBRATE=0 uses the roofline instead) ...",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def __enter__(self) -> Callable[..., None]:
         if self.bar is None:

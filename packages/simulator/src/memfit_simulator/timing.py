@@ -5,7 +5,7 @@ Two models stand behind one interface, :func:`time_model` ``(spec) -> TimeModel`
 * ``calibrated:<device>`` (:class:`CalibratedTimeModel`): per-category models fitted from a
   suite of microbenchmarks run once on the device and cached
   (:mod:`memfit_simulator.calibration`, TorchSim §4.4). The local ``cpu`` is calibrated on first
-  use (about 20 s, once per machine, torch version and thread count); a GPU is calibrated by
+  use (minutes on 2 cores, once per machine, torch version and thread count); a GPU is calibrated by
   running :func:`memfit_simulator.calibration.calibration` ``("cuda")`` on it, after which
   its registry entry (``h100``, ...) uses the measurement.
 * ``roofline:<device>`` (:class:`RooflineTimeModel`): FLOPs over the dtype's peak, bytes over the
