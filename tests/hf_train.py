@@ -15,7 +15,9 @@ infinite loss scaled) and is skipped, as a loss scaler skips a step on overflow;
 trains the embeddings and the rest with two optimizers, each under its own LR schedule, with the
 gradients clipped and zeroed to zeros (``set_to_none=False``); ``--autocast bf16`` runs forward and
 loss under CPU autocast; ``--compile-block`` compiles one transformer block (``torch.compile``)
-inside the eager loop.
+inside the eager loop; ``--accelerate`` runs the loop through accelerate's ``Accelerator`` (on the CPU) without
+the Trainer: the model and optimizer ``prepare``d, ``accelerator.backward(loss)``, gradients accumulated with
+``accelerator.accumulate`` over ``--accumulate`` micro-batches and clipped with ``accelerator.clip_grad_norm_``.
 """
 
 import argparse
@@ -38,6 +40,7 @@ parser.add_argument("--grad-scaler", action="store_true")
 parser.add_argument("--optimizers", type=int, choices=[1, 2], default=1)
 parser.add_argument("--autocast", choices=["bf16"], default=None)
 parser.add_argument("--compile-block", action="store_true")
+parser.add_argument("--accelerate", action="store_true")
 parser.add_argument("--measure-peak", action="store_true")
 args = parser.parse_args()
 lengths = [int(x) for x in args.lengths.split(",")]
@@ -95,6 +98,12 @@ else:  # the embeddings with one optimizer, the rest with another, each under it
                   torch.optim.lr_scheduler.LambdaLR(optimizers[1], lambda step: min(1.0, (step + 1) / 4))]  # fmt: skip
 if args.compile_block:
     blocks[1].compile()
+accelerator = None
+if args.accelerate:
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=args.accumulate)
+    model, optimizers[0] = accelerator.prepare(model, optimizers[0])
 autocast = torch.autocast("cpu", dtype=torch.bfloat16) if args.autocast else contextlib.nullcontext()
 branch = {"on": False}
 
@@ -121,8 +130,29 @@ if args.measure_peak:
 scaler = torch.amp.GradScaler("cpu", init_scale=1024.0) if args.grad_scaler else None
 generator = torch.Generator().manual_seed(1)
 losses = []
+
+
+def accelerate_step(ids):
+    """accelerate's loop without the Trainer, as its docs write it: accumulate, backward, clip, step, zero_grad."""
+    for micro in range(args.accumulate):
+        part = ids if args.accumulate == 1 else torch.roll(ids, micro, dims=0)
+        with accelerator.accumulate(model):
+            loss = model(part, labels=part).loss
+            accelerator.backward(loss)
+            if accelerator.sync_gradients:
+                accelerator.clip_grad_norm_(model.parameters(), 1.0)
+            optimizers[0].step()
+            optimizers[0].zero_grad()
+    return loss
+
+
 with measuring:
     for i in range(args.iterations):
+        if accelerator is not None:
+            length = lengths[i % len(lengths)]
+            ids = torch.randint(0, config.vocab_size, (args.batch, length), generator=generator)
+            losses.append(accelerate_step(ids).item())
+            continue
         length = lengths[i % len(lengths)]
         ids = torch.randint(0, config.vocab_size, (args.batch, length), generator=generator)
         if args.changes and i and i % 10 == 0:

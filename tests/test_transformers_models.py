@@ -243,6 +243,23 @@ def test_qwen2_in_transformers_trainer_gets_a_plan_and_trains_bit_identically(tm
     assert len(stable_iterations(report)) >= 0.4 * 2 * steps - 6 * len(replanned_for_copies(report))
 
 
+def test_qwen2_in_an_accelerate_loop_without_the_trainer_gets_a_plan_and_trains_bit_identically(tmp_path):
+    """accelerate's own loop, as its docs write it: ``prepare``, ``accelerator.accumulate`` over 2 micro-batches,
+    ``accelerator.backward``, ``clip_grad_norm_`` on the synchronising micro-batch, ``step`` and ``zero_grad``
+    every micro-batch (the prepared optimizer skips them until the gradients are synchronised)."""
+    pytest.importorskip("accelerate")
+    steps = 20
+    args = ("--model", "qwen2", "--iterations", str(steps), "--accelerate", "--accumulate", "2")
+    ref = reference(*args)
+    budget = int(ref["peak"] * 0.55)
+    got, report = under_memfit(tmp_path, budget, *args)
+    assert_same_training(got, ref, report)
+    assert report["peak_device_bytes"] <= budget
+    assert report["optimizer_steps"] == steps and report["iterations"] == 2 * steps
+    assert report["plans_generated"] >= 1
+    assert len(stable_iterations(report)) >= 0.4 * 2 * steps - 6 * len(replanned_for_copies(report))
+
+
 def test_gpt_neox_with_three_lengths_taking_turns_gets_plans_within_its_first_steps(tmp_path):
     """Three lengths of one program: the first to recur is planned for with its candidates' trials, the other two
     follow it with one trial each (memfit_profiler.stages), so plans run from about the 11th step, not the 28th."""
