@@ -199,8 +199,8 @@ def main() -> None:
         shipped.append({"name": name, "exact": got["exact"], "hazards": got["hazards"]})
     caught = []
     for name, patch in variants().items():
-        run, expected = (lambda: swap_run(budget), swap_expected) if name.startswith("swap") else (
-            offload_run, offload_expected
+        run, expected = (
+            (lambda: swap_run(budget), swap_expected) if name.startswith("swap") else (offload_run, offload_expected)
         )
         with patch():
             got = verdict(run, expected)
