@@ -75,7 +75,6 @@ std::atomic<int64_t> g_last_oom_request{0};
 std::atomic<bool> g_counting{false};
 std::atomic<bool> g_npu_style_errors{false};
 std::atomic<bool> g_poison{false};
-std::atomic<int64_t> g_poisoned_bytes{0};
 
 // Strict cpu-sim's watched ranges: start address -> (end address, copy id).
 std::mutex g_watch_lock;
@@ -213,7 +212,6 @@ void delete_block(void* data) {
   }
   if (g_poison.load(std::memory_order_relaxed)) {
     std::memset(data, 0xFF, header->nbytes);
-    g_poisoned_bytes.fetch_add(static_cast<int64_t>(header->nbytes), std::memory_order_relaxed);
   }
   if (!keep_cached(base, header->nbytes + kHeader)) c10::free_cpu(base);
 }
@@ -320,7 +318,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Raise out-of-memory as a plain RuntimeError worded like older torch_npu; returns the previous setting.");
   m.def("set_poison", [](bool on) { return g_poison.exchange(on); },
         "Fill every freed block with 0xFF bytes (strict cpu-sim); returns the previous setting.");
-  m.def("poisoned_bytes", []() { return g_poisoned_bytes.load(); }, "Bytes poisoned so far.");
   m.def("watch", [](int64_t address, int64_t nbytes) {
     const int64_t id = g_next_watch.fetch_add(1);
     std::lock_guard<std::mutex> guard(g_watch_lock);
