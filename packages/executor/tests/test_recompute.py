@@ -507,3 +507,39 @@ def test_a_plan_traced_with_the_kv_cache_on_is_not_said_to_mismatch_once_the_cac
     assert [str(w.message) for w in said if "different number of times" in str(w.message)] == []
     assert any("KV cache is turned off" in str(w.message) for w in said)
     assert all(torch.equal(a, b) for a, b in zip(checkpointed, plain, strict=True))
+
+
+def test_memfits_module_hooks_leave_a_compiled_module_compiled_once():
+    """The model finder's and the identity oracle's global module hooks run inside a compiled module's call too:
+    traced, they made dynamo guard on their changing state and recompile every step until torch's recompile limit,
+    after which the module ran eagerly, with other numerics than the same script without memfit."""
+    from memfit_executor.oracle import IdentityOracle
+
+    graphs = []
+
+    def counting_backend(graph, example_inputs):
+        graphs.append(graph)
+        return graph.forward
+
+    class Block(nn.Module):  # a class of the test's own: dynamo does not compile torch's own modules' code
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.down(torch.relu(self.up(x)))
+
+    torch._dynamo.reset()
+    block = Block()
+    block.compile(backend=counting_backend)
+    model = nn.Sequential(nn.Linear(8, 8), block)
+    oracle = IdentityOracle().install()
+    try:
+        with ModelFinder() as finder:
+            for _ in range(12):  # past torch's recompile limit of 8
+                model(torch.randn(2, 8)).sum().backward()
+            assert finder.model is model
+    finally:
+        oracle.uninstall()
+        torch._dynamo.reset()
+    assert len(graphs) == 1

@@ -57,6 +57,8 @@ class FullCheckpointing:
         self._recompute: Any = None
 
     def _first_call(self, module: nn.Module, args: Any) -> None:
+        if torch.compiler.is_compiling():  # a compiled module's call is not the model's first
+            return
         if not torch.is_grad_enabled() or not any(True for _ in module.parameters()):
             return
         self._handle.remove()

@@ -99,11 +99,18 @@ class IdentityOracle:
         return path
 
     def _enter(self, module: torch.nn.Module, args: Any) -> None:
+        # Not while dynamo traces a compiled module's call: tracing this hook would guard on its
+        # changing state, recompile on every call and, past torch's recompile limit, run the module
+        # eagerly, which changes its numerics.
+        if torch.compiler.is_compiling():
+            return
         path = self._path(module)
         call = self._calls.get(path, 0)
         self._calls[path] = call + 1
         self._stack.append(_Frame(path, call, module))
 
     def _exit(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if torch.compiler.is_compiling():  # as in _enter
+            return
         if self._stack:
             self._stack.pop()

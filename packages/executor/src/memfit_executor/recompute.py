@@ -657,6 +657,11 @@ class ModelFinder:
         self._handle = nn.modules.module.register_module_forward_pre_hook(self._pre_hook)
 
     def _pre_hook(self, module: nn.Module, args: Any) -> None:
+        # Not while dynamo traces a compiled module's call: tracing this hook would guard on its
+        # changing state, recompile on every call and, past torch's recompile limit, run the module
+        # eagerly, which changes its numerics.
+        if torch.compiler.is_compiling():
+            return
         seen = self._seen.get(id(module))
         if seen is None or seen.ref() is not module:
             seen = self._discover(module)
