@@ -412,9 +412,16 @@ def test_memfit_run_with_an_impossible_budget_says_why(tmp_path):
 
 
 def test_memfit_swap_explains_a_missing_executor(monkeypatch):
-    monkeypatch.setitem(sys.modules, "memfit_executor.session", None)
-    with pytest.raises(MemfitError, match="pip install memfit-executor"):
-        memfit.swap(budget="1GiB")
+    from memfit.plugins import reset_hooks
+
+    monkeypatch.setenv("MEMFIT_DISABLE_PLUGINS", "executor")  # as if memfit-executor were not installed
+    reset_hooks()
+    try:
+        with pytest.raises(MemfitError, match="no installed plugin provides one: pip install memfit-executor"):
+            memfit.swap(budget="1GiB")
+    finally:
+        monkeypatch.delenv("MEMFIT_DISABLE_PLUGINS")
+        reset_hooks()
 
 
 def test_a_capacity_below_the_budget_is_a_clear_error():

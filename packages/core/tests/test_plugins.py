@@ -19,6 +19,7 @@ from memfit.types import (
     Phase,
     PlannerSpec,
     PlanningProblem,
+    SwapRequest,
 )
 
 
@@ -252,6 +253,44 @@ def test_hook_on_fault(hooks, register_plugin):
     assert FaultEvent(kind="node_lost").state is None
     assert FaultResponse(action="restart", handler="restarter").decision is None
     assert FaultEvent(kind="node_lost", state={"any": "object"}).state == {"any": "object"}
+
+
+def test_hook_swap_session(hooks, register_plugin, monkeypatch):
+    """``memfit.swap`` asks the hook: core names no runtime, and says what to install when none answers."""
+    import contextlib
+
+    import memfit
+    import memfit.plugins
+
+    monkeypatch.setattr(memfit.plugins, "get_hooks", lambda: hooks)
+    assert hooks.swap_session(SwapRequest(budget="1GiB")) is None
+    with pytest.raises(MemfitError, match="no installed plugin provides one: pip install memfit-executor"):
+        memfit.swap(budget="1GiB")
+
+    requests = []
+
+    class Recording(contextlib.nullcontext):
+        pass
+
+    class Runtime:
+        @hookimpl(trylast=True)
+        def swap_session(self, request):
+            requests.append(request)
+            return Recording(request.budget)
+
+    class OnlyUnlimited:
+        @hookimpl
+        def swap_session(self, request):
+            return contextlib.nullcontext("unlimited") if request.budget == "unlimited" else None
+
+    register_plugin(Runtime(), "runtime")
+    register_plugin(OnlyUnlimited(), "only-unlimited")
+    with memfit.swap("12GiB", "cpu-sim", capacity="24GiB") as entered:
+        assert entered == "12GiB"
+    assert requests == [SwapRequest(budget="12GiB", backend="cpu-sim", options={"capacity": "24GiB"})]
+    with memfit.swap(budget="unlimited") as entered:  # the plugin that claims a request decides
+        assert entered == "unlimited"
+    assert len(requests) == 1
 
 
 def _trace(peak):

@@ -18,16 +18,20 @@ __all__ = ["MemfitError", "__version__", "hookimpl", "swap"]
 def swap(budget: int | str | None = None, backend: Any = None, **options: Any) -> Any:
     """Train under a device-memory budget: ``with memfit.swap(budget="12GiB"):`` around the training loop.
 
-    Provided by memfit-executor (see :class:`memfit_executor.session.SwapSession` for the options);
-    this is a shortcut so scripts need only ``import memfit``.
+    The session comes from the plugin that answers the ``swap_session`` hook: memfit-executor's
+    ``SwapSession`` (see :class:`memfit_executor.session.SwapSession` for the options), unless
+    another plugin claims the request. Core imports no runtime, so scripts need only ``import memfit``.
 
     Raises:
-        MemfitError: memfit-executor is not installed.
+        MemfitError: no installed plugin provides a swap session (install memfit-executor), or the
+            session refuses the budget or an option.
     """
-    try:
-        from memfit_executor.session import SwapSession
-    except ModuleNotFoundError as exc:
-        if exc.name not in ("memfit_executor", "memfit_executor.session"):
-            raise
-        raise MemfitError("memfit.swap needs the swap executor: pip install memfit-executor") from exc
-    return SwapSession(budget, backend, **options)
+    from memfit.plugins import get_hooks
+    from memfit.types import SwapRequest
+
+    session = get_hooks().swap_session(SwapRequest(budget=budget, backend=backend, options=options))
+    if session is None:
+        raise MemfitError(
+            "memfit.swap needs a swap runtime and no installed plugin provides one: pip install memfit-executor"
+        )
+    return session

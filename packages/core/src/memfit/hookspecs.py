@@ -15,6 +15,7 @@ fields to the event objects in :mod:`memfit.types`, never by changing arguments.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING
 
 import pluggy
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
         OpDispatchEvent,
         PlannerSpec,
         PlanningProblem,
+        SwapRequest,
     )
 
 PROJECT = "memfit"
@@ -192,6 +194,35 @@ class RuntimeSpecs:
                 if freed and event.attempt == 0:
                     return OOMResponse(action="retry", freed_bytes=freed, note="emptied the allocator cache")
                 return None
+            ```
+        """
+
+    @hookspec(firstresult=True)
+    def swap_session(self, request: SwapRequest) -> AbstractContextManager | None:
+        """Make the session ``memfit.swap(...)`` returns; the first plugin that answers provides it.
+
+        memfit-executor answers every request with its ``SwapSession`` (``trylast``), so a plugin
+        may take the requests it is for (a device of its own, an experiment) and pass on the others
+        with ``None``. Core names no runtime: ``memfit.swap`` asks this hook, and says what to
+        install when nobody answers. Check ``request.options`` and raise
+        :class:`~memfit.errors.MemfitError` on one you do not know.
+
+        Example:
+            ```python
+            import contextlib
+
+            from memfit import hookimpl
+
+
+            class Unbudgeted(contextlib.nullcontext):  # the script runs as without memfit: a baseline
+                pass
+
+
+            @hookimpl
+            def swap_session(request):
+                if request.budget != "unlimited":
+                    return None  # leave it to memfit-executor
+                return Unbudgeted()
             ```
         """
 

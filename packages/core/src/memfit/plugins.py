@@ -18,6 +18,7 @@ import importlib
 import importlib.metadata
 import os
 from collections.abc import Callable, Iterable, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -38,6 +39,7 @@ from memfit.types import (
     PlannerSpec,
     PlanningProblem,
     PluginInfo,
+    SwapRequest,
 )
 
 if TYPE_CHECKING:
@@ -269,6 +271,10 @@ class Hooks:
     def handle_oom(self, event: OOMEvent) -> OOMResponse | None:
         """Ask the ``on_oom`` handlers; the first answer wins (``None`` when nobody can help)."""
         return self.pm.hook.on_oom(event=event)
+
+    def swap_session(self, request: SwapRequest) -> AbstractContextManager | None:
+        """Ask the ``swap_session`` implementations for the session of ``memfit.swap``; ``None`` when none answers."""
+        return self.pm.hook.swap_session(request=request)
 
     def handle_fault(self, event: FaultEvent) -> FaultResponse | None:
         """Ask the ``on_fault`` handlers; the first that claims the fault decides."""

@@ -131,6 +131,22 @@ class FaultResponse:
 
 
 @dataclass(frozen=True, slots=True)
+class SwapRequest:
+    """What ``memfit.swap(budget, backend, **options)`` was called with, for the ``swap_session`` hook.
+
+    Attributes:
+        budget: the device-memory budget as the user gave it (bytes, a size such as ``"12GiB"``,
+            or ``None`` for the runtime's default).
+        backend: a backend name, a backend object, or ``None`` for the best available.
+        options: every other keyword argument, for the runtime to check and refuse if unknown.
+    """
+
+    budget: int | str | None = None
+    backend: Any = None
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
 class PlanningProblem:
     """What a planner is asked to solve in ``plan_memory``.
 

@@ -988,8 +988,3 @@ class _NoOOMHooks:
 
     def handle_oom(self, event: Any) -> None:
         return None
-
-
-def swap(budget: int | str | None = None, backend: Any = None, **options: Any) -> SwapSession:
-    """A :class:`SwapSession`: use ``with memfit.swap(budget="12GiB"):`` around a training loop."""
-    return SwapSession(budget, backend, **options)
