@@ -76,3 +76,55 @@ def test_collecting_the_tests_measures_nothing_and_writes_nothing_to_the_memfit_
     assert re.search(r"^\d+ tests collected", collected.stdout, re.M), collected.stdout[-2000:]
     written = sorted(str(p.relative_to(cache)) for p in cache.rglob("*"))
     assert written == [], f"collecting the tests wrote {written} into the memfit cache: measure in a fixture or test"
+
+
+def _declared_memfit_distributions(pyproject):
+    """The memfit distributions a package's metadata names: its dependencies and every extra's."""
+    import tomllib
+
+    project = tomllib.loads(pyproject.read_text())["project"]
+    requirements = list(project.get("dependencies", []))
+    for extra in project.get("optional-dependencies", {}).values():
+        requirements += extra
+    return {re.match(r"[A-Za-z0-9_.-]+", r).group().lower().replace("_", "-") for r in requirements}
+
+
+def _imported_memfit_distributions(src):
+    """``{distribution: [file:line, ...]}`` for every import of another memfit package under ``src``, guarded or not."""
+    import ast
+
+    found = {}
+    for path in sorted(src.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                modules = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                modules = [node.module]
+            else:
+                continue
+            for module in modules:
+                top = module.split(".")[0]
+                if top == "memfit" or top.startswith("memfit_"):
+                    dist = "memfit" if top == "memfit" else top.replace("_", "-")
+                    found.setdefault(dist, []).append(f"{path.relative_to(REPO)}:{node.lineno}")
+    return found
+
+
+@pytest.mark.parametrize("package", sorted(p.name for p in (REPO / "packages").iterdir() if p.is_dir()))
+def test_every_import_of_another_memfit_package_is_declared(package):
+    """A package that imports another memfit package names it in its dependencies or in an extra (with the
+    error that says which extra to install where the import is guarded): the metadata is the package graph."""
+    root = REPO / "packages" / package
+    own = "memfit" if package == "core" else f"memfit-{package}"
+    declared = _declared_memfit_distributions(root / "pyproject.toml") | {own}
+    undeclared = {
+        dist: where for dist, where in _imported_memfit_distributions(root / "src").items() if dist not in declared
+    }
+    assert not undeclared, f"{own} imports {sorted(undeclared)} without declaring them (at {undeclared})"
+
+
+def test_core_imports_no_other_memfit_package():
+    """Core is the base every package stands on: what it offers from another package (``memfit.swap``) comes
+    through a hook, so no arrow runs back up and core installs and works alone."""
+    imported = _imported_memfit_distributions(REPO / "packages" / "core" / "src")
+    assert set(imported) <= {"memfit"}, {d: w for d, w in imported.items() if d != "memfit"}

@@ -45,7 +45,7 @@ def test_a_plan_in_the_configuration_and_a_second_one_are_refused():
     config = ParallelConfig(dp_shard=2, activation_checkpoint="sac", sac_memory_fraction=0.5, sac_plan=PLAN)
     problems = unapplied(config, llama_recipe("tiny"), [Recompute(module="layers.0")])
     assert any("carries its own SAC plan" in p for p in problems)
-    assert any("pip install memfit-executor" in p for p in unapplied(config, llama_recipe("tiny"))) == (
+    assert any("pip install 'memfit-parallel[sac]'" in p for p in unapplied(config, llama_recipe("tiny"))) == (
         importlib.util.find_spec("memfit_executor") is None
     )
 

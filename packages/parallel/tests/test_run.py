@@ -492,7 +492,7 @@ def test_what_is_not_applied_yet_is_named():
     assert unapplied(ParallelConfig(cp=2, tp=2), recipe) == []
     problems = unapplied(ParallelConfig(cp=2, swap=True), dataclasses.replace(recipe, context_parallel=None))
     assert any("`context_parallel` function" in p for p in problems)
-    assert any("pip install memfit-executor" in p for p in problems) == (not HAS_EXECUTOR)
+    assert any("pip install 'memfit-parallel[swap]'" in p for p in problems) == (not HAS_EXECUTOR)
     # bfloat16 without data parallelism: the model is built in bfloat16; SAC without a plan: the op-level policy
     assert unapplied(ParallelConfig(tp=2, param_dtype="bfloat16"), recipe) == []
     sac = ParallelConfig(dp_shard=2, activation_checkpoint="sac", sac_memory_fraction=0.5)

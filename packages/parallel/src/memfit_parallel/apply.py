@@ -623,10 +623,14 @@ def unapplied(config: ParallelConfig, recipe: ModelRecipe, recompute: Sequence[R
     if config.cp > 1 and recipe.context_parallel is None:
         problems.append("cp > 1 needs a `context_parallel` function in the model recipe")
     if config.swap and importlib.util.find_spec("memfit_executor") is None:
-        problems.append("swap=True runs memfit.swap on each rank, from memfit-executor: pip install memfit-executor")
+        problems.append(
+            "swap=True runs memfit.swap on each rank, from memfit-executor: pip install 'memfit-parallel[swap]'"
+        )
     planned = bool(recompute) or config.sac_plan is not None
     if planned and config.activation_checkpoint == "sac" and importlib.util.find_spec("memfit_executor") is None:
-        problems.append("a SAC plan's recompute actions are applied by memfit-executor: pip install memfit-executor")
+        problems.append(
+            "a SAC plan's recompute actions are applied by memfit-executor: pip install 'memfit-parallel[sac]'"
+        )
     if recompute and config.sac_plan is not None:
         problems.append("the configuration carries its own SAC plan (sac_plan): give it or a plan's recompute "
                         "actions (--sac-plan), not both")  # fmt: skip

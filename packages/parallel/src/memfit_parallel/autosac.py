@@ -77,7 +77,7 @@ embedding's, attention's contiguous Q, K, V)."""
 def missing() -> list[str]:
     """The packages Auto-SAC needs that are not installed (empty when it can plan and apply)."""
     return [
-        f"{dist} ({what}): pip install {dist}"
+        f"{dist} ({what}): pip install 'memfit-parallel[sac]'"
         for module, dist, what in (
             ("memfit_policies", "memfit-policies", "plans it"),
             ("memfit_executor", "memfit-executor", "applies it"),
@@ -106,7 +106,7 @@ def block_sac_plan(
     if not 0.0 < keep < 1.0:
         raise MemfitError(f"keep must lie strictly between 0 and 1 (a fraction of the block's activations), got {keep}")
     if importlib.util.find_spec("memfit_policies") is None:
-        raise MemfitError("Auto-SAC plans with memfit-policies: pip install memfit-policies")
+        raise MemfitError("Auto-SAC plans with memfit-policies: pip install 'memfit-parallel[sac]'")
     from memfit_policies.sac import LOCAL_POLICIES
 
     if local not in LOCAL_POLICIES:

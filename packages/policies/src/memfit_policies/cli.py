@@ -246,6 +246,6 @@ def _simulated_trace(spec: str) -> Trace:
     try:
         from memfit_simulator import simulate_training
     except ModuleNotFoundError as exc:
-        raise MemfitError("--simulate needs the simulator: pip install memfit-simulator") from exc
+        raise MemfitError("--simulate needs the simulator: pip install 'memfit-policies[simulate]'") from exc
     result = simulate_training(model, batch=batch, seq=seq, dtype=dtype, optimizer=optimizer, layers=layers)
     return result.trace()
