@@ -23,6 +23,21 @@ def test_each_package_is_a_plugin_of_its_own_distribution(package):
     assert infos[package].version == importlib.metadata.version(f"memfit-{package}")
 
 
+def test_the_commands_core_names_for_missing_packages_are_those_the_packages_register():
+    """``memfit parallel`` without memfit-parallel says what to install: core's list of who adds which command
+    must agree with what the installed packages' entry points register, every command and no other."""
+    from memfit.cli.main import COMMAND_PACKAGES
+
+    registered = {
+        kind.split(":", 1)[1]: info.distribution
+        for info in Hooks(build_plugin_manager()).plugin_infos()
+        if info.distribution.startswith("memfit-")
+        for kind in info.kind.split()
+        if kind.startswith("command:")
+    }
+    assert COMMAND_PACKAGES == registered
+
+
 def test_memfit_plugins_lists_every_builtin_plugin_with_its_distribution():
     result = run_memfit("plugins", env_extra={"COLUMNS": "200"})
     assert result.returncode == 0, result.stderr

@@ -50,9 +50,12 @@ COMMAND_PACKAGES = {
     "simulate": "memfit-simulator",
     "run": "memfit-executor",
     "demo": "memfit-executor",
+    "parallel": "memfit-parallel",
+    "faulttol": "memfit-faulttol",
 }
 """The subcommands memfit's own packages add, by the distribution that adds each: typed without
-that package installed, they say what to install instead of "No such command"."""
+that package installed, they say what to install instead of "No such command". The entry points
+are the truth (an uninstalled package has none, hence this copy): a test checks it against them."""
 
 
 def _needs_package(name: str, distribution: str) -> click.Command:
