@@ -659,9 +659,9 @@ def test_a_failed_run_leaves_the_previous_report_as_it_was_and_a_finished_one_re
 
 def test_a_report_that_cannot_be_written_is_refused_before_anything_launches(tmp_path, monkeypatch):
     a_trainer_that(monkeypatch, "raise SystemExit('launched despite a report it cannot write')")
-    with pytest.raises(MemfitError, match=r"the directory .*missing does not exist; create it or write elsewhere"):
+    with pytest.raises(MemfitError, match=r"missing does not exist; create it first"):
         launch(RunRequest(nproc=1, steps=1), tmp_path / "missing" / "report.json")
-    with pytest.raises(MemfitError, match=r"is a directory: give a file name"):
+    with pytest.raises(MemfitError, match=r"is a directory; give a file name in it"):
         launch(RunRequest(nproc=1, steps=1), tmp_path)
 
 

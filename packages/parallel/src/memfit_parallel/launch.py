@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import click
+from memfit.cli.scripts import check_writable
 from memfit.errors import MemfitError
 
 DEFAULT_TIMEOUT_S = 1800
@@ -131,7 +132,7 @@ def launch(request: RunRequest, report_path: str | Path | None = None, *, timeou
     check_request(request)
     if report_path is not None:
         report_path = Path(report_path)
-        check_report_path(report_path)
+        check_writable(report_path)
     with tempfile.TemporaryDirectory(prefix="memfit-parallel-") as tmp:
         config_path = Path(tmp) / "configs.json"
         config_path.write_text(json.dumps([c.model_dump(mode="json") for c in request.configs]))
@@ -175,17 +176,6 @@ def launch(request: RunRequest, report_path: str | Path | None = None, *, timeou
         if result.get("restarts"):  # the attempts before the one that reported: what their failing ranks left
             result["earlier_failures"] = failure_lines(output)
         return result
-
-
-def check_report_path(path: Path) -> None:
-    """Raise :class:`MemfitError` where a report could not be written to ``path`` (checked before a run, not after)."""
-    folder = path.parent
-    if path.is_dir():
-        raise MemfitError(f"--report {path} is a directory: give a file name, e.g. {path / 'report.json'}")
-    if not folder.is_dir():
-        raise MemfitError(f"--report {path}: the directory {folder} does not exist; create it or write elsewhere")
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise MemfitError(f"--report {path}: the directory {folder} is not writable; write the report elsewhere")
 
 
 def _replace_with(path: Path, data: bytes) -> None:
@@ -380,7 +370,7 @@ def run(
         )  # fmt: skip
         check_request(request)
         if report is not None:
-            check_report_path(report)
+            check_writable(report)
         click.echo(
             f"launching {nproc} processes, {request.model}, global batch {request.global_batch} x {request.seq_len}: "
             + ", ".join(c.describe() for c in request.configs)
