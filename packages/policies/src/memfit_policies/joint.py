@@ -40,7 +40,6 @@ from memfit.plan import MemoryPlan
 from memfit.trace import Trace
 from pydantic import Field
 
-from memfit_policies.plugin import FINER_LAYERS_PER_PHASE
 from memfit_policies.sac import (
     REGION_OVERHEAD_S,
     LocalPolicy,
@@ -51,6 +50,7 @@ from memfit_policies.sac import (
     solve_sac,
 )
 from memfit_policies.swap import CannotFit, SwapPlannerConfig, generate_swap_plan, planner_margin
+from memfit_policies.variations import FINER_LAYERS_PER_PHASE
 
 
 class JointPlannerConfig(MemfitModel):
