@@ -39,11 +39,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from memfit_simulator.baselines import measured_peak, measured_step_peak, memtracker_peak, step_seconds
-from memfit_simulator.calibration import calibration
+from memfit_simulator.calibration import calibration, time_model
 from memfit_simulator.hardware import get_spec
-from memfit_simulator.models import model_source
-from memfit_simulator.simulation import DTYPES, model_config, reference_step, simulate, simulate_training
-from memfit_simulator.timing import by_category, measure_ops, op_costs, time_model
+from memfit_simulator.models import DTYPES, model_config, model_source, reference_step
+from memfit_simulator.simulation import simulate, simulate_training
+from memfit_simulator.timing import by_category, measure_ops, op_costs
 
 CONFIGS = [  # (model, layers, batch, seq, dtype, optimizer)
     ("tiny", None, 8, 128, "float32", "adamw"),

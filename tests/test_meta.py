@@ -128,3 +128,70 @@ def test_core_imports_no_other_memfit_package():
     through a hook, so no arrow runs back up and core installs and works alone."""
     imported = _imported_memfit_distributions(REPO / "packages" / "core" / "src")
     assert set(imported) <= {"memfit"}, {d: w for d, w in imported.items() if d != "memfit"}
+
+
+def _runtime_imports(tree):
+    """The modules a file imports when it runs (at its top or in a function), leaving out ``if TYPE_CHECKING:``."""
+    import ast
+
+    found = []
+
+    def visit(node):
+        if isinstance(node, ast.If) and getattr(node.test, "id", getattr(node.test, "attr", None)) == "TYPE_CHECKING":
+            return
+        if isinstance(node, ast.Import):
+            found.extend(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.append(node.module)
+            found.extend(f"{node.module}.{alias.name}" for alias in node.names)  # a submodule taken by name
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return found
+
+
+def _import_circles(src, top):
+    """Sets of two or more modules of one package that import each other, directly or around a loop (Tarjan)."""
+    import ast
+
+    modules = {}
+    for path in src.rglob("*.py"):
+        parts = [top, *path.relative_to(src).with_suffix("").parts]
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph = {
+        name: {m for m in _runtime_imports(ast.parse(path.read_text())) if m in modules and m not in (name, top)}
+        for name, path in modules.items()
+    }
+    assert top in graph and len(graph) > 1, f"no modules of {top} found under {src}"
+    index, low, stack, circles = {}, {}, [], []
+
+    def connect(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while (w := stack.pop()) != v:
+                component.append(w)
+            if component:
+                circles.append(sorted([v, *component]))
+
+    for name in graph:
+        if name not in index:
+            connect(name)
+    return circles
+
+
+@pytest.mark.parametrize("package", sorted(p.name for p in (REPO / "packages").iterdir() if p.is_dir()))
+def test_no_modules_of_a_package_import_each_other(package):
+    """No import circles, not even through imports inside functions (how circles are usually papered over): each
+    module can be read, and moved, knowing only what it imports. A package's ``__init__`` may gather its modules."""
+    top = "memfit" if package == "core" else f"memfit_{package}"
+    circles = _import_circles(REPO / "packages" / package / "src" / top, top)
+    assert not circles, f"modules of {package} that import each other: {circles}; move what both need to one of them"

@@ -20,19 +20,19 @@ from memfit_simulator.calibration import (
     Grid,
     Piecewise,
     SuitePlan,
-    attention_flops,
     run_suite,
+    time_model,
 )
 from memfit_simulator.hardware import get_spec
 from memfit_simulator.timing import (
     CalibratedTimeModel,
+    attention_flops,
     by_category,
     category,
     grid_features,
     model_key,
     movement_bytes,
     op_cost,
-    time_model,
 )
 
 F32 = torch.float32

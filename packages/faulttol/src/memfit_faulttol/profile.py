@@ -157,7 +157,7 @@ def profile_from_simulator(
     """
     from memfit_simulator import simulate_training
     from memfit_simulator.hardware import get_spec
-    from memfit_simulator.simulation import model_config
+    from memfit_simulator.models import model_config
 
     one = simulate_training(model, batch=1, seq=seq, dtype=dtype, optimizer=optimizer, device=device, layers=1)
     two = simulate_training(model, batch=1, seq=seq, dtype=dtype, optimizer=optimizer, device=device, layers=2)

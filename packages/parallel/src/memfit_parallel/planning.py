@@ -409,7 +409,8 @@ def _accumulation_s(
     FSDP the ``.grad`` of the parameter dtype takes the adds. Memory-bound kernels, costed by the
     device's time model.
     """
-    from memfit_simulator.timing import OpCost, category, time_model
+    from memfit_simulator.calibration import time_model
+    from memfit_simulator.timing import OpCost, category
 
     n = int(params)
     low = "bfloat16" if itemsize == 2 else "float32"

@@ -593,7 +593,7 @@ def capture_stage(
 
 def _capture_rank(config: ParallelConfig, spec: HardwareSpec, setup: Callable, step: Callable) -> Any:
     """One rank of ``config``'s mesh (:func:`capture_mesh`) running ``step`` with AdamW on ``spec``'s allocator."""
-    from memfit_simulator.simulation import make_optimizer
+    from memfit_simulator.models import make_optimizer
 
     from memfit_parallel.capture import capture_parallel_step
 
@@ -775,8 +775,8 @@ def _op_seconds(
 
     The flags mark attention kernels and FSDP's parameter copies (:attr:`StageProfile.param_copy_s`).
     """
-    from memfit_simulator.calibration import attention_flops
-    from memfit_simulator.timing import grid_features, op_costs, time_model
+    from memfit_simulator.calibration import time_model
+    from memfit_simulator.timing import attention_flops, grid_features, op_costs
 
     costs = op_costs(captured.step)
     attention = np.asarray([c.category == "attention" for c in costs], dtype=bool)

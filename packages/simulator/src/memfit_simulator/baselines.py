@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from memfit_simulator.simulation import DTYPES, make_optimizer, model_config, reference_step
+from memfit_simulator.models import DTYPES, make_optimizer, model_config, reference_step
 
 
 def memtracker_peak(

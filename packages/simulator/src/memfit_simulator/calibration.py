@@ -55,9 +55,13 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from memfit_simulator.hardware import HardwareSpec
+    from memfit_simulator.timing import TimeModel
 
 SCHEMA = 1
 """Version of the cached file; a different one is measured again."""
@@ -340,6 +344,22 @@ def calibration_in_use(spec_name: str) -> Calibration | None:
     return found
 
 
+def time_model(spec: HardwareSpec) -> TimeModel:
+    """The calibrated model of ``spec``'s device when there is one, else the roofline of its published figures.
+
+    The local CPU (``cpu``) is calibrated on first use and cached, and again when its calibration was
+    made on a busy machine that is idle now (set ``MEMFIT_CALIBRATE=0`` to use the roofline instead);
+    other devices use a calibration only when one made on them is in the cache
+    (:func:`calibration_in_use`).
+    """
+    from memfit_simulator.timing import CalibratedTimeModel, RooflineTimeModel
+
+    if os.environ.get("MEMFIT_CALIBRATE", "1") == "0":
+        return RooflineTimeModel(spec)
+    found = calibration_in_use(spec.name)
+    return CalibratedTimeModel(found) if found is not None else RooflineTimeModel(spec)
+
+
 def calibration(device: str = "cpu", *, progress: bool = True, refresh: bool = False) -> Calibration:
     """This device's calibration: from the cache, or measured now (about 2.5 minutes on an idle 2-core CPU) and cached.
 
@@ -553,6 +573,8 @@ def _jobs(plan: SuitePlan, device: str) -> Iterator[Callable[[], Callable[[], An
     """Every microbenchmark, as a factory of its call: inputs exist only while their call is measured."""
     import torch
 
+    from memfit_simulator.timing import attention_flops
+
     aten = torch.ops.aten
     for dtype_name in plan.dtypes:
         dtype = getattr(torch, dtype_name)
@@ -636,16 +658,6 @@ def _matmul(a: tuple[int, ...], b: tuple[int, ...], rand: Callable[..., Any]) ->
     first = rand(*a[:-2], a[-1], a[-2]).transpose(-1, -2) if layout == "tn" else rand(*a)
     second = rand(*b[:-2], b[-1], b[-2]).transpose(-1, -2) if layout == "nt" else rand(*b)
     return functools.partial(op, first, second)
-
-
-def attention_flops(heads: float, seq_q: float, seq_kv: float, dim: float, *, backward: bool) -> float:
-    """FLOPs of (non-causal) attention, ``heads`` being batch × heads.
-
-    The backward counts 2.5 forwards (two more matmuls and the recomputed scores): a convention
-    the suite and the predictions share, so its exact value does not matter.
-    """
-    forward = 4.0 * heads * seq_q * seq_kv * dim
-    return 2.5 * forward if backward else forward
 
 
 def _elementwise(op: str, numel: int, rand: Callable[..., Any], aten: Any) -> Callable[[], Any]:

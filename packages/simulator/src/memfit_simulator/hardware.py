@@ -4,7 +4,7 @@ Dense (non-sparse) peak FLOP/s per dtype, memory bandwidth, host-device bandwidt
 allocator's block granularity, and the links collectives use. Vendor figures are peaks; the
 roofline time model applies achievable fractions (``efficiency``) to them. A device calibrated
 with :mod:`memfit_simulator.calibration` is predicted from its measurements instead (see
-:func:`memfit_simulator.timing.time_model`). ``cpu`` describes the machine memfit runs on and is
+:func:`memfit_simulator.calibration.time_model`). ``cpu`` describes the machine memfit runs on and is
 measured (a matmul and a copy, about a second, cached per machine).
 
 Example:

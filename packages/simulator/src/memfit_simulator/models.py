@@ -94,8 +94,6 @@ def model_source(
         build = import_function(source, "build")
         _takes_no_arguments(build, source)
         return ModelSource(build, step_fn or default_step, {"model": source})
-    from memfit_simulator.simulation import model_config, reference_step
-
     if source not in PRESETS:
         raise MemfitError(
             f"unknown model {source!r}: use a preset ({', '.join(PRESETS)}), hf:<model_type> (hf:gpt2, hf:llama) "
@@ -225,8 +223,6 @@ def _transformers_build(
         import transformers
     except ImportError:
         raise MemfitError(f"hf:{model_type} needs transformers: pip install transformers") from None
-    from memfit_simulator.simulation import make_optimizer
-
     try:
         config = transformers.AutoConfig.for_model(model_type)
     except ValueError:
@@ -270,3 +266,53 @@ def _transformers_build(
         return model, opt, {"input_ids": tokens, "labels": tokens}
 
     return build
+
+
+def model_config(model: str | Any, seq: int, layers: int | None = None) -> Any:
+    """The preset (or config) with ``layers`` and room for ``seq`` tokens."""
+    from memfit.models import LlamaConfig
+
+    config = LlamaConfig.preset(model) if isinstance(model, str) else model
+    return dataclasses.replace(config, n_layers=layers or config.n_layers, max_seq_len=max(seq, config.max_seq_len))
+
+
+def make_optimizer(name: str, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """The optimizers ``simulate_training`` knows, with the settings :func:`memfit.models.build_training` uses."""
+    if name not in OPTIMIZERS:
+        raise MemfitError(f"unknown optimizer {name!r}; use one of {', '.join(OPTIMIZERS)}")
+    return {
+        "adamw": lambda: torch.optim.AdamW(params, lr=3e-3, foreach=False),
+        "adam": lambda: torch.optim.Adam(params, lr=3e-3, foreach=False),
+        "sgd": lambda: torch.optim.SGD(params, lr=1e-2, momentum=0.9, foreach=False),
+        "none": lambda: torch.optim.SGD(params, lr=0.0),
+    }[name]()
+
+
+def reference_step(config: Any, batch: int, seq: int, dtype: torch.dtype, optimizer: str) -> tuple[Any, Any]:
+    """``(build, step)`` for :func:`memfit_simulator.capture.capture_step`: the reference Llama's training step."""
+    from memfit.models import Llama
+
+    def build():
+        # Created in the training dtype directly: Module.to() swaps fake parameters, which
+        # FakeTensorMode's weak references forbid. (The model has no buffers to convert.)
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            net = Llama(config)
+        finally:
+            torch.set_default_dtype(previous)
+        tokens = torch.randint(0, config.vocab_size, (batch, seq + 1))
+        return (
+            net,
+            make_optimizer(optimizer, list(net.parameters())),
+            (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()),
+        )
+
+    def step(net, opt, data):
+        loss = net.loss(*data)
+        loss.backward()
+        if optimizer != "none":
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return build, step

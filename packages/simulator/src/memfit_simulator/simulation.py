@@ -26,22 +26,29 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
-from memfit.errors import MemfitError
 from memfit.plan import MemoryPlan, Prefetch, Store, Swap
 from memfit.trace import Trace
 
+from memfit_simulator.calibration import time_model
 from memfit_simulator.capture import CapturedStep, capture_step, to_trace
 from memfit_simulator.hardware import HardwareSpec, get_spec
 from memfit_simulator.memory import MemoryBreakdown, memory_breakdown
-from memfit_simulator.models import DTYPES, OPTIMIZERS, Build, Step, check_shape, default_step, model_source
+from memfit_simulator.models import (
+    DTYPES,
+    Build,
+    Step,
+    check_shape,
+    default_step,
+    model_config,
+    model_source,
+    reference_step,
+)
 from memfit_simulator.streams import StreamTimeline
-from memfit_simulator.timing import op_costs, time_model
+from memfit_simulator.timing import op_costs
 
 
 @dataclass
@@ -184,56 +191,6 @@ def simulate_training(
     settings = {"model": "custom", "layers": config.n_layers, "batch": batch, "seq": seq,
                 "dtype": str(torch_dtype).removeprefix("torch."), "optimizer": optimizer}  # fmt: skip
     return simulate(build, step, device=device, settings=settings)
-
-
-def model_config(model: str | Any, seq: int, layers: int | None = None) -> Any:
-    """The preset (or config) with ``layers`` and room for ``seq`` tokens."""
-    from memfit.models import LlamaConfig
-
-    config = LlamaConfig.preset(model) if isinstance(model, str) else model
-    return dataclasses.replace(config, n_layers=layers or config.n_layers, max_seq_len=max(seq, config.max_seq_len))
-
-
-def make_optimizer(name: str, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    """The optimizers ``simulate_training`` knows, with the settings :func:`memfit.models.build_training` uses."""
-    if name not in OPTIMIZERS:
-        raise MemfitError(f"unknown optimizer {name!r}; use one of {', '.join(OPTIMIZERS)}")
-    return {
-        "adamw": lambda: torch.optim.AdamW(params, lr=3e-3, foreach=False),
-        "adam": lambda: torch.optim.Adam(params, lr=3e-3, foreach=False),
-        "sgd": lambda: torch.optim.SGD(params, lr=1e-2, momentum=0.9, foreach=False),
-        "none": lambda: torch.optim.SGD(params, lr=0.0),
-    }[name]()
-
-
-def reference_step(config: Any, batch: int, seq: int, dtype: torch.dtype, optimizer: str) -> tuple[Any, Any]:
-    """``(build, step)`` for :func:`memfit_simulator.capture.capture_step`: the reference Llama's training step."""
-    from memfit.models import Llama
-
-    def build():
-        # Created in the training dtype directly: Module.to() swaps fake parameters, which
-        # FakeTensorMode's weak references forbid. (The model has no buffers to convert.)
-        previous = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)
-        try:
-            net = Llama(config)
-        finally:
-            torch.set_default_dtype(previous)
-        tokens = torch.randint(0, config.vocab_size, (batch, seq + 1))
-        return (
-            net,
-            make_optimizer(optimizer, list(net.parameters())),
-            (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()),
-        )
-
-    def step(net, opt, data):
-        loss = net.loss(*data)
-        loss.backward()
-        if optimizer != "none":
-            opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    return build, step
 
 
 def step_seconds_with_swaps(op_seconds: np.ndarray, trace: Trace, plan: MemoryPlan, bandwidth: float) -> float:

@@ -23,7 +23,6 @@ models do not know is ``elementwise`` and costs by bytes moved.
 from __future__ import annotations
 
 import functools
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -195,6 +194,16 @@ def _reduces_leading(cost: OpCost) -> bool:
     return bool(src and out and src[-1] == out[-1] and src[-1] > 1 and _numel(src) > _numel(out))
 
 
+def attention_flops(heads: float, seq_q: float, seq_kv: float, dim: float, *, backward: bool) -> float:
+    """FLOPs of (non-causal) attention, ``heads`` being batch × heads.
+
+    The backward counts 2.5 forwards (two more matmuls and the recomputed scores): a convention
+    the suite and the predictions share, so its exact value does not matter.
+    """
+    forward = 4.0 * heads * seq_q * seq_kv * dim
+    return 2.5 * forward if backward else forward
+
+
 def grid_features(cost: OpCost) -> tuple[tuple[float, ...], float]:
     """``(features, work)`` of a matmul, attention or reduction operator, as its grid model reads them."""
     if cost.category == "matmul":
@@ -202,8 +211,6 @@ def grid_features(cost: OpCost) -> tuple[tuple[float, ...], float]:
         work = cost.flops or 2.0 * batch * m * k * n
         return ((batch, m, k, n) if batch > 1 else (m, k, n)), work
     if cost.category == "attention":
-        from memfit_simulator.calibration import attention_flops
-
         backward = model_key(cost) == "attention_backward"
         shapes = [s for s, _ in cost.inputs if len(s) >= 3]
         q, k = (shapes[1], shapes[2]) if backward and len(shapes) > 2 else (shapes[0], shapes[1])
@@ -324,27 +331,6 @@ class CalibratedTimeModel:
     def predict(self, costs: Sequence[OpCost]) -> np.ndarray:
         kernel, overhead = self.breakdown(costs)
         return kernel + overhead
-
-
-def time_model(spec: HardwareSpec) -> TimeModel:
-    """The calibrated model of ``spec``'s device when there is one, else the roofline of its published figures.
-
-    The local CPU (``cpu``) is calibrated on first use and cached, and again when its calibration was
-    made on a busy machine that is idle now (set ``MEMFIT_CALIBRATE=0`` to use the roofline instead);
-    other devices use a calibration only when one made on them is in the cache
-    (:func:`memfit_simulator.calibration.calibration_in_use`).
-    """
-    from memfit_simulator.calibration import calibration_in_use
-
-    if os.environ.get("MEMFIT_CALIBRATE", "1") == "0":
-        return RooflineTimeModel(spec)
-    found = calibration_in_use(spec.name)
-    return CalibratedTimeModel(found) if found is not None else RooflineTimeModel(spec)
-
-
-def estimate(costs: list[OpCost], spec: HardwareSpec) -> np.ndarray:
-    """Seconds per operator on ``spec``, by :func:`time_model`."""
-    return time_model(spec).predict(costs)
 
 
 # -- measured against predicted ------------------------------------------------------------------
