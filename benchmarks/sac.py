@@ -236,7 +236,7 @@ def full_ac(trace: Any, stats: dict[str, Any], budget: int) -> tuple[dict[str, n
 
 def time_local(stats: dict[str, Any], discard: dict[str, float], local: str, repeats: int) -> tuple[dict, float]:
     """The local policy over the global ILP's module budgets: keep-masks and the best of ``repeats`` timings."""
-    from memfit_policies.sac import LOCAL_POLICIES
+    from memfit_policies.local import LOCAL_POLICIES
 
     policy = LOCAL_POLICIES[local]
     best, keep = float("inf"), {}
@@ -264,7 +264,7 @@ class TorchModel:
 
     def __init__(self, trace: Any, stats: dict[str, Any], seconds: np.ndarray, root_name: str) -> None:
         from memfit.types import Phase
-        from memfit_policies.sac import tradeoff
+        from memfit_policies.local import tradeoff
 
         self.stats = stats
         self.root = root_name
@@ -396,7 +396,8 @@ class TorchModel:
 
 # -- the benchmark ---------------------------------------------------------------------------------
 def run_budget(fraction: float, budget: int, ctx: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
-    from memfit_policies.sac import greedy_policy, solve_sac
+    from memfit_policies.local import greedy_policy
+    from memfit_policies.sac import solve_sac
 
     trace, stats = ctx["trace"], ctx["stats"]
     keeps: dict[str, dict[str, np.ndarray]] = {}
@@ -515,7 +516,7 @@ def main() -> None:
     started = time.perf_counter()
     fractions = [float(f) for f in args.fractions.split(",") if f.strip()]
 
-    from memfit_policies.sac import module_stats, op_seconds
+    from memfit_policies.opstats import module_stats, op_seconds
 
     trace, time_model = simulated_trace()
     seconds, op_times = op_seconds(trace)

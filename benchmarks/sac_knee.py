@@ -13,7 +13,7 @@ Per configuration:
 * the simulated steady-state peak, and whether it exceeds the budget (and the device);
 * the per-layer module (``model.layers.15`` by default, the thesis's "Layer 15"): its forward
   operator count (views included, as ``module_stats`` lists them) and its trade-off curve
-  (``memfit_policies.sac.tradeoff``: fraction of the layer's bytes discarded against fraction of
+  (``memfit_policies.local.tradeoff``: fraction of the layer's bytes discarded against fraction of
   its forward time recomputed, in greedy MSPS order). Read off the curve itself, not the fit:
   ``recompute_at_60pct_discard`` (the least recomputed fraction at which ≥ 60% of the bytes are
   discarded) and ``discard_at_5pct_recompute`` (the most discarded below 5% recomputed). The
@@ -57,15 +57,9 @@ from typing import Any
 os.environ["MEMFIT_CALIBRATE"] = "0"  # the h100 spec's roofline: never calibrate on this CPU
 
 import numpy as np  # noqa: E402
-from memfit_policies.sac import (  # noqa: E402
-    ModuleStats,
-    SacPlannerConfig,
-    TradeOff,
-    generate_sac_plan,
-    module_stats,
-    predicted_curve,
-    tradeoff,
-)
+from memfit_policies.local import TradeOff, tradeoff  # noqa: E402
+from memfit_policies.opstats import ModuleStats, module_stats  # noqa: E402
+from memfit_policies.sac import SacPlannerConfig, generate_sac_plan, predicted_curve  # noqa: E402
 from memfit_simulator.hardware import get_spec  # noqa: E402
 from memfit_simulator.models import model_source  # noqa: E402
 from memfit_simulator.simulation import simulate  # noqa: E402

@@ -130,7 +130,8 @@ def test_a_step_that_cannot_fit_checkpoints_the_nesting_level_that_peaks_lowest(
     # GPT-2's `transformer` is a checkpointable child of the root: checkpointing it recomputes the
     # whole stack at once in backward, so its transient is as high as what it frees, while its
     # blocks come back one at a time. The fallback plan must be the blocks, not the outermost module.
-    from memfit_policies.sac import generate_sac_plan, module_stats, predicted_curve
+    from memfit_policies.opstats import module_stats
+    from memfit_policies.sac import generate_sac_plan, predicted_curve
     from memfit_simulator import simulate
     from memfit_simulator.models import model_source
 
@@ -201,7 +202,7 @@ def measured_peak(actions, capacity):
 @pytest.fixture(scope="module")
 def small_step():
     """A simulated trace of ``SMALL``'s step, its modules, and the step's measured unplanned peak."""
-    from memfit_policies.sac import module_stats
+    from memfit_policies.opstats import module_stats
     from memfit_simulator import simulate
     from memfit_simulator.models import model_source
 

@@ -18,21 +18,15 @@ from memfit.synthetic import training_trace
 from memfit.trace import Trace
 from memfit.types import Phase
 from memfit_policies.joint import JointPlannerConfig, generate_joint_plan, trace_under_recompute
+from memfit_policies.local import greedy_order, greedy_policy, ilp_policy, knapsack_policy, tradeoff
+from memfit_policies.opstats import ModuleStats, module_stats, op_seconds
 from memfit_policies.sac import (
-    ModuleStats,
     SacPlannerConfig,
     _local_solution,
     generate_sac_plan,
-    greedy_order,
-    greedy_policy,
-    ilp_policy,
-    knapsack_policy,
-    module_stats,
-    op_seconds,
     predicted_curve,
     solve_module_budgets,
     solve_sac,
-    tradeoff,
 )
 
 DATA = Path(__file__).parent / "data"

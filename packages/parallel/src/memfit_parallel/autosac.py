@@ -11,8 +11,8 @@ to recompute and what it holds: the memory a block keeps is bounded, the recompu
    configuration's dtype, is simulated on the device (:func:`memfit_simulator.simulation.simulate_training`:
    the step captured under fake tensors, each operator timed by the device's time model);
 2. the block's forward operators, what each creates and what each costs to recompute
-   (:func:`memfit_policies.sac.module_stats`);
-3. a local policy (0/1 knapsack by default, :data:`memfit_policies.sac.LOCAL_POLICIES`) keeps the
+   (:func:`memfit_policies.opstats.module_stats`);
+3. a local policy (0/1 knapsack by default, :data:`memfit_policies.local.LOCAL_POLICIES`) keeps the
    outputs worth most recomputation time within ``keep`` × the bytes autograd keeps for the block
    without checkpointing, and recomputes the rest.
 
@@ -107,7 +107,7 @@ def block_sac_plan(
         raise MemfitError(f"keep must lie strictly between 0 and 1 (a fraction of the block's activations), got {keep}")
     if importlib.util.find_spec("memfit_policies") is None:
         raise MemfitError("Auto-SAC plans with memfit-policies: pip install 'memfit-parallel[sac]'")
-    from memfit_policies.sac import LOCAL_POLICIES
+    from memfit_policies.local import LOCAL_POLICIES
 
     if local not in LOCAL_POLICIES:
         raise MemfitError(f"unknown local policy {local!r}; use one of {', '.join(LOCAL_POLICIES)}")
@@ -121,7 +121,7 @@ def block_sac_plan(
 @functools.cache
 def _block_stats(model: str, seq_len: int, dtype: str, spec_json: str) -> Any:
     """The block's operator statistics (a simulated step): simulated once for every budget planned from them."""
-    from memfit_policies.sac import module_stats, op_seconds
+    from memfit_policies.opstats import module_stats, op_seconds
     from memfit_simulator.simulation import simulate_training
 
     from memfit_parallel.prediction import model_config

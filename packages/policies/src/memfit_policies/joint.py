@@ -40,15 +40,9 @@ from memfit.plan import MemoryPlan
 from memfit.trace import Trace
 from pydantic import Field
 
-from memfit_policies.sac import (
-    REGION_OVERHEAD_S,
-    LocalPolicy,
-    SacSolution,
-    module_stats,
-    op_seconds,
-    recompute_actions,
-    solve_sac,
-)
+from memfit_policies.local import LocalPolicy
+from memfit_policies.opstats import module_stats, op_seconds
+from memfit_policies.sac import REGION_OVERHEAD_S, SacSolution, recompute_actions, solve_sac
 from memfit_policies.swap import CannotFit, SwapPlannerConfig, generate_swap_plan, planner_margin
 from memfit_policies.variations import FINER_LAYERS_PER_PHASE
 
