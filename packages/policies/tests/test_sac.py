@@ -489,3 +489,19 @@ def test_the_ilp_weighs_what_checkpointing_a_module_costs_and_checkpoints_fewer(
     # without the cost the ILP spreads the discards over more, smaller modules
     blind = solve_sac(trace, limit)
     assert blind.region_seconds == 0.0 and len(blind.keep) > fewest
+
+
+def test_the_milp_solver_is_pulps_first_available_or_the_one_named(monkeypatch):
+    """Not hard-coded CBC: PuLP's list of available solvers decides, and MEMFIT_LP_SOLVER may name one."""
+    import pulp
+    from memfit_policies.local import SOLVERS, solver
+
+    monkeypatch.delenv("MEMFIT_LP_SOLVER", raising=False)
+    chosen = solver(7.0, 0.02)
+    first = next(s for s in SOLVERS if s in pulp.listSolvers(onlyAvailable=True))
+    assert chosen.name == first and chosen.timeLimit == 7.0 and chosen.optionsDict["gapRel"] == 0.02
+    monkeypatch.setenv("MEMFIT_LP_SOLVER", "NO_SUCH_SOLVER")
+    with pytest.raises(MemfitError, match="MEMFIT_LP_SOLVER='NO_SUCH_SOLVER' is unknown to PuLP; available: "):
+        solver(7.0, 0.02)
+    monkeypatch.setenv("MEMFIT_LP_SOLVER", first)
+    assert solver(1.0, 0.1).name == first

@@ -110,15 +110,45 @@ def tradeoff(stats: ModuleStats) -> TradeOff:
     return TradeOff(np.array(xs), np.array(ys), slopes, intercepts)
 
 
+SOLVERS = ("PULP_CBC_CMD", "HiGHS", "HiGHS_CMD", "COIN_CMD", "SCIP_PY", "GUROBI", "CPLEX_PY")
+"""The MILP solvers Auto-SAC asks PuLP for, in order of preference, when ``MEMFIT_LP_SOLVER`` names
+none: the first that PuLP finds available solves (CBC is bundled with PuLP 3; ``pip install highspy``
+adds HiGHS, which PuLP 4 will need once it no longer bundles CBC)."""
+
+
 def solver(time_limit: float, gap: float):
-    """CBC as bundled with PuLP, always with a time limit and a relative gap."""
+    """A PuLP solver, always with a time limit and a relative gap.
+
+    The one ``MEMFIT_LP_SOLVER`` names (of ``pulp.listSolvers()``), else the first available of :data:`SOLVERS`.
+
+    Raises:
+        MemfitError: the named solver is unknown to PuLP or not available, or none of :data:`SOLVERS` is.
+    """
+    import os
     import warnings
 
     import pulp
+    from memfit.errors import MemfitError
 
     with warnings.catch_warnings():  # PuLP 3.3 deprecates the bundled CBC (removed in 4, hence pulp<4)
         warnings.simplefilter("ignore", DeprecationWarning)
-        return pulp.PULP_CBC_CMD(msg=0, timeLimit=time_limit, gapRel=gap)
+        available = pulp.listSolvers(onlyAvailable=True)
+        asked = os.environ.get("MEMFIT_LP_SOLVER")
+        if asked:
+            if asked not in available:
+                known = "known to PuLP but not available here" if asked in pulp.listSolvers() else "unknown to PuLP"
+                raise MemfitError(
+                    f"MEMFIT_LP_SOLVER={asked!r} is {known}; available: {', '.join(available) or 'none'} "
+                    "(unset it to use the first of those)"
+                )
+            name = asked
+        else:
+            name = next((s for s in SOLVERS if s in available), None)
+            if name is None:
+                raise MemfitError(
+                    f"no MILP solver that PuLP can run is available (tried {', '.join(SOLVERS)}): pip install highspy"
+                )
+        return pulp.getSolver(name, msg=0, timeLimit=time_limit, gapRel=gap)
 
 
 def _lower_hull_lines(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
