@@ -3,7 +3,7 @@
 For each parallel layout (one device, FSDP 2, TP 2, CP 2) and each checkpointing (none, Auto-SAC at
 ``--keep`` fractions, TorchTitan's op-level SAC 50 %, full), one block's activation bytes and
 recomputation seconds from the capture of the applied configuration: the model with two blocks less
-the model with one (``memfit_parallel.prediction.capture_stage``), so the plan is measured as torch's
+the model with one (``memfit_parallel.stages.capture_stage``), so the plan is measured as torch's
 selective checkpointing runs it under fake tensors, not as the planner accounts for it.
 
 Prints a table and one JSON object ``{"model", "device", "seq", "rows": [{"layout", "checkpointing",
@@ -33,7 +33,7 @@ def main() -> None:
 
     from memfit_parallel.autosac import auto_sac
     from memfit_parallel.config import ParallelConfig, Workload
-    from memfit_parallel.prediction import capture_stage
+    from memfit_parallel.stages import capture_stage
     from memfit_simulator.hardware import get_spec
 
     spec = get_spec(args.device)

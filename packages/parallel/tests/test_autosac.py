@@ -64,7 +64,7 @@ def test_bad_budgets_and_policies_say_what_is_allowed():
 
 def block_activation_bytes(config: ParallelConfig, spec) -> tuple[float, float]:
     """One block's activation bytes and recomputation seconds, from captures of the model with 1 and 2 blocks."""
-    from memfit_parallel.prediction import capture_stage
+    from memfit_parallel.stages import capture_stage
 
     one, two = (capture_stage(TINY, config, spec, n, "whole") for n in (1, 2))
     return two.activation_bytes - one.activation_bytes, two.recompute_s - one.recompute_s

@@ -11,7 +11,7 @@ from memfit_parallel.apply import llama_recipe, parallelize
 from memfit_parallel.capture import capture_parallel_step
 from memfit_parallel.config import ParallelConfig
 from memfit_parallel.fakepg import fake_process_group, fake_store
-from memfit_parallel.prediction import capture_mesh
+from memfit_parallel.schedules import capture_mesh
 from memfit_simulator.models import make_optimizer
 
 TINY = LlamaConfig.preset("tiny")

@@ -5,7 +5,8 @@ import importlib.util
 import pytest
 from memfit.errors import MemfitError
 from memfit_parallel.config import ParallelConfig, Workload
-from memfit_parallel.prediction import in_flight, predict
+from memfit_parallel.prediction import predict
+from memfit_parallel.schedules import in_flight
 from memfit_simulator.hardware import get_spec
 
 TINY = Workload(model="tiny", global_batch=8, seq_len=128)
@@ -171,7 +172,7 @@ def sac_config_and_plan():
 @pytest.mark.skipif(not HAS_EXECUTOR, reason="a SAC plan is applied by memfit-executor, in the capture too")
 def test_a_sac_plan_is_captured_block_by_block():
     from memfit_parallel.config import BlockRecompute
-    from memfit_parallel.prediction import block_plan, clear_cache
+    from memfit_parallel.stages import block_plan, clear_cache
 
     config, ffn = sac_config_and_plan()
     assert block_plan(ffn, 4) == (BlockRecompute(module="feed_forward"),)
@@ -233,7 +234,7 @@ def torch_interleaved_order(pp: int, v: int, m: int, rank: int) -> list[tuple[st
 
 @pytest.mark.parametrize(("pp", "v", "m"), [(2, 2, 4), (2, 2, 8), (4, 2, 8), (2, 3, 6), (4, 2, 16), (3, 2, 6)])
 def test_the_interleaved_order_is_torchs(pp, v, m):
-    from memfit_parallel.prediction import interleaved_order
+    from memfit_parallel.schedules import interleaved_order
 
     config = ParallelConfig(pp=pp, pp_schedule="interleaved_1f1b", stages_per_rank=v, microbatches=m)
     for rank in range(pp):
@@ -249,7 +250,7 @@ def test_what_a_multi_round_rank_holds_at_its_peak_follows_its_schedule():
     and gradients. With 8 microbatches it is 2,147,840 B; with PP 4 (8 blocks) 4,266,496 B. The last rank
     holds stage 1's microbatches 2-3 (364,032 B) and stage 3's 3 (528,136 B, the logits and loss with
     it) and 7 sends at stage 3's last backward: 1,370,888 B."""
-    from memfit_parallel.prediction import schedule_held
+    from memfit_parallel.schedules import schedule_held
 
     def held(pp, m, rank, stage_bytes):
         config = ParallelConfig(pp=pp, pp_schedule="interleaved_1f1b", stages_per_rank=2, microbatches=m)
@@ -286,7 +287,7 @@ MULTI_ROUND_MEASURED = [
 
 @pytest.mark.parametrize(("batch", "config", "first", "last"), MULTI_ROUND_MEASURED)
 def test_a_multi_round_interleaved_rank_is_predicted_as_measured(tiny_blocks, batch, config, first, last):
-    from memfit_parallel.prediction import stage_profile
+    from memfit_parallel.stages import stage_profile
 
     workload = Workload(model=tiny_blocks(4), global_batch=batch, seq_len=32)
     predicted = predict(workload, config, "cpu")
@@ -339,7 +340,8 @@ def test_fsdp_copies_under_a_pipeline_are_paid_once_a_step():
     counted once a microbatch (before 2026-11-27) they cost ``m/k`` times that."""
     import dataclasses
 
-    from memfit_parallel.prediction import assemble, capture_stage
+    from memfit_parallel.prediction import assemble
+    from memfit_parallel.stages import capture_stage
 
     spec = get_spec("h100-95gb")
     workload = Workload(model="tiny", global_batch=16, seq_len=64)
@@ -383,14 +385,14 @@ def test_fsdp_gradients_accumulated_under_a_pipeline_count_as_gradients(monkeypa
 
     import torch
     from memfit.models import Llama, LlamaConfig
-    from memfit_parallel import prediction
+    from memfit_parallel import stages
 
     captures = []
-    capture_rank = prediction._capture_rank
-    monkeypatch.setattr(prediction, "_capture_rank", lambda *a: captures.append(capture_rank(*a)) or captures[-1])
+    capture_rank = stages._capture_rank
+    monkeypatch.setattr(stages, "_capture_rank", lambda *a: captures.append(capture_rank(*a)) or captures[-1])
     workload = Workload(model="tiny", global_batch=16, seq_len=64)
     config = ParallelConfig(dp_shard=2, pp=2, microbatches=4, activation_checkpoint="full", param_dtype=param_dtype)
-    prediction.capture_stage(workload, config, get_spec("h100-95gb"), 2, "first")
+    stages.capture_stage(workload, config, get_spec("h100-95gb"), 2, "first")
     (captured,) = captures
 
     # the captured model: 2 blocks per stage; the first of its two stages holds the embedding and blocks 0, 1

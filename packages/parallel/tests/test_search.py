@@ -72,7 +72,7 @@ def _clock(monkeypatch, clock):
 def test_a_slower_machine_finds_the_same_configurations(monkeypatch):
     """Bounded by wall-clock (45 s once one fitted), a machine 100 times slower confirmed one configuration and
     ranked it alone; bounded by work, it confirms and ranks the same as a fast one, only later."""
-    from memfit_parallel.prediction import clear_cache
+    from memfit_parallel.stages import clear_cache
 
     fast = search(ONE_DEVICE, 1, "h100", top=3)
     clear_cache()  # captured again under the slow clock, not read from the cache

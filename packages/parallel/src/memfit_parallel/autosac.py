@@ -124,7 +124,7 @@ def _block_stats(model: str, seq_len: int, dtype: str, spec_json: str) -> Any:
     from memfit_policies.opstats import module_stats, op_seconds
     from memfit_simulator.simulation import simulate_training
 
-    from memfit_parallel.prediction import model_config
+    from memfit_parallel.config import model_config
 
     config = model_config(model, seq_len)
     spec = HardwareSpec.model_validate_json(spec_json)

@@ -29,7 +29,7 @@ import difflib
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from memfit.config import MemfitModel, describe_validation_error
 from memfit.errors import MemfitError
@@ -361,3 +361,25 @@ def _another_memfit_file(item: object) -> str | None:
     if isinstance(item.get("runs"), list) and "global_batch" in item:
         return "the report of a run (`memfit parallel run --report`)"
     return None
+
+
+# -- the models memfit-parallel plans --------------------------------------------------------------
+def model_config(name: str, seq_len: int) -> Any:
+    """The reference Llama config of a registry name, with room for ``seq_len`` tokens (the simulator's preset)."""
+    from memfit.models.llama import PRESETS
+    from memfit_simulator.models import model_config as preset_with_room
+
+    if name not in PRESETS:
+        raise MemfitError(
+            f"unknown model {name!r}: memfit-parallel plans the reference Llama's presets: {', '.join(PRESETS)}"
+        )
+    return preset_with_room(name, seq_len)
+
+
+def model_shape(name: str) -> ModelShape:
+    """Layers and heads of a registry model (what decides which degrees split it)."""
+    from memfit.models import LlamaConfig
+
+    config = model_config(name, 1) if isinstance(name, str) else name
+    assert isinstance(config, LlamaConfig)
+    return ModelShape(n_layers=config.n_layers, n_heads=config.n_heads, n_kv_heads=config.n_kv_heads)

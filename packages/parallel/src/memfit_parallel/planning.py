@@ -14,7 +14,7 @@ microbatches in flight).
 
 1. **Screen** every candidate with a model scaled from a few real captures: the whole model with 1
    and 2 blocks, one sequence, no TP/CP, FSDP over 2 ranks, per checkpointing mode
-   (:func:`memfit_parallel.prediction.capture_stage`). A block's temporaries divide by ``tp·cp``, its
+   (:func:`memfit_parallel.stages.capture_stage`). A block's temporaries divide by ``tp·cp``, its
    activations by ``cp`` and TP's own way: TP keeps the all-gathered inputs of its column-parallel
    projections whole, so a mode's reference is captured again under the two smallest TP degrees of the
    candidates (further degrees fitted: :meth:`_Reference.memory`) when the confirmation reaches its
@@ -67,21 +67,10 @@ from memfit.errors import MemfitError
 from memfit.plan import default_margin
 from memfit_simulator.hardware import HardwareSpec, get_spec
 
-from memfit_parallel.config import BlockRecompute, ParallelConfig, Workload
-from memfit_parallel.prediction import (
-    CATEGORIES,
-    PHASE_TIMES,
-    Prediction,
-    StageProfile,
-    assemble,
-    capture_stage,
-    collective_seconds,
-    model_config,
-    model_shape,
-    multi_round,
-    predict,
-    stage_layers,
-)
+from memfit_parallel.config import BlockRecompute, ParallelConfig, Workload, model_config, model_shape
+from memfit_parallel.prediction import Prediction, assemble, predict
+from memfit_parallel.schedules import multi_round, stage_layers
+from memfit_parallel.stages import CATEGORIES, PHASE_TIMES, StageProfile, capture_stage, collective_seconds
 
 MIN_CP_TOKENS = 4096
 """Context parallelism is considered only while each CP rank keeps at least this many tokens."""

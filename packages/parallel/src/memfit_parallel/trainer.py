@@ -76,7 +76,7 @@ def with_room_for(seq_len: int, model: str, overrides: dict | None = None) -> di
     """``overrides`` of the ``model`` preset, with ``max_seq_len`` widened to ``seq_len`` where the preset's is shorter.
 
     The rotary positions are computed for any length, so a longer sequence trains as planned (the prediction
-    widens ``max_seq_len`` the same way, :func:`memfit_parallel.prediction.model_config`).
+    widens ``max_seq_len`` the same way, :func:`memfit_parallel.config.model_config`).
     """
     from memfit.models import LlamaConfig
 
