@@ -14,16 +14,11 @@ import numpy as np
 import pytest
 import torch
 from memfit_simulator import calibration as cal
-from memfit_simulator.calibration import (
-    BusyCalibrationWarning,
-    Calibration,
-    Grid,
-    Piecewise,
-    SuitePlan,
-    run_suite,
-    time_model,
-)
+from memfit_simulator import fitted, suite
+from memfit_simulator.calibration import time_model
+from memfit_simulator.fitted import BusyCalibrationWarning, Calibration, Grid, Piecewise
 from memfit_simulator.hardware import get_spec
+from memfit_simulator.suite import SuitePlan, run_suite
 from memfit_simulator.timing import (
     CalibratedTimeModel,
     attention_flops,
@@ -135,8 +130,9 @@ TINY_PLAN = SuitePlan(
 @pytest.fixture
 def synthetic_machine(monkeypatch):
     """The suite times calls on a known machine (:func:`_machine`), idle (load 0) for the whole test."""
-    monkeypatch.setattr(cal._Clock, "__call__", lambda self, fn: _machine(cal._first_op(fn)))
-    monkeypatch.setattr(cal, "phase_overheads", lambda device: {"FWD": 4e-6, "BWD": 1e-6, "OPT": 2e-6})
+    monkeypatch.setattr(suite._Clock, "__call__", lambda self, fn: _machine(suite._first_op(fn)))
+    monkeypatch.setattr(suite, "phase_overheads", lambda device: {"FWD": 4e-6, "BWD": 1e-6, "OPT": 2e-6})
+    monkeypatch.setattr(suite, "machine_load", lambda: 0.0)
     monkeypatch.setattr(cal, "machine_load", lambda: 0.0)
 
 
@@ -180,7 +176,7 @@ def test_the_calibration_round_trips_through_json_and_the_cache(synthetic_suite,
     second = cal.calibration("cpu", progress=False)
     assert runs == ["cpu"] and first == second == synthetic_suite  # measured once, then read from the cache
     (path,) = tmp_path.glob("calibration-cpu-*.json")
-    assert f"torch{cal._slug(torch.__version__)}" in path.name
+    assert f"torch{fitted.slug(torch.__version__)}" in path.name
     assert path.name.endswith(f"-t{torch.get_num_threads()}.json")
     cal.calibration("cpu", progress=False, refresh=True)
     assert runs == ["cpu", "cpu"]
@@ -193,10 +189,10 @@ def test_the_suite_records_whether_other_work_made_the_machine_busy(synthetic_ma
 
     def suite_at(before, after):
         readings[:] = [before, after]
-        monkeypatch.setattr(cal, "machine_load", lambda: readings.pop(0))
-        fitted = run_suite("cpu", plan=TINY_PLAN, progress=False)
+        monkeypatch.setattr(suite, "machine_load", lambda: readings.pop(0))
+        made = run_suite("cpu", plan=TINY_PLAN, progress=False)
         assert readings == []  # read before and after
-        return fitted
+        return made
 
     idle = suite_at(0.0, 0.0)
     assert not idle.busy and idle.load_average == 0.0
@@ -210,11 +206,11 @@ def test_the_suite_records_whether_other_work_made_the_machine_busy(synthetic_ma
 def test_the_suites_own_threads_are_not_other_work():
     keep = math.exp(-20 / 60)  # what remains of the load average's past after 20 s
     # an idle 2-core machine: 20 s of the suite's 2 running threads raise the average from 0.1 toward 2
-    assert cal.load_of_others(0.1, 0.1 * keep + 2 * (1 - keep), 20.0, own=2.0) == pytest.approx(0.0, abs=1e-9)
+    assert fitted.load_of_others(0.1, 0.1 * keep + 2 * (1 - keep), 20.0, own=2.0) == pytest.approx(0.0, abs=1e-9)
     # two CPU-bound processes beside it the whole time
-    assert cal.load_of_others(0.1, 0.1 * keep + 4 * (1 - keep), 20.0, own=2.0) == pytest.approx(2.0)
+    assert fitted.load_of_others(0.1, 0.1 * keep + 4 * (1 - keep), 20.0, own=2.0) == pytest.approx(2.0)
     # a suite shorter than the average's 5 s update: a steady load stays what it was
-    assert cal.load_of_others(3.0, 3.0, 1.0, own=1.0) == pytest.approx(2.0)
+    assert fitted.load_of_others(3.0, 3.0, 1.0, own=1.0) == pytest.approx(2.0)
 
 
 def test_a_calibration_made_busy_is_used_while_busy_and_measured_again_once_idle(

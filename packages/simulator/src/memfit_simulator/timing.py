@@ -285,7 +285,7 @@ class RooflineTimeModel:
 
 
 class CalibratedTimeModel:
-    """A :class:`~memfit_simulator.calibration.Calibration`'s per-category models plus each phase's overhead."""
+    """A :class:`~memfit_simulator.fitted.Calibration`'s per-category models plus each phase's overhead."""
 
     def __init__(self, calibration: Any) -> None:
         self.calibration = calibration
