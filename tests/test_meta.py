@@ -195,3 +195,19 @@ def test_no_modules_of_a_package_import_each_other(package):
     top = "memfit" if package == "core" else f"memfit_{package}"
     circles = _import_circles(REPO / "packages" / package / "src" / top, top)
     assert not circles, f"modules of {package} that import each other: {circles}; move what both need to one of them"
+
+
+def _package_page(package):
+    page = REPO / "docs" / "packages" / f"{package}.md"
+    text = page.read_text()
+    for included in re.findall(r'^--8<-- "([^"]+)"', text, re.M):  # a page that includes the package README
+        text += (REPO / included).read_text()
+    return page, text
+
+
+@pytest.mark.parametrize("package", sorted(p.name for p in (REPO / "packages").iterdir() if p.is_dir()))
+def test_every_package_has_a_page_the_index_links_with_its_known_limitations(package):
+    page, text = _package_page(package)
+    assert re.search(r"^## Known limitations$", text, re.M), f"{page.relative_to(REPO)} needs a '## Known limitations'"
+    index = (REPO / "docs" / "index.md").read_text()
+    assert f"(packages/{package}.md)" in index, f"docs/index.md does not link docs/packages/{package}.md"
