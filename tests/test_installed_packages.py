@@ -56,3 +56,24 @@ def test_memfit_version_and_demo_from_the_console_script(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "final loss" in result.stdout and "25%" in result.stdout
     assert plot.stat().st_size > 0
+
+
+@pytest.mark.parametrize("package", [p for p in PACKAGES if p != "core"])
+def test_each_package_exports_its_public_names_one_way_and_imports_no_torch_for_it(package):
+    """``memfit_<x>.__all__`` through ``memfit.exports.lazy_exports``: importing the package imports no torch (every
+    plugin module is imported by ``memfit --help``), and each exported name resolves when it is used."""
+    import subprocess
+    import sys
+
+    module = f"memfit_{package}"
+    source = (REPO / "packages" / package / "src" / module / "__init__.py").read_text()
+    assert "lazy_exports(" in source, f"{module}/__init__.py: export with memfit.exports.lazy_exports"
+    check = (
+        f"import sys, {module} as m\n"
+        "assert 'torch' not in sys.modules, 'importing the package imported torch'\n"
+        "assert m.__all__[0] == '__version__' and len(m.__all__) > 1, m.__all__\n"
+        "missing = [n for n in m.__all__ if getattr(m, n, None) is None]\n"
+        "assert not missing, missing\n"
+    )
+    result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stderr[-2000:]

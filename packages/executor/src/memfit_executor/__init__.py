@@ -16,6 +16,21 @@
 Submodules import torch; this package module does not.
 """
 
+from typing import TYPE_CHECKING
+
+from memfit.exports import lazy_exports
+
 from memfit_executor.__about__ import __version__
 
-__all__ = ["__version__"]
+if TYPE_CHECKING:
+    from memfit_executor.recompute import ModelFinder, apply_recompute
+    from memfit_executor.session import SwapSession
+
+__all__, __getattr__, __dir__ = lazy_exports(
+    __name__,
+    {
+        "ModelFinder": "memfit_executor.recompute",
+        "SwapSession": "memfit_executor.session",
+        "apply_recompute": "memfit_executor.recompute",
+    },
+)

@@ -16,35 +16,43 @@ Nothing imported here imports torch; :func:`memfit_faulttol.profile.profile_from
 :mod:`memfit_faulttol.live` and :mod:`memfit_faulttol.runner` need it.
 """
 
-from memfit_faulttol.__about__ import __version__
-from memfit_faulttol.estimator import estimate_plan, estimate_state, objective, reroute_step_seconds
-from memfit_faulttol.model import ClusterState, ExecutionPlan, Pipeline, Strategy
-from memfit_faulttol.planner import (
-    Decision,
-    FaultContext,
-    Planner,
-    distribute_batch,
-    integer_partition,
-    split_layers,
-)
-from memfit_faulttol.profile import LayerProfile, profile_from_simulator
+from typing import TYPE_CHECKING
 
-__all__ = [
-    "ClusterState",
-    "Decision",
-    "FaultContext",
-    "ExecutionPlan",
-    "LayerProfile",
-    "Pipeline",
-    "Planner",
-    "Strategy",
-    "__version__",
-    "distribute_batch",
-    "estimate_plan",
-    "estimate_state",
-    "integer_partition",
-    "objective",
-    "profile_from_simulator",
-    "reroute_step_seconds",
-    "split_layers",
-]
+from memfit.exports import lazy_exports
+
+from memfit_faulttol.__about__ import __version__
+
+if TYPE_CHECKING:
+    from memfit_faulttol.estimator import estimate_plan, estimate_state, objective, reroute_step_seconds
+    from memfit_faulttol.model import ClusterState, ExecutionPlan, Pipeline, Strategy
+    from memfit_faulttol.planner import (
+        Decision,
+        FaultContext,
+        Planner,
+        distribute_batch,
+        integer_partition,
+        split_layers,
+    )
+    from memfit_faulttol.profile import LayerProfile, profile_from_simulator
+
+__all__, __getattr__, __dir__ = lazy_exports(
+    __name__,
+    {
+        "ClusterState": "memfit_faulttol.model",
+        "Decision": "memfit_faulttol.planner",
+        "ExecutionPlan": "memfit_faulttol.model",
+        "FaultContext": "memfit_faulttol.planner",
+        "LayerProfile": "memfit_faulttol.profile",
+        "Pipeline": "memfit_faulttol.model",
+        "Planner": "memfit_faulttol.planner",
+        "Strategy": "memfit_faulttol.model",
+        "distribute_batch": "memfit_faulttol.planner",
+        "estimate_plan": "memfit_faulttol.estimator",
+        "estimate_state": "memfit_faulttol.estimator",
+        "integer_partition": "memfit_faulttol.planner",
+        "objective": "memfit_faulttol.estimator",
+        "profile_from_simulator": "memfit_faulttol.profile",
+        "reroute_step_seconds": "memfit_faulttol.estimator",
+        "split_layers": "memfit_faulttol.planner",
+    },
+)

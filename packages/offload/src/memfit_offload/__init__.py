@@ -13,22 +13,24 @@
 Importing this module imports torch; the plugin module (:mod:`memfit_offload.plugin`) does not.
 """
 
+from typing import TYPE_CHECKING
+
+from memfit.exports import lazy_exports
+
 from memfit_offload.__about__ import __version__
 
-__all__ = ["KVOffload", "OffloadBackend", "OptimizerOffload", "__version__", "backend", "offload_optimizer"]
+if TYPE_CHECKING:
+    from memfit_offload.compile import OffloadBackend, backend
+    from memfit_offload.kv import KVOffload
+    from memfit_offload.optimizer import OptimizerOffload, offload_optimizer
 
-
-def __getattr__(name: str):
-    if name in ("backend", "OffloadBackend"):
-        from memfit_offload import compile as _compile
-
-        return getattr(_compile, name)
-    if name in ("offload_optimizer", "OptimizerOffload"):
-        from memfit_offload import optimizer as _optimizer
-
-        return getattr(_optimizer, name)
-    if name == "KVOffload":
-        from memfit_offload import kv as _kv
-
-        return _kv.KVOffload
-    raise AttributeError(f"module 'memfit_offload' has no attribute {name!r}")
+__all__, __getattr__, __dir__ = lazy_exports(
+    __name__,
+    {
+        "KVOffload": "memfit_offload.kv",
+        "OffloadBackend": "memfit_offload.compile",
+        "OptimizerOffload": "memfit_offload.optimizer",
+        "backend": "memfit_offload.compile",
+        "offload_optimizer": "memfit_offload.optimizer",
+    },
+)

@@ -9,23 +9,24 @@ Importing the package does not import torch.
 * ``memfit parallel plan`` on the command line.
 """
 
-from typing import Any
+from typing import TYPE_CHECKING
+
+from memfit.exports import lazy_exports
 
 from memfit_parallel.__about__ import __version__
-from memfit_parallel.config import ModelShape, ParallelConfig, Workload
 
-__all__ = ["ModelShape", "ParallelConfig", "Workload", "__version__", "predict", "search"]
+if TYPE_CHECKING:
+    from memfit_parallel.config import ModelShape, ParallelConfig, Workload
+    from memfit_parallel.planning import search
+    from memfit_parallel.prediction import predict
 
-
-def predict(*args: Any, **kwargs: Any) -> Any:
-    """See :func:`memfit_parallel.prediction.predict` (imported on first use: it needs torch)."""
-    from memfit_parallel.prediction import predict as run
-
-    return run(*args, **kwargs)
-
-
-def search(*args: Any, **kwargs: Any) -> Any:
-    """See :func:`memfit_parallel.planning.search` (imported on first use: it needs torch)."""
-    from memfit_parallel.planning import search as run
-
-    return run(*args, **kwargs)
+__all__, __getattr__, __dir__ = lazy_exports(
+    __name__,
+    {
+        "ModelShape": "memfit_parallel.config",
+        "ParallelConfig": "memfit_parallel.config",
+        "Workload": "memfit_parallel.config",
+        "predict": "memfit_parallel.prediction",
+        "search": "memfit_parallel.planning",
+    },
+)

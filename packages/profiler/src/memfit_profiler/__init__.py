@@ -10,25 +10,26 @@ Names are imported on first use, so that ``memfit`` can list this package's comm
 importing torch.
 """
 
-import importlib
+from typing import TYPE_CHECKING
+
+from memfit.exports import lazy_exports
 
 from memfit_profiler.__about__ import __version__
 
-_EXPORTS = {
-    "IterationRecord": "memfit_profiler.profiler",
-    "KnownSequence": "memfit_profiler.stages",
-    "OnlineProfiler": "memfit_profiler.profiler",
-    "Observation": "memfit_profiler.stages",
-    "Similarity": "memfit_profiler.stages",
-    "Stage": "memfit_profiler.stages",
-    "StageMachine": "memfit_profiler.stages",
-    "similarity": "memfit_profiler.stages",
-}
+if TYPE_CHECKING:
+    from memfit_profiler.profiler import IterationRecord, OnlineProfiler
+    from memfit_profiler.stages import KnownSequence, Observation, Similarity, Stage, StageMachine, similarity
 
-__all__ = ["__version__", *_EXPORTS]
-
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'memfit_profiler' has no attribute {name!r}")
+__all__, __getattr__, __dir__ = lazy_exports(
+    __name__,
+    {
+        "IterationRecord": "memfit_profiler.profiler",
+        "KnownSequence": "memfit_profiler.stages",
+        "Observation": "memfit_profiler.stages",
+        "OnlineProfiler": "memfit_profiler.profiler",
+        "Similarity": "memfit_profiler.stages",
+        "Stage": "memfit_profiler.stages",
+        "StageMachine": "memfit_profiler.stages",
+        "similarity": "memfit_profiler.stages",
+    },
+)

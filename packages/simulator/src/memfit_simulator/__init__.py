@@ -15,22 +15,23 @@
 Submodules import torch; this module does not.
 """
 
-from typing import Any
+from typing import TYPE_CHECKING
+
+from memfit.exports import lazy_exports
 
 from memfit_simulator.__about__ import __version__
 
-__all__ = ["__version__", "simulate", "simulate_training"]
+if TYPE_CHECKING:
+    from memfit_simulator.hardware import HardwareSpec, get_spec
+    from memfit_simulator.simulation import SimulationResult, simulate, simulate_training
 
-
-def simulate(*args: Any, **kwargs: Any) -> Any:
-    """See :func:`memfit_simulator.simulation.simulate` (imported on first use: it needs torch)."""
-    from memfit_simulator.simulation import simulate as run
-
-    return run(*args, **kwargs)
-
-
-def simulate_training(*args: Any, **kwargs: Any) -> Any:
-    """See :func:`memfit_simulator.simulation.simulate_training` (imported on first use: it needs torch)."""
-    from memfit_simulator.simulation import simulate_training as run
-
-    return run(*args, **kwargs)
+__all__, __getattr__, __dir__ = lazy_exports(
+    __name__,
+    {
+        "HardwareSpec": "memfit_simulator.hardware",
+        "SimulationResult": "memfit_simulator.simulation",
+        "get_spec": "memfit_simulator.hardware",
+        "simulate": "memfit_simulator.simulation",
+        "simulate_training": "memfit_simulator.simulation",
+    },
+)
