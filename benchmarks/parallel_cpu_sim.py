@@ -77,7 +77,7 @@ CONFIGS = {2: TWO, 4: FOUR, 8: EIGHT}
 
 def register_model(n_layers: int) -> str:
     """The tiny Llama with ``n_layers`` blocks, as a preset name the prediction knows (in this process only)."""
-    from memfit.models.llama import PRESETS
+    from memfit.workload import PRESETS
 
     name = f"tiny-{n_layers}l"
     PRESETS.setdefault(name, dataclasses.replace(PRESETS["tiny"], n_layers=n_layers))

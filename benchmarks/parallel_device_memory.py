@@ -99,7 +99,7 @@ def main() -> None:
     args = parser.parse_args()
 
     import torch
-    from memfit.models.llama import PRESETS
+    from memfit.workload import PRESETS
     from memfit_parallel import predict
     from memfit_parallel.config import ParallelConfig, Workload
     from memfit_parallel.trainer import train_configs

@@ -211,3 +211,45 @@ def test_every_package_has_a_page_the_index_links_with_its_known_limitations(pac
     assert re.search(r"^## Known limitations$", text, re.M), f"{page.relative_to(REPO)} needs a '## Known limitations'"
     index = (REPO / "docs" / "index.md").read_text()
     assert f"(packages/{package}.md)" in index, f"docs/index.md does not link docs/packages/{package}.md"
+
+
+def test_presets_and_dtype_names_are_defined_once_in_core():
+    """The reference model's presets and the dtype names live in ``memfit.workload``; a second list of them (four
+    preset lists and three dtype tables once) drifts: faulttol's accepted five presets of seven."""
+    import ast
+
+    presets = {"tiny", "small", "medium", "llama2-7b", "llama3-8b", "llama3-70b", "llama3-405b"}
+    dtypes = {"fp32", "bf16", "fp16"}
+    found = []
+    for path in sorted((REPO / "packages").glob("*/src/**/*.py")):
+        if path.name == "workload.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.Tuple, ast.List, ast.Set, ast.Dict)):
+                items = node.keys if isinstance(node, ast.Dict) else node.elts
+                strings = {i.value for i in items if isinstance(i, ast.Constant) and isinstance(i.value, str)}
+                if len(strings & presets) >= 3 or len(strings & dtypes) >= 2:
+                    found.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert not found, f"a second list of presets or dtype names (use memfit.workload): {found}"
+
+
+def test_no_command_help_prints_a_literal_backslash_b():
+    """click keeps the lines after a backspace as written; a raw docstring showed users its ``\\b``."""
+    import click
+    from click.testing import CliRunner
+    from memfit.cli.main import cli
+
+    def commands(group, path):
+        yield path
+        if isinstance(group, click.Group):
+            ctx = click.Context(group)
+            for name in group.list_commands(ctx):
+                yield from commands(group.get_command(ctx, name), [*path, name])
+
+    shown = []
+    for path in commands(cli, []):
+        result = CliRunner().invoke(cli, [*path, "--help"])
+        assert result.exit_code == 0, (path, result.output)
+        if "\\b" in result.output:
+            shown.append(" ".join(["memfit", *path]))
+    assert not shown, f"--help prints a literal \\b: {shown}"

@@ -267,7 +267,7 @@ def test_what_a_multi_round_rank_holds_at_its_peak_follows_its_schedule():
 def tiny_blocks(monkeypatch):
     """``tiny-<n>l``: the tiny preset with ``n`` blocks, registered for ``predict`` in this process."""
     from memfit.models import LlamaConfig
-    from memfit.models.llama import PRESETS
+    from memfit.workload import PRESETS
 
     def register(n_layers: int) -> str:
         monkeypatch.setitem(PRESETS, f"tiny-{n_layers}l", LlamaConfig.preset("tiny", n_layers=n_layers))

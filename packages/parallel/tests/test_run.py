@@ -680,7 +680,7 @@ PREDICTED_FOUR = (
 @pytest.fixture
 def tiny_with_four_blocks(monkeypatch) -> str:
     """The launches' model (tiny with N_LAYERS blocks) as a preset name ``predict`` knows, in this process."""
-    from memfit.models.llama import PRESETS
+    from memfit.workload import PRESETS
 
     name = f"tiny-{N_LAYERS}l"
     monkeypatch.setitem(PRESETS, name, MODEL)

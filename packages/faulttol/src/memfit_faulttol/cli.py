@@ -9,8 +9,7 @@ from pathlib import Path
 
 import click
 from memfit.errors import MemfitError
-
-_PRESETS = ("tiny", "small", "medium", "llama2-7b", "llama3-8b")
+from memfit.workload import PRESETS
 
 
 @click.group()
@@ -29,7 +28,7 @@ def faulttol() -> None:
 @click.option(
     "--seeds", type=int, default=5, show_default=True, help="Failure traces (seeds 0..n-1); results are means."
 )
-@click.option("--model", default="llama2-7b", show_default=True, help=f"A preset: {', '.join(_PRESETS)}.")
+@click.option("--model", default="llama2-7b", show_default=True, help=f"A preset: {', '.join(PRESETS)}.")
 @click.option("--device", default="ascend-910b", show_default=True, help="The device (memfit-simulator's registry).")
 @click.option("--seq", type=int, default=4096, show_default=True, help="Tokens per sample (micro-batch of one sample).")
 @click.option("--micro-batches", type=int, default=64, show_default=True, help="Global batch, in micro-batches.")
@@ -72,8 +71,8 @@ def simulate(
         problems.append("--seq and --micro-batches must be at least 1")
     if stages < 0:
         problems.append(f"--stages must be >= 0 (got {stages})")
-    if model not in _PRESETS:
-        problems.append(f"--model {model!r} is not a preset; use one of {', '.join(_PRESETS)}")
+    if model not in PRESETS:
+        problems.append(f"--model {model!r} is not a preset; use one of {', '.join(PRESETS)}")
     if problems:
         raise click.UsageError("; ".join(problems))
     say = (lambda line: None) if as_json else (lambda line: click.echo(line, err=True))

@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from memfit.errors import MemfitError
+from memfit.workload import dtype_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,7 +170,7 @@ def profile_from_simulator(
     config = model_config(model, seq)
     count = layers or config.n_layers
     spec = get_spec(device)
-    item = {"float32": 4, "bfloat16": 2, "float16": 2, "fp32": 4, "bf16": 2, "fp16": 2}.get(dtype, 4)
+    item = dtype_bytes(dtype)
     return LayerProfile.uniform(
         count,
         forward_s=per["FWD"],

@@ -366,7 +366,7 @@ def _another_memfit_file(item: object) -> str | None:
 # -- the models memfit-parallel plans --------------------------------------------------------------
 def model_config(name: str, seq_len: int) -> Any:
     """The reference Llama config of a registry name, with room for ``seq_len`` tokens (the simulator's preset)."""
-    from memfit.models.llama import PRESETS
+    from memfit.workload import PRESETS
     from memfit_simulator.models import model_config as preset_with_room
 
     if name not in PRESETS:

@@ -9,25 +9,25 @@ import click
 import numpy as np
 from memfit.config import format_size, parse_size
 from memfit.errors import MemfitError
+from memfit.workload import DTYPES, PRESETS
 from rich.console import Console
 from rich.table import Table
 
 console = Console()
 
-_PRESETS = ("tiny", "small", "medium", "llama2-7b", "llama3-8b", "llama3-70b", "llama3-405b")
 # options that shape a preset's or a transformers model's step, not a user's build function
 _SHAPING = ("layers", "batch", "seq", "dtype", "optimizer")
 
 
 def simulation_options(function):
     """The options that describe a step."""
-    dtypes = click.Choice(["float32", "bfloat16", "float16", "fp32", "bf16", "fp16"])
+    dtypes = click.Choice(list(DTYPES))
     options = [
         click.option(
             "--model",
             default="tiny",
             show_default=True,
-            help=f"A preset ({', '.join(_PRESETS)}), hf:<model_type> (a transformers architecture built from its "
+            help=f"A preset ({', '.join(PRESETS)}), hf:<model_type> (a transformers architecture built from its "
             "config, no download: hf:gpt2, hf:llama) or package.module:function returning (model, optimizer, batch).",
         ),
         click.option(
@@ -66,7 +66,7 @@ def run_simulation(model, overrides, step_spec, layers, device, batch, seq, dtyp
     try:
         fields = parse_overrides(overrides)
         if layers is not None:
-            fields.setdefault("n_layers" if model in _PRESETS else "num_hidden_layers", layers)
+            fields.setdefault("n_layers" if model in PRESETS else "num_hidden_layers", layers)
         if ":" in model and not model.startswith("hf:"):
             context = click.get_current_context(silent=True)
             ignored = [
@@ -92,7 +92,7 @@ def run_simulation(model, overrides, step_spec, layers, device, batch, seq, dtyp
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Memory by category (PNG).")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write the trace (.npz).")
 def simulate(model, overrides, step_spec, layers, device, batch, seq, dtype, optimizer, budget, as_json, plot, out):
-    r"""Predict the memory and step time of one training step on DEVICE.
+    """Predict the memory and step time of one training step on DEVICE.
 
     Nothing is allocated: the step runs under fake tensors.
 
@@ -100,7 +100,7 @@ def simulate(model, overrides, step_spec, layers, device, batch, seq, dtype, opt
         memfit simulate --model llama2-7b --device h100 --batch 8 --seq 4096 --dtype bf16
         memfit simulate --model hf:gpt2 --set n_layer=24 --batch 4 --seq 1024 --device a100
         memfit simulate --model my_project.train:build --device h100
-    """
+    """  # noqa: D301 -- click keeps the lines after a backspace (\b) as they are; a raw string printed "\b"
     try:
         budget_bytes = parse_size(budget) if budget is not None else None
     except (MemfitError, ValueError) as exc:

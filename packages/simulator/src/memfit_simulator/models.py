@@ -41,11 +41,12 @@ from typing import Any
 
 import torch
 from memfit.errors import MemfitError
+from memfit.workload import DTYPES as WORKLOAD_DTYPES
+from memfit.workload import PRESETS
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}  # fmt: skip
+DTYPES = {name: getattr(torch, torch_name) for name, (torch_name, _) in WORKLOAD_DTYPES.items()}
+"""Every dtype name memfit accepts (:data:`memfit.workload.DTYPES`) → its torch dtype."""
 OPTIMIZERS = ("adamw", "adam", "sgd", "none")
-PRESETS = ("tiny", "small", "medium", "llama2-7b", "llama3-8b", "llama3-70b", "llama3-405b")
 
 Build = Callable[[], tuple[torch.nn.Module, "torch.optim.Optimizer | None", Any]]
 Step = Callable[[torch.nn.Module, "torch.optim.Optimizer | None", Any], Any]

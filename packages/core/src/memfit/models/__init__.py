@@ -5,8 +5,9 @@ Importing this package imports torch.
 
 from memfit.models.data import SyntheticTokens
 from memfit.models.kvcache import KVBlock, KVCache, KVCacheHooks, kv_cache_bytes
-from memfit.models.llama import PRESETS, Llama, LlamaConfig
+from memfit.models.llama import Llama
 from memfit.models.training import TrainingRun, build_training
+from memfit.workload import PRESETS, LlamaConfig
 
 __all__ = [
     "PRESETS",

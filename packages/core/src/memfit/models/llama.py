@@ -18,10 +18,8 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -29,76 +27,7 @@ from torch import nn
 
 from memfit.errors import MemfitError
 from memfit.models.kvcache import DEFAULT_BLOCK_SIZE, KVCache, KVCacheHooks
-
-
-@dataclass(frozen=True)
-class LlamaConfig:
-    """Shape of a Llama-style decoder."""
-
-    vocab_size: int = 256
-    dim: int = 64
-    n_layers: int = 2
-    n_heads: int = 4
-    n_kv_heads: int = 2  # grouped-query attention: n_heads must be a multiple
-    ffn_dim: int = 176  # SwiGLU hidden size (Llama uses ~8/3 * dim, rounded)
-    max_seq_len: int = 128
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    tie_embeddings: bool = False
-
-    def __post_init__(self) -> None:
-        if self.dim % self.n_heads:
-            raise MemfitError(f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
-        if self.n_heads % self.n_kv_heads:
-            raise MemfitError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
-        if (self.dim // self.n_heads) % 2:
-            raise MemfitError(f"the head dimension ({self.dim // self.n_heads}) must be even for rotary embeddings")
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
-
-    def num_parameters(self) -> int:
-        """Parameter count, computed from the shapes (no model is built)."""
-        kv = self.n_kv_heads * self.head_dim
-        attn = self.dim * self.dim * 2 + self.dim * kv * 2
-        mlp = 3 * self.dim * self.ffn_dim
-        per_layer = attn + mlp + 2 * self.dim
-        head = 0 if self.tie_embeddings else self.vocab_size * self.dim
-        return self.vocab_size * self.dim + self.n_layers * per_layer + self.dim + head
-
-    @classmethod
-    def preset(cls, name: str, **overrides) -> LlamaConfig:
-        """A named preset, optionally with fields replaced.
-
-        Raises:
-            MemfitError: unknown preset name (the message lists the known ones).
-        """
-        try:
-            base = PRESETS[name]
-        except KeyError:
-            raise MemfitError(f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}") from None
-        return dataclasses.replace(base, **overrides)
-
-
-PRESETS: dict[str, LlamaConfig] = {
-    # tests: a training step takes milliseconds on a CPU
-    "tiny": LlamaConfig(),
-    # benchmarks: a step of batch 8 x 256 takes ~0.1-0.5 s on 2 CPU cores
-    "small": LlamaConfig(vocab_size=2048, dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=688, max_seq_len=1024),
-    "medium": LlamaConfig(vocab_size=8192, dim=512, n_layers=8, n_heads=8, n_kv_heads=4, ffn_dim=1376,
-                          max_seq_len=2048),
-    # published shapes, for simulation on fake tensors
-    "llama2-7b": LlamaConfig(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, ffn_dim=11008,
-                             max_seq_len=4096, norm_eps=1e-5),
-    "llama3-8b": LlamaConfig(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
-                             max_seq_len=8192, rope_theta=500000.0),
-    # Llama 3.1 (TorchTitan's flavors: ffn_dim_multiplier 1.3 / 1.2, multiple_of 4096): for simulation only
-    "llama3-70b": LlamaConfig(vocab_size=128256, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672,
-                              max_seq_len=8192, rope_theta=500000.0),
-    "llama3-405b": LlamaConfig(vocab_size=128256, dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim=53248,
-                               max_seq_len=8192, rope_theta=500000.0),
-}  # fmt: skip
+from memfit.workload import LlamaConfig
 
 
 class RMSNorm(nn.Module):
