@@ -93,11 +93,26 @@ from rich.table import Table
     help="Plan a sequence again when its plan stops holding (passive swaps, copies falling behind); "
     "--no-adapt keeps the first plans, e.g. on a shared host whose load would look like a slow link.",
 )
+@click.option(
+    "--plan",
+    "plan_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Apply this plan (memfit plan --out) from the second iteration on, instead of planning during the run; "
+    "needs --plan-trace.",
+)
+@click.option(
+    "--plan-trace",
+    "plan_trace_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="The trace the plan was made from (memfit profile --out or memfit simulate --out, .npz).",
+)
 @click.option("-v", "--verbose", is_flag=True, help="Log stage transitions and plans as they happen.")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, required=True)
 def run(
     backend, budget, capacity, report_path, plot_path, baseline, baseline_steps, matcher, release_mode, planner, adapt,
-    verbose, command,
+    plan_path, plan_trace_path, verbose, command,
 ):  # fmt: skip
     """Run COMMAND (python train.py ...) under memfit's swap executor, within BUDGET.
 
@@ -120,14 +135,16 @@ def run(
                 check(value)
         except MemfitError as exc:
             raise click.BadParameter(str(exc), param_hint=hint) from exc
+    plan, plan_trace = _load_plan(plan_path, plan_trace_path)
     if verbose:
         logging.basicConfig(level=logging.INFO, format="%(message)s")
     from memfit_executor.session import SwapSession  # imports torch: only once the input is known good
 
     try:
         session = SwapSession(
-            budget, backend, capacity=capacity, matcher=matcher, release_mode=release_mode, planner=planner, adapt=adapt
-        )
+            budget, backend, capacity=capacity, matcher=matcher, release_mode=release_mode, planner=planner,
+            adapt=adapt, plan=plan, plan_trace=plan_trace,
+        )  # fmt: skip
     except MemfitError as exc:  # an unknown planner: before the script runs
         raise click.ClickException(str(exc)) from exc
     failure: MemfitError | None = None
@@ -227,6 +244,32 @@ def _draw(session: Any, report: dict[str, Any], path: Path, console: Console) ->
         )  # fmt: skip
     except (OSError, MemfitError) as exc:
         print(f"memfit run: could not draw the run to {path}: {exc}", file=sys.stderr)
+
+
+def _load_plan(plan_path: Path | None, trace_path: Path | None) -> tuple[Any, Any]:
+    """The plan and its trace from ``--plan`` and ``--plan-trace``, read before the script runs (or ``None, None``)."""
+    from memfit.plan import MemoryPlan
+    from memfit.trace import Trace
+
+    if plan_path is None and trace_path is None:
+        return None, None
+    if plan_path is None:
+        raise click.BadParameter("a trace goes with a plan: give the plan made from it too (--plan plan.json)",
+                                 param_hint="--plan-trace")  # fmt: skip
+    if trace_path is None:
+        raise click.BadParameter(
+            "a plan is bound to the trace it was made from: give it with --plan-trace (the .npz that memfit plan "
+            "read; memfit profile --out or memfit simulate --out writes one)",
+            param_hint="--plan",
+        )
+    return _read(MemoryPlan.load, plan_path, "--plan"), _read(Trace.load, trace_path, "--plan-trace")
+
+
+def _read(load: Any, path: Path, hint: str) -> Any:
+    try:
+        return load(path)
+    except MemfitError as exc:  # says what the file is instead, and what writes the right one
+        raise click.BadParameter(str(exc), param_hint=hint) from exc
 
 
 def _check_budget(budget: str) -> None:

@@ -1,0 +1,72 @@
+"""A plan made ahead of the run, through the command line: ``memfit profile`` → ``memfit plan`` → ``memfit run --plan``.
+
+Oracles: the script's losses without memfit (bit for bit) and the cpu-sim allocator's peak, on a device with room for
+twice the budget.
+"""
+
+import json
+
+from memfit.plan import MemoryPlan, Swap
+from memfit.trace import Trace
+
+from tests.conftest import run_memfit, run_python
+
+SCRIPT = """
+import json
+import dataclasses
+from memfit.models import LlamaConfig, build_training
+
+run = build_training(dataclasses.replace(LlamaConfig.preset("tiny"), n_layers=8), batch_size=8, seq_len=128)
+print(json.dumps({"losses": [run.step() for _ in range(6)]}))
+"""
+
+
+def losses(stdout):
+    return json.loads(next(line for line in stdout.splitlines() if line.startswith('{"losses"')))["losses"]
+
+
+def test_a_plan_written_by_memfit_plan_runs_under_memfit_run_exact_and_within_its_budget(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    plain = run_python(str(script))
+    assert plain.returncode == 0, plain.stderr[-2000:]
+
+    trace_path, plan_path, report_path = tmp_path / "step.npz", tmp_path / "plan.json", tmp_path / "report.json"
+    profiled = run_memfit("profile", "--backend", "cpu-sim", "--out", str(trace_path), "--", "python", str(script))
+    assert profiled.returncode == 0, profiled.stderr[-2000:]
+    budget = int(Trace.load(trace_path).peak_bytes() * 0.5)
+    planned = run_memfit("plan", str(trace_path), "--budget", str(budget), "--planner", "swap", "--out", str(plan_path))
+    assert planned.returncode == 0, planned.stderr[-2000:]
+    plan = MemoryPlan.load(plan_path)
+    assert plan.is_feasible() and any(isinstance(a, Swap) for a in plan.actions)
+
+    ran = run_memfit(
+        "run", "--backend", "cpu-sim", "--budget", str(budget), "--capacity", str(2 * budget),
+        "--plan", str(plan_path), "--plan-trace", str(trace_path), "--report", str(report_path),
+        "--", "python", str(script),
+    )  # fmt: skip
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert losses(ran.stdout) == losses(plain.stdout)
+    report = json.loads(report_path.read_text())
+    assert report["peak_device_bytes"] <= budget  # the allocator's own peak, with room above the budget
+    # bound to the first iteration, the plan's swaps run from the second on
+    assert all(it["swaps"] > 0 for it in report["per_iteration"][1:])
+
+
+def test_a_plan_without_its_trace_or_a_trace_given_as_the_plan_is_refused_before_the_script_runs(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("raise SystemExit('the script ran')\n")
+    trace = tmp_path / "step.npz"
+    trace.write_bytes(b"PK\x03\x04 not really a trace")
+    plan = tmp_path / "plan.json"
+    plan.write_text("{}")
+
+    alone = run_memfit("run", "--backend", "cpu-sim", "--plan", str(plan), "--", "python", str(script))
+    assert alone.returncode == 2 and "the script ran" not in alone.stderr
+    assert "--plan" in alone.stderr and "give it with --plan-trace" in alone.stderr
+
+    swapped = run_memfit(
+        "run", "--backend", "cpu-sim", "--plan", str(trace), "--plan-trace", str(trace), "--", "python", str(script)
+    )  # fmt: skip
+    assert swapped.returncode == 2 and "the script ran" not in swapped.stderr
+    assert "is not a memfit plan: the file is a zip archive" in swapped.stderr
