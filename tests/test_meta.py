@@ -253,3 +253,22 @@ def test_no_command_help_prints_a_literal_backslash_b():
         if "\\b" in result.output:
             shown.append(" ".join(["memfit", *path]))
     assert not shown, f"--help prints a literal \\b: {shown}"
+
+
+def test_the_cli_page_names_every_command():
+    """docs/cli.md once lacked memfit parallel plan and both faulttol commands: every command the installed packages
+    add is named there (as ``memfit <command> ...`` in code)."""
+    import click
+    from memfit.cli.main import cli
+
+    def commands(group, path):
+        if path:
+            yield " ".join(["memfit", *path])
+        if isinstance(group, click.Group):
+            ctx = click.Context(group)
+            for name in group.list_commands(ctx):
+                yield from commands(group.get_command(ctx, name), [*path, name])
+
+    page = (REPO / "docs" / "cli.md").read_text()
+    missing = [name for name in commands(cli, []) if f"`{name}" not in page]
+    assert not missing, f"docs/cli.md does not name {missing}"
