@@ -272,3 +272,25 @@ def test_the_cli_page_names_every_command():
     page = (REPO / "docs" / "cli.md").read_text()
     missing = [name for name in commands(cli, []) if f"`{name}" not in page]
     assert not missing, f"docs/cli.md does not name {missing}"
+
+
+def test_batch_seq_and_layers_are_one_word_each_on_the_command_line_and_the_earlier_names_still_parse():
+    """``--batch``, ``--seq`` and ``--layers`` wherever a command takes them; ``--batch-size``, ``--seq-len``,
+    ``--n-layers`` and ``--model-layers`` stay as second names, so the commands users wrote keep working."""
+    import click
+    from memfit.cli.main import cli
+
+    def parsed(path, args):
+        command = cli
+        for name in path:
+            command = command.get_command(click.Context(command), name)
+        return command.make_context(path[-1], list(args)).params
+
+    new = parsed(["demo"], ["--batch", "4", "--seq", "64", "--layers", "2"])
+    assert (new["batch_size"], new["seq_len"], new["layers"]) == (4, 64, 2)
+    old = parsed(["demo"], ["--batch-size", "4", "--seq-len", "64"])
+    assert (old["batch_size"], old["seq_len"]) == (4, 64)
+    assert parsed(["plan"], ["--budget", "1GiB", "--layers", "32"])["model_layers"] == 32
+    assert parsed(["plan"], ["--budget", "1GiB", "--model-layers", "32"])["model_layers"] == 32
+    assert parsed(["parallel", "run"], ["--nproc", "2", "--layers", "4"])["n_layers"] == 4
+    assert parsed(["faulttol", "run"], ["--n-layers", "3"])["n_layers"] == 3

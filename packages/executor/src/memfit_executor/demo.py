@@ -153,8 +153,10 @@ def run_demo(
     "--layers", default=8, show_default=True, type=click.IntRange(1), help="Decoder layers (overrides the preset)."
 )
 @click.option("--steps", default=20, show_default=True, type=click.IntRange(1), help="Training steps.")
-@click.option("--batch-size", default=8, show_default=True, type=click.IntRange(1))
-@click.option("--seq-len", default=128, show_default=True, type=click.IntRange(2))
+@click.option("--batch", "--batch-size", "batch_size", default=8, show_default=True, type=click.IntRange(1),
+              help="Sequences per step.")  # fmt: skip
+@click.option("--seq", "--seq-len", "seq_len", default=128, show_default=True, type=click.IntRange(2),
+              help="Tokens per sequence.")  # fmt: skip
 @click.option(
     "--budget", default=None, help="Device memory to train in, e.g. 16MiB; default: a quarter of the unswapped peak."
 )

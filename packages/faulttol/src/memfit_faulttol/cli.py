@@ -130,7 +130,7 @@ def _parse_kills(values: tuple[str, ...]) -> dict[int, int]:
 @click.option("--nproc", type=int, default=4, show_default=True, help="Worker processes (devices), gloo on the CPU.")
 @click.option("--stages", type=int, default=2, show_default=True, help="Pipeline stages of the fault-free plan.")
 @click.option("--model", default="tiny", show_default=True, help="Reference Llama preset.")
-@click.option("--n-layers", type=int, default=4, show_default=True, help="Transformer blocks.")
+@click.option("--layers", "--n-layers", "n_layers", type=int, default=4, show_default=True, help="Transformer blocks.")
 @click.option("--batch", type=int, default=8, show_default=True, help="Global batch (sequences per step).")
 @click.option("--micro-batches", type=int, default=4, show_default=True, help="Micro-batches per global batch.")
 @click.option("--seq", type=int, default=32, show_default=True, help="Tokens per sequence.")

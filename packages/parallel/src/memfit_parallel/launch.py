@@ -312,7 +312,8 @@ def planned_peak(plan: dict | None, request: RunRequest, result: dict, entry: di
     "default: FSDP over all ranks.",
 )
 @click.option("--model", default=None, help="Reference Llama preset  [default: the plan's, else tiny]")
-@click.option("--n-layers", type=click.IntRange(1), default=None, help="Override the preset's number of blocks.")
+@click.option("--layers", "--n-layers", "n_layers", type=click.IntRange(1), default=None,
+              help="Override the preset's number of blocks.")  # fmt: skip
 @click.option("--batch", type=click.IntRange(1), default=None,
               help="Global batch (sequences per step)  [default: the plan's, else 8]")  # fmt: skip
 @click.option("--seq", type=click.IntRange(1), default=None, help="Sequence length  [default: the plan's, else 32]")
