@@ -33,6 +33,8 @@ Example:
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -56,10 +58,16 @@ class OptimizerOffload:
             optimizer.register_step_pre_hook(self._before_step),
             optimizer.register_step_post_hook(self._after_step),
         ]
+        # The parameters' hooks and the runtime hold this object weakly. A hook on a tensor is a reference the
+        # garbage collector cannot see through (parameter -> hook -> this -> optimizer -> parameter), and the
+        # runtime is kept alive by the finalizers of the host copies it made, which the optimizer's state holds:
+        # strong references there kept the model, its gradients and the states alive after the run was dropped.
+        on_gradient = _weakly(self._on_gradient, None)
         for p in self._params.values():
             if p.requires_grad:
-                self._handles.append(p.register_post_accumulate_grad_hook(self._on_gradient))
-        runtime.deferred_prefetches.append(self.prefetch_all)
+                self._handles.append(p.register_post_accumulate_grad_hook(on_gradient))
+        self._deferred = _weakly(self.prefetch_all, 0)
+        runtime.deferred_prefetches.append(self._deferred)
 
     def _offloadable(self, value: Any) -> bool:
         return (
@@ -125,8 +133,19 @@ class OptimizerOffload:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        if self.prefetch_all in self.runtime.deferred_prefetches:
-            self.runtime.deferred_prefetches.remove(self.prefetch_all)
+        if self._deferred in self.runtime.deferred_prefetches:
+            self.runtime.deferred_prefetches.remove(self._deferred)
+
+
+def _weakly(method: Callable[..., Any], gone: Any) -> Callable[..., Any]:
+    """``method`` of an object held by weak reference: once the object is gone, a call returns ``gone``."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any) -> Any:
+        bound = ref()
+        return gone if bound is None else bound(*args)
+
+    return call
 
 
 def offload_optimizer(
