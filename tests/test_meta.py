@@ -233,21 +233,28 @@ def test_presets_and_dtype_names_are_defined_once_in_core():
     assert not found, f"a second list of presets or dtype names (use memfit.workload): {found}"
 
 
-def test_no_command_help_prints_a_literal_backslash_b():
-    """click keeps the lines after a backspace as written; a raw docstring showed users its ``\\b``."""
+def _command_paths():
+    """Every command path of the installed ``memfit`` CLI: ``[]`` (memfit itself), ``["demo"]`` and so on."""
     import click
-    from click.testing import CliRunner
     from memfit.cli.main import cli
 
-    def commands(group, path):
+    def walk(group, path):
         yield path
         if isinstance(group, click.Group):
             ctx = click.Context(group)
             for name in group.list_commands(ctx):
-                yield from commands(group.get_command(ctx, name), [*path, name])
+                yield from walk(group.get_command(ctx, name), [*path, name])
+
+    return list(walk(cli, []))
+
+
+def test_no_command_help_prints_a_literal_backslash_b():
+    """click keeps the lines after a backspace as written; a raw docstring showed users its ``\\b``."""
+    from click.testing import CliRunner
+    from memfit.cli.main import cli
 
     shown = []
-    for path in commands(cli, []):
+    for path in _command_paths():
         result = CliRunner().invoke(cli, [*path, "--help"])
         assert result.exit_code == 0, (path, result.output)
         if "\\b" in result.output:
@@ -258,19 +265,9 @@ def test_no_command_help_prints_a_literal_backslash_b():
 def test_the_cli_page_names_every_command():
     """docs/cli.md once lacked memfit parallel plan and both faulttol commands: every command the installed packages
     add is named there (as ``memfit <command> ...`` in code)."""
-    import click
-    from memfit.cli.main import cli
-
-    def commands(group, path):
-        if path:
-            yield " ".join(["memfit", *path])
-        if isinstance(group, click.Group):
-            ctx = click.Context(group)
-            for name in group.list_commands(ctx):
-                yield from commands(group.get_command(ctx, name), [*path, name])
-
     page = (REPO / "docs" / "cli.md").read_text()
-    missing = [name for name in commands(cli, []) if f"`{name}" not in page]
+    names = [" ".join(["memfit", *path]) for path in _command_paths() if path]
+    missing = [name for name in names if f"`{name}" not in page]
     assert not missing, f"docs/cli.md does not name {missing}"
 
 
