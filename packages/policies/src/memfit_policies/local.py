@@ -19,7 +19,10 @@ Example:
 
 from __future__ import annotations
 
+import importlib
 import math
+import sys
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -116,6 +119,31 @@ none: the first that PuLP finds available solves (CBC is bundled with PuLP 3; ``
 adds HiGHS, which PuLP 4 will need once it no longer bundles CBC)."""
 
 
+def import_pulp():
+    """PuLP, imported on first use in a thread of its own, so that nothing of the caller's stack stays in reach.
+
+    Some of PuLP's solver modules keep the exception of an optional import that failed as a class
+    attribute (``COPT_DLL.err``, ``CPLEX_PY.err``), and a traceback's frames link back to every
+    caller's frame. Imported from inside a planning call, that kept the swap session, its profiler
+    and the user's model alive for the rest of the process; in a thread, the frames end there.
+    """
+    if "pulp" not in sys.modules:
+        failed: list[BaseException] = []
+
+        def load() -> None:
+            try:
+                importlib.import_module("pulp")
+            except BaseException as exc:  # re-raised in the caller's thread
+                failed.append(exc)
+
+        loader = threading.Thread(target=load, name="memfit-import-pulp")
+        loader.start()
+        loader.join()
+        if failed:
+            raise failed[0]
+    return sys.modules["pulp"]
+
+
 def solver(time_limit: float, gap: float):
     """A PuLP solver, always with a time limit and a relative gap.
 
@@ -127,7 +155,7 @@ def solver(time_limit: float, gap: float):
     import os
     import warnings
 
-    import pulp
+    pulp = import_pulp()
     from memfit.errors import MemfitError
 
     with warnings.catch_warnings():  # PuLP 3.3 deprecates the bundled CBC (removed in 4, hence pulp<4)
@@ -400,7 +428,7 @@ def ilp_policy(stats: ModuleStats, keep_fraction: float, time_limit: float = 10.
 
     Falls back to the greedy policy when CBC finds no solution in time.
     """
-    import pulp
+    pulp = import_pulp()
 
     keep = _required(stats)
     room = keep_fraction * stats.total_bytes - stats.kept_bytes(keep)

@@ -77,7 +77,7 @@ from memfit.plan import MemoryPlan, PlanPrediction, PlanSource, Recompute
 from memfit.trace import Trace
 from pydantic import Field, PositiveFloat
 
-from memfit_policies.local import LOCAL_POLICIES, LocalPolicy, solver, tradeoff
+from memfit_policies.local import LOCAL_POLICIES, LocalPolicy, import_pulp, solver, tradeoff
 from memfit_policies.opstats import ModuleStats, module_stats, op_seconds
 from memfit_policies.swap import planner_margin
 
@@ -221,7 +221,7 @@ def solve_module_budgets(
     ``region_seconds``: what checkpointing any one module costs a step beyond its recomputation
     (``y`` at that cost in the objective).
     """
-    import pulp
+    pulp = import_pulp()
 
     started = time.perf_counter()
     region = _region_bytes(region_bytes) / 2.0**20

@@ -124,6 +124,18 @@ class _SpanLog:
         self.top: list[int] = []  # modules called while no module ran forward, in order
         self.open_backward: dict[int, tuple[_Call, int]] = {}  # span -> (call, graph task)
         self.queued_tasks: set[int] = set()
+        # The gradient hooks this log put on tensors, removed when it finishes. Torch's "all" mode hook
+        # holds the hooked tensors' grad_fns, and the grad_fn holds the hook: a cycle through C++ that
+        # Python's gc cannot see, which kept the graph, these hooks and, through them, this log, the
+        # profiler and the whole swap session (its model too) alive after the session ended.
+        self.hooks: list[Any] = []
+
+    def finish(self) -> None:
+        """Hooks that fire from now on do nothing; the ones on tensors are removed (see ``hooks``)."""
+        self.finished = True
+        for handle in self.hooks:
+            handle.remove()
+        self.hooks.clear()
 
     def open(self, module: int, backward: bool) -> int:
         self.start.append(self.position())
@@ -156,7 +168,7 @@ class _SpanLog:
         inputs = _grad_tensors(args, non_leaf=True)
         if inputs:
             try:
-                register_multi_grad_hook(inputs, lambda _grads: self.backward_ends(call))
+                self.hooks.append(register_multi_grad_hook(inputs, lambda _grads: self.backward_ends(call)))
             except RuntimeError:  # a tensor autograd cannot hook: its span closes with its parent's
                 pass
 
@@ -174,7 +186,9 @@ class _SpanLog:
         outputs = _grad_tensors(output, non_leaf=False)
         if outputs:
             try:
-                register_multi_grad_hook(outputs, lambda _grad: self.backward_begins(call), mode="any")
+                self.hooks.append(
+                    register_multi_grad_hook(outputs, lambda _grad: self.backward_begins(call), mode="any")
+                )
             except RuntimeError:
                 pass
 
@@ -251,7 +265,7 @@ class ModuleSpans:
     def begin(self) -> None:
         """Start a new iteration's spans; install the hooks if they are not."""
         if self._log is not None:
-            self._log.finished = True
+            self._log.finish()
         self._log = _SpanLog(self._position)
         if not self._handles:
             self._handles = [
@@ -265,7 +279,7 @@ class ModuleSpans:
             handle.remove()
         self._handles.clear()
         if self._log is not None:
-            self._log.finished = True
+            self._log.finish()
             self._log = None
 
     def _pre_forward(self, module: torch.nn.Module, args: Any) -> None:
@@ -283,7 +297,7 @@ class ModuleSpans:
         it at the iteration's end, before ``zero_grad``, with the recorder off.
         """
         log = self._log or _SpanLog(self._position)
-        log.finished = True
+        log.finish()
         self._log = None
         root = self._model if self._model is not None else (log.modules[log.top[0]] if log.top else None)
         named = {id(m): name for name, m in _named_modules(root)} if root is not None else {}
