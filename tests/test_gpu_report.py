@@ -35,8 +35,12 @@ def test_the_dry_run_writes_the_device_report_with_every_key_and_memfit_exact(tm
         assert rows["memfit_auto"]["peak_bytes"] < rows["none"]["peak_bytes"]
         assert all(r["budget_held"] == (r["peak_bytes"] <= r["budget_bytes"]) for r in rows.values())
         assert not rows["none"]["budget_held"]
+        # every row starts on an empty device: no earlier row (a memfit.swap session, an offload
+        # run's optimizer hooks) left memory behind for this row's peak to count
+        assert all(r["left_on_device_bytes"] == 0 for r in rows.values())
     assert set(report["offload_2pct"]) >= {"peak_cut", "step_ratio_vs_none"}
     assert report["offload_all"]["step_ratio_vs_none"] > 0
+    assert all(b["left_on_device_bytes"] == 0 for b in report["offload_budgets"])
     assert set(report["profiler"]) == {"lightweight_pct", "detailed_vs_torch_profiler_pct"}
     assert set(report["simulator"]) == {"allocated_err_pct", "reserved_err_pct", "step_time_err_pct"}
     assert report["bandwidth_gbps"]["d2h"] > 0 and report["bandwidth_gbps"]["h2d"] > 0
