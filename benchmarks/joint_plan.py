@@ -230,7 +230,7 @@ def session(planner: str, budget: int, iterations: int) -> dict:
         # which candidate each iteration ran (GenPolicy: its timed trial), and the session's own timing
         "candidates": [(it["plan"] or {}).get("candidate") for it in report["per_iteration"]],
         "session_seconds": [it["seconds"] for it in report["per_iteration"]],
-        "n_candidates": [len(p.candidates) for p in s._plans.values()],
+        "n_candidates": [len(p.candidates) for p in s.choice.plans.values()],
         "passive_swaps_stable": sum(it["passive_swaps"] for it in report["per_iteration"] if it["stage"] == "Stable"),
         "steps": meter.steps,
         "measured": measured,

@@ -17,7 +17,8 @@ import torch
 from memfit.backends.cpu_sim import CpuSimBackend
 from memfit.errors import MemfitError
 from memfit.models import LlamaConfig, build_training
-from memfit_executor.session import PASSES_BEFORE_A_STEP, STRAINED_PASSIVE_SWAPS
+from memfit_executor.choice import STRAINED_PASSIVE_SWAPS
+from memfit_executor.session import PASSES_BEFORE_A_STEP
 
 from tests.conftest import run_memfit
 
@@ -278,7 +279,7 @@ def test_a_recomputing_plan_gives_way_to_swaps_when_a_second_sequence_recurs():
     # a new length (iteration 14) shows itself only once it has run: from its next iteration on it does
     # not run the other sequence's recomputation, which holds that sequence's peak, not its own
     assert its[14]["sequence"] != its[13]["sequence"] and not any(recomputed[15:28]), recomputed
-    replanned = [r for r in session.replans if r["reason"].startswith("another sequence recurs")]
+    replanned = [r for r in session.choice.replans if r["reason"].startswith("another sequence recurs")]
     assert [r["sequence"] for r in replanned] == [its[13]["sequence"]]
     # from then on nothing recomputes; `sac` has no swap plan to offer, so passive swaps keep the budget
     assert not any(recomputed[replanned[0]["iteration"] + 1 :])

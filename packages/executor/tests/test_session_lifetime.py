@@ -25,7 +25,7 @@ SCRIPT = textwrap.dedent(
             for _ in range(14):
                 run.step()
         profiler = weakref.ref(session.profiler) if session.profiler else None
-        return weakref.ref(session), profiler, weakref.ref(run.model), session.plans_generated
+        return weakref.ref(session), profiler, weakref.ref(run.model), session.choice.plans_generated
 
     session, profiler, model, planned = train()
     gc.collect()

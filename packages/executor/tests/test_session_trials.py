@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from memfit_executor.session import STRAINED_PASSIVE_SWAPS, _SequencePlans, _Trial
+from memfit_executor.choice import STRAINED_PASSIVE_SWAPS, SequencePlans, Trial
 
 
-def _plans(n: int, trials: list[tuple[int, float, bool, int]]) -> _SequencePlans:
-    plans = _SequencePlans(sequence=1, candidates=[object()] * n)  # next_trial only counts them
-    plans.trials = [_Trial(c, s, within, passive) for c, s, within, passive in trials]
+def _plans(n: int, trials: list[tuple[int, float, bool, int]]) -> SequencePlans:
+    plans = SequencePlans(sequence=1, candidates=[object()] * n)  # next_trial only counts them
+    plans.trials = [Trial(c, s, within, passive) for c, s, within, passive in trials]
     return plans
 
 
@@ -22,9 +22,9 @@ def test_spare_iterations_give_each_contender_a_second_trial_before_repeating_th
     first = [(0, 0.30, True, 0), (1, 0.20, True, 0)]
     plans = _plans(2, first)
     assert plans.next_trial() == 1  # both tried once: the best first
-    plans.trials.append(_Trial(1, 0.21, True, 0))
+    plans.trials.append(Trial(1, 0.21, True, 0))
     assert plans.next_trial() == 0  # then the other one's second trial, not the best's third
-    plans.trials.append(_Trial(0, 0.15, True, 0))
+    plans.trials.append(Trial(0, 0.15, True, 0))
     assert plans.best_trial().candidate == 0  # its second trial decides
     assert plans.next_trial() == 0
 
@@ -46,4 +46,4 @@ def test_a_candidate_that_did_not_hold_is_not_tried_again():
     assert plans.best_trial().candidate == 1
     for _ in range(3):
         assert plans.next_trial() == 1
-        plans.trials.append(_Trial(1, 0.30, True, 0))
+        plans.trials.append(Trial(1, 0.30, True, 0))

@@ -52,7 +52,6 @@ import json
 import logging
 import re
 from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -62,28 +61,18 @@ from memfit.errors import MemfitError
 from memfit.plan import Recompute
 from memfit.plugins import Hooks, get_hooks
 from memfit.tensors import optimizer_tensors
-from memfit.types import PlanningProblem
 from pydantic import Field
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from memfit_executor.choice import PlanChoice, recomputes
 from memfit_executor.matching import Binding, SaveLog, bind
 from memfit_executor.oracle import IdentityOracle
 from memfit_executor.recompute import AppliedRecompute, ModelFinder, apply_recompute
-from memfit_executor.runtime import SwapOutOfMemoryError, SwapRuntime
+from memfit_executor.retry import SwapOutOfMemoryError
+from memfit_executor.runtime import SwapRuntime
 
 log = logging.getLogger("memfit.executor")
 
-STRAINED_PASSIVE_SWAPS = 2
-"""More passive swaps than this in a Stable iteration means the plan is not holding."""
-BEHIND_WAIT_FRACTION = 0.25
-"""More planned releases than this fraction waiting for their copy means the copy stream is behind."""
-ADAPT_AFTER = 3
-"""Stable iterations in a row that show either before the sequence is planned again."""
-MAX_STRAINED_REPLANS = 2
-STRAINED_BUDGET_STEP = 0.05
-"""Each re-plan for passive swaps plans for this much less of the budget."""
-SLOWER_THAN_PLANNED = 0.7
-"""Re-plan for bandwidth only when copies ran below this fraction of what the plan assumed."""
 NO_OPTIMIZER_STEP = (
     "memfit saw no optimizer step: an iteration ends at each step() of a torch.optim optimizer, so this run had "
     "no iteration and no plan; only passive swaps on out-of-memory kept it within the budget. Step a torch.optim "
@@ -144,84 +133,6 @@ class SwapOptions(MemfitModel):
     """How many iterations' records the session, its profiler and its runtime keep (the latest:
     ``per_iteration`` and ``stages`` in the report); the report's counts and totals cover the whole
     run. Bounded so that a session left on for a long run does not grow with it."""
-
-
-@dataclass(eq=False)
-class _Trial:
-    candidate: int
-    seconds: float
-    within_budget: bool
-    passive_swaps: int
-
-
-@dataclass(eq=False)
-class _SequencePlans:
-    """What the session holds for one known sequence: its plan candidates, their trials, the chosen plan."""
-
-    sequence: int
-    candidates: list[Binding] = field(default_factory=list)
-    trials: list[_Trial] = field(default_factory=list)
-    chosen: Binding | None = None
-    applied_trial: int | None = None
-    """The candidate applied for this sequence in the iteration now running."""
-    bandwidth: float = 0.0
-    """Copy bytes per second its candidates were planned with."""
-    budget_cut: float = 0.0
-    """Fraction of the budget held back from the planners (after passive swaps kept happening)."""
-    strained: int = 0
-    """Stable iterations in a row with more than STRAINED_PASSIVE_SWAPS passive swaps."""
-    behind: int = 0
-    """Stable iterations in a row where the copy stream was behind."""
-    strained_replans: int = 0
-    feasible: bool | None = None
-    lowest_peak_bytes: int | None = None
-    swap_only: bool = False
-    """Planned without recomputation: other sequences recur too (see SwapSession._one_sequence_recomputes)."""
-    first_trace: tuple[Any, SaveLog, tuple[int, int, int]] | None = None
-    """The trace, save log and phase boundaries the sequence was first planned from."""
-    from_first_trace: bool = False
-    """Plan again from :attr:`first_trace` instead of a fresh one (the program did not change, the link did)."""
-
-    def next_trial(self) -> int | None:
-        """Every candidate once, in order; then, of those still in contention, the least tried.
-
-        A candidate's first trial runs right after a plan change (the Detailed iteration that
-        planned, or another candidate's plan), and pays for it: swap buffers allocated, modules
-        wrapped for recomputation, caches cold. Measured on cpu-sim (a joint session at 60% of the
-        reference Llama's peak): both first trials 233-242 ms, the Stable steps 150-157 ms, so one
-        trial each ranks candidates by those costs and the machine's noise. Further GenPolicy
-        iterations therefore go round the candidates that held as well as the best (:meth:`_held`),
-        giving each a second trial, instead of repeating the first trial's winner.
-        """
-        tried: dict[int, int] = {}
-        for t in self.trials:
-            tried[t.candidate] = tried.get(t.candidate, 0) + 1
-        untried = [i for i in range(len(self.candidates)) if i not in tried]
-        if untried:
-            return untried[0]
-        best = self.best_trial()
-        if best is None:
-            return None
-        held = self._held(best)
-        contenders = {t.candidate for t in self.trials if self._held(t) == held}
-        return min(contenders, key=lambda c: (tried[c], c != best.candidate, c))
-
-    def best_trial(self) -> _Trial | None:
-        """The fastest trial of those that held; the measured time decides only between trials that held equally."""
-        return min(self.trials, key=lambda t: (*self._held(t), t.seconds), default=None)
-
-    @staticmethod
-    def _held(trial: _Trial) -> tuple[bool, int]:
-        """How well a trial held, lower is better: (over the budget, passive swaps beyond a holding plan's).
-
-        A plan holds, as in Stable (``STRAINED_PASSIVE_SWAPS``), with a few passive swaps: a swap plan's
-        first iteration after a plan change often needs one or a few as its swaps take over from the
-        previous plan's, and their time is in the trial's seconds. Counting each of them against it
-        made every recomputing candidate (none needed) win over faster swap plans (seen on cpu-sim,
-        the small Llama at 40 % of its peak: 1.15 s recomputing chosen over a 0.96 s swap plan whose
-        trial needed one passive swap).
-        """
-        return (not trial.within_budget, max(0, trial.passive_swaps - STRAINED_PASSIVE_SWAPS))
 
 
 class SwapSession:
@@ -296,15 +207,10 @@ class SwapSession:
         self._stage_iterations: Counter[str] = Counter()  # whole run, by the stage of each iteration's sequence
         self._stage_seconds: Counter[str] = Counter()
         self._sequences: set[int] = set()
-        self.plans_generated = 0
         self.plan_changes: list[int] = []
         """Iterations after which a plan was put in place that the previous iteration did not have."""
-        self.planning_iterations: list[int] = []
-        self.planned_from: list[dict[str, int]] = []
-        """Per planning: the iteration it happened at, the sequence, and the iteration whose trace it used."""
-        """Iterations whose trace the planners were asked to plan from."""
-        self.replans: list[dict[str, Any]] = []
-        """Stable sequences planned again, with why (``passive swaps`` or ``copy bandwidth``)."""
+        self.choice: PlanChoice | None = None
+        """The plans of every sequence and the choice among them (made when the session begins)."""
         self.notes: list[str] = []
         self._owns_backend = False
         self._saved_capacity: int | None = None
@@ -315,17 +221,9 @@ class SwapSession:
         self._pass_mode = False  # no optimizer step yet: an iteration ends with each backward pass
         self._pass_ends = 0  # iterations the session ended so
         self._log: SaveLog | None = None
-        self._plans: dict[int, _SequencePlans] = {}
-        self._passive_held: dict[int, bool] = {}
-        """Per sequence: whether its latest iteration without a plan (passive swaps alone) stayed within the budget."""
-        self.dropped_plans: list[dict[str, Any]] = []
-        """Plans dropped for a sequence because they went above the budget where passive swaps alone had held it."""
         self._applied: list[tuple[int, int | None]] = []  # per binding in place: (sequence, candidate or None)
         self._in_place: list[Binding] = []
         self._external: Binding | None = None
-        # copy throughput (bytes/s) of each Stable iteration of the current run of iterations behind
-        self._measured: list[float] = []
-        self._bandwidth = 0.0
         self._models: ModelFinder | None = None
         self._recompute: AppliedRecompute | None = None
         self._recompute_plan: Any = None  # the plan whose Recompute actions are applied
@@ -344,7 +242,7 @@ class SwapSession:
         if self._capacity_arg is None:
             self.capacity_bytes = self.budget_bytes
         # measured before the budget caps the device: the measurement needs room for its buffer
-        self._bandwidth = self.backend.copy_bandwidth()
+        bandwidth = self.backend.copy_bandwidth()
         if self._budget_arg is not None or self._capacity_arg is not None:
             self._saved_capacity = self.backend.capacity_bytes
             # the device's own check of the capacity (a GPU's total) now, not once memory first passes the budget
@@ -359,6 +257,7 @@ class SwapSession:
         if self.options.identity_oracle:
             self.oracle = IdentityOracle().install()
         self.profiler = self._start_profiler()
+        self.choice = PlanChoice(self.hooks, self.options, self.budget_bytes, bandwidth, self.profiler, self._note)
         self.runtime = SwapRuntime(
             self.backend,
             clock=self.profiler.position if self.profiler is not None else None,
@@ -484,7 +383,7 @@ class SwapSession:
         """The final error, with the figures the runtime read at the failure (the stack has unwound since).
 
         Memory read now would be lower than at the failure (the failed step's tensors are gone),
-        so figures come from the runtime's :class:`~memfit_executor.runtime.OOMFailure` when it saw
+        so figures come from the runtime's :class:`~memfit_executor.retry.OOMFailure` when it saw
         this failure, else from the device's own message, which is quoted at the end.
         """
         assert self.runtime is not None
@@ -575,8 +474,6 @@ class SwapSession:
                 f"peak_device_bytes): the plans and passive swaps did not hold it, and the capacity of "
                 f"{format_size(self.capacity_bytes)} let training go on"
             )
-        if owner is None:  # what passive swaps alone do for this sequence: what a failed plan falls back to
-            self._passive_held[record.sequence] = record.peak_device_bytes <= self.budget_bytes
         stage = record.sequence_stage.value
         self._stage_iterations[stage] += 1
         self._stage_seconds[stage] += record.seconds
@@ -585,15 +482,7 @@ class SwapSession:
         if self.options.plan is not None:
             self._bind_external(record, finished_log)
         else:
-            plans = self._plans.get(record.sequence)
-            if plans is not None and record.sequence_stage is Stage.GENPOLICY:
-                self._genpolicy_step(record, plans, counters, finished_log)
-            elif plans is not None and record.sequence_stage is Stage.STABLE and plans.chosen is not None:
-                self._check_health(record, plans, counters, copied)
-            for t in self.profiler.observations[-1].transitions:
-                self._on_transition(t.sequence, t.after)
-            self._plan_follower(record, counters, finished_log)
-            self._one_sequence_recomputes(record)
+            self.choice.observe(record, counters, copied, finished_log, on_plan=owner is not None)
         self._apply_plans(latest=record.sequence)
         next_stage = self.profiler.stage  # a re-plan may have moved it since the record was made
         if next_stage is Stage.STABLE:
@@ -611,131 +500,16 @@ class SwapSession:
         else:
             self.runtime.observer = None
 
-    def _on_transition(self, sequence: int, stage: Any) -> None:
-        """A known sequence changed stage (``None``: it was forgotten)."""
-        from memfit_profiler.stages import Stage
-
-        plans = self._plans.get(sequence)
-        if stage is None or stage is Stage.WARMUP:
-            self._plans.pop(sequence, None)  # forgotten, or gone before it could be planned for
-        elif stage is Stage.GENPOLICY:
-            if plans is None:
-                self._plans[sequence] = _SequencePlans(sequence)
-            else:  # planned again: new candidates; the old plan applies until they are tried
-                plans.candidates, plans.trials = [], []
-        elif stage is Stage.STABLE and plans is not None:
-            best = plans.best_trial()
-            if best is not None:
-                plans.chosen = plans.candidates[best.candidate]
-                if not best.within_budget:
-                    self._drop_plan(plans, "on every trial of its candidates")
-            elif plans.candidates:
-                plans.chosen = plans.candidates[0]
-            plans.candidates, plans.trials, plans.strained, plans.behind = [], [], 0, 0
-
-    def _drop_plan(self, plans: _SequencePlans, when: str) -> None:
-        """Never worse than passive swaps: drop the plan of a sequence that passive swaps alone had held.
-
-        Its plan went above the budget; its Stable iterations then apply no plan.
-        """
-        if not self._passive_held.get(plans.sequence) or plans.chosen is None:
-            return
-        plans.chosen = None
-        iteration = self.iterations[-1]["iteration"] if self.iterations else 0
-        self.dropped_plans.append({"iteration": iteration, "sequence": plans.sequence, "when": when})
-        self._note(
-            f"the plan for sequence {plans.sequence} went above the budget of {format_size(self.budget_bytes)} {when}, "
-            f"where passive swaps alone had held it: it is dropped, and that sequence runs on passive swaps "
-            f"(dropped_plans in the report)"
-        )
-
-    def _plan_follower(self, record: Any, counters: dict[str, Any], finished_log: SaveLog | None) -> None:
-        """Plan a follower from the traced iteration with which it left WarmUp, not from its next one.
-
-        A follower is a relative of a sequence planned for (:mod:`memfit_profiler.stages`).
-        """
-        from memfit_profiler.stages import Stage
-
-        seq = self.profiler.sequence(record.sequence)
-        plans = self._plans.get(record.sequence)
-        if seq is None or plans is None or not seq.follower or plans.candidates:
-            return
-        if seq.stage is Stage.GENPOLICY and record.sequence_stage is Stage.WARMUP and record.detailed:
-            self._genpolicy_step(record, plans, counters, finished_log)
-
-    def _family_planner(self, sequence: int) -> str | None:
-        """The planner whose plan did best for a relative of ``sequence``: its chosen plan, else its best trial."""
-        seq = self.profiler.sequence(sequence)
-        if seq is None:
-            return None
-        for relative in self.profiler.family(seq):
-            plans = self._plans.get(relative.id)
-            if plans is None or relative.id == sequence:
-                continue
-            if plans.chosen is not None:
-                return plans.chosen.plan.planner
-            best = plans.best_trial()
-            if best is not None:
-                return plans.candidates[best.candidate].plan.planner
-        return None
-
-    def _one_sequence_recomputes(self, record: Any) -> None:
-        """Recompute only while one sequence recurs: checkpointing applies to the whole model.
-
-        The plans of several recurring sequences are in place at once and each forward pass picks
-        its own by the saves it matches; a checkpointed module cannot: it would be applied before
-        the forward pass shows which sequence it is. When a second sequence is planned for, the
-        ones whose plan or candidates recompute are planned again, without recomputation.
-        """
-        from memfit_profiler.stages import Stage
-
-        if len(self._plans) < 2:
-            return
-        for plans in list(self._plans.values()):
-            bindings = ([plans.chosen] if plans.chosen is not None else []) + plans.candidates
-            already, plans.swap_only = plans.swap_only, True
-            if already or not any(_recomputes(b.plan) for b in bindings):
-                continue
-            reason = "another sequence recurs: recomputation applies to the whole model, so this one swaps only"
-            self.replans.append(
-                {"iteration": record.index, "sequence": plans.sequence, "reason": reason, "bandwidth": self._bandwidth}
-            )
-            log.info("memfit-executor: planning sequence %d again: %s", plans.sequence, reason)
-            plans.candidates, plans.trials, plans.from_first_trace = [], [], True
-            if plans.chosen is not None and _recomputes(plans.chosen.plan):
-                plans.chosen = None
-            seq = self.profiler.sequence(plans.sequence)
-            if seq is not None and seq.stage is Stage.STABLE:
-                self.profiler.replan(plans.sequence)
-                self._on_transition(plans.sequence, self.profiler.sequence(plans.sequence).stage)
-
     def _apply_plans(self, latest: int) -> None:
         """Put in place, for the next iteration, every sequence's plan (or the candidate under trial)."""
-        from memfit_profiler.stages import Stage
-
-        assert self.runtime is not None
-        applied: list[tuple[int, int | None]] = []
-        bindings: list[Binding] = []
-        if self._external is not None:
-            applied.append((-1, None))
-            bindings.append(self._external)
-        # the sequence of the latest iteration first: the next one most likely runs it again
-        for plans in sorted(self._plans.values(), key=lambda p: p.sequence != latest):
-            seq = self.profiler.sequence(plans.sequence)
-            trial = plans.next_trial() if seq is not None and seq.stage is Stage.GENPOLICY else None
-            plans.applied_trial = trial
-            if trial is not None:
-                applied.append((plans.sequence, trial))
-                bindings.append(plans.candidates[trial])
-            elif plans.chosen is not None:
-                applied.append((plans.sequence, None))
-                bindings.append(plans.chosen)
-        applicable = [(a, b) for a, b in zip(applied, bindings, strict=True) if b.entries or _recomputes(b.plan)]
+        assert self.runtime is not None and self.choice is not None
+        chosen = ([((-1, None), self._external)] if self._external is not None else []) + self.choice.to_apply(latest)
+        applicable = [(a, b) for a, b in chosen if b.entries or recomputes(b.plan)]
         # recomputation changes the model, not one forward pass: the latest sequence's own plan decides
         # it. A sequence with no plan yet (a new length) runs without it: another sequence's
         # checkpointed modules would keep that plan's peak only for the tensors of that sequence.
         first = applicable[0] if applicable else None
-        recompute = first[1].plan if first and first[0][0] == latest and _recomputes(first[1].plan) else None
+        recompute = first[1].plan if first and first[0][0] == latest and recomputes(first[1].plan) else None
         if [id(b) for _, b in applicable] != [id(b) for b in self._in_place] or recompute is not self._recompute_plan:
             if applicable:
                 self.plan_changes.append(self.iterations[-1]["iteration"])
@@ -779,142 +553,6 @@ class SwapSession:
             return
         self._external = bind(self.options.plan, self.options.plan_trace, finished_log, record.phase_ops)
 
-    def _genpolicy_step(
-        self, record: Any, plans: _SequencePlans, counters: dict[str, Any], finished_log: SaveLog | None
-    ) -> None:
-        if plans.applied_trial is not None and plans.candidates:
-            # the allocator's peak: above the budget only where the capacity let what memfit could not hold go on
-            within = record.peak_device_bytes <= self.budget_bytes
-            plans.trials.append(_Trial(plans.applied_trial, record.seconds, within, counters["passive_swaps"]))
-        if plans.candidates:
-            return
-        if plans.from_first_trace and plans.first_trace is not None:
-            # A re-plan for bandwidth: the sequence's program is the one first traced, so plan from
-            # that trace. A fresh one could come from an iteration that took a rare branch, whose
-            # plan then swaps the branch's tensor and, in every other iteration, its look-alike.
-            trace, finished_log, phase_ops = plans.first_trace
-        elif record.detailed:
-            trace = next((t for t in reversed(self.profiler.traces) if t.iteration == record.index), None)
-            phase_ops = record.phase_ops
-        else:
-            return
-        plans.from_first_trace = False
-        if trace is None or finished_log is None or finished_log.first_save_op < 0:
-            return
-        if plans.first_trace is None:
-            plans.first_trace = (trace, finished_log, phase_ops)
-        plans.candidates = self._plan_candidates(trace, finished_log, phase_ops, plans, record.index)
-        if plans.candidates:
-            self.planning_iterations.append(record.index)
-            self.planned_from.append({"iteration": record.index, "sequence": plans.sequence, "trace": trace.iteration})
-
-    def _plan_candidates(
-        self, trace: Any, save_log: SaveLog, phase_ops: tuple[int, int, int], plans: _SequencePlans, iteration: int
-    ) -> list[Binding]:
-        if not self.hooks.planners():
-            self._note("no planner is installed: running with OOM handling only (pip install memfit-policies)")
-            return []
-        budget = int(self.budget_bytes * (1 - plans.budget_cut))
-        plans.bandwidth = self._bandwidth
-        problem = PlanningProblem(trace, budget, plans.bandwidth, self.options.planner_options)
-        variations = min(self.options.candidates, max(1, self.options.n))
-        asked = None if self.options.planner == "auto" else [self.options.planner]
-        proposed = [p for p in self.hooks.plan_candidates(problem, variations, asked) if p.actions]
-        self.plans_generated += len(proposed)
-        # A plan that recomputes must keep its margin: inside a checkpointed module the tensors are
-        # checkpoint's, and the OOM handler cannot swap them out when the prediction falls short.
-        # One that keeps it is a candidate like any other (under `auto` too): GenPolicy times it
-        # beside the swap plans, and on a host-bound step recomputing is often the faster way.
-        usable = [p for p in proposed if p.keeps_margin() or not _recomputes(p)]
-        if plans.swap_only:  # see _one_sequence_recomputes
-            usable = [p for p in usable if not _recomputes(p)]
-        if len(usable) < len(proposed):
-            left_out = sorted({p.planner for p in proposed if p not in usable})
-            if plans.swap_only:
-                why = "several sequences recur and checkpointing applies to the whole model"
-            else:
-                why = (
-                    "they do not keep their margin, and memory held by checkpointed modules cannot be swapped "
-                    "out when memory runs short"
-                )
-            self._note(
-                f"plans of planner {', '.join(left_out)} that recompute are not applied: {why}"
-                + ("" if usable else "; training goes on with passive swaps only")
-            )
-        bound = (bind(p, trace, save_log, phase_ops, traced_here=True) for p in usable)
-        candidates = [b for b in bound if b.entries or _recomputes(b.plan)]
-        family_planner = self._family_planner(plans.sequence)
-        if family_planner is not None:  # a follower's one trial: the planner that did best for its family first
-            candidates.sort(key=lambda b: b.plan.planner != family_planner)
-        told = plans.feasible is False  # said once per sequence, not at every planning iteration
-        plans.feasible = any(p.is_feasible() for p in proposed) if proposed else None
-        plans.lowest_peak_bytes = min((p.predicted.peak_bytes for p in proposed), default=None)
-        if plans.feasible is False and not told:
-            closest = min(proposed, key=lambda p: p.predicted.peak_bytes)
-            self._note(
-                f"no plan fits the budget of {format_size(self.budget_bytes)} (sequence {plans.sequence}, iteration "
-                f"{iteration}): the lowest peak the planners reach is {format_size(closest.predicted.peak_bytes)}. "
-                f"Training goes on with the closest plans and passive swaps, slower than a plan that fits, or, if "
-                f"those plans go above the budget on their trials, with passive swaps alone. "
-                f"{closest.predicted.shortfall}".strip()
-            )
-        if candidates:
-            log.info(
-                "memfit-executor: %d distinct plan candidates for sequence %d from iteration %d",
-                len(candidates), plans.sequence, trace.iteration,
-            )  # fmt: skip
-        return candidates
-
-    def _check_health(
-        self, record: Any, plans: _SequencePlans, counters: dict[str, Any], throughput: tuple[int, float]
-    ) -> None:
-        """Adapt (module docs): plan a Stable sequence again when its plan stops holding."""
-        copied, seconds = throughput
-        if record.peak_device_bytes > self.budget_bytes and self._passive_held.get(plans.sequence):
-            self._drop_plan(plans, f"in iteration {record.index}")
-            return
-        strained = counters["passive_swaps"] > STRAINED_PASSIVE_SWAPS or record.peak_device_bytes > self.budget_bytes
-        plans.strained = plans.strained + 1 if strained else 0
-        behind = counters["swaps"] > 0 and counters["copy_waits"] > BEHIND_WAIT_FRACTION * counters["swaps"]
-        plans.behind = plans.behind + 1 if behind else 0
-        # Plan for the slowest iteration of the run: the link may have slowed down within it (an
-        # iteration before the change copies at the old rate), and a plan for a slower link only
-        # starts its copies earlier on a faster one, while one for a faster link keeps compute waiting.
-        if not behind:
-            self._measured = []
-        elif seconds > 0:
-            self._measured.append(copied / seconds)
-        if not self.options.adapt:
-            return
-        reason = None
-        if plans.behind >= ADAPT_AFTER and self._measured:
-            measured = min(self._measured)
-            self._measured = []
-            if measured < SLOWER_THAN_PLANNED * plans.bandwidth:
-                self._bandwidth = measured
-                plans.from_first_trace = True
-                reason = (
-                    f"copies ran at {format_size(int(measured))}/s, the plan assumed "
-                    f"{format_size(int(plans.bandwidth))}/s"
-                )
-            plans.behind = 0
-        elif plans.strained >= ADAPT_AFTER and plans.feasible and plans.strained_replans < MAX_STRAINED_REPLANS:
-            # a plan predicted to fit that does not: plan again with room to spare (an infeasible
-            # plan needs its passive swaps, and planning for less would not change that)
-            plans.strained_replans += 1
-            plans.budget_cut += STRAINED_BUDGET_STEP
-            reason = (
-                f"{ADAPT_AFTER} Stable iterations in a row needed more than {STRAINED_PASSIVE_SWAPS} passive swaps; "
-                f"planning for {100 * (1 - plans.budget_cut):.0f}% of the budget"
-            )
-        if reason is not None:
-            self.replans.append(
-                {"iteration": record.index, "sequence": plans.sequence, "reason": reason, "bandwidth": self._bandwidth}
-            )
-            log.info("memfit-executor: planning sequence %d again: %s", plans.sequence, reason)
-            self.profiler.replan(plans.sequence)
-            self._on_transition(plans.sequence, self.profiler.sequence(plans.sequence).stage)
-
     # -- results ---------------------------------------------------------------------------
     @property
     def plan(self) -> Any:
@@ -928,8 +566,7 @@ class SwapSession:
         stats = self.runtime.stats if self.runtime is not None else None
         # finished iterations (the profiler's run peak) and the one in progress (the backend's since its last reset)
         peak = max(self.backend.max_memory_allocated(), self.profiler.peak_device_bytes if self.profiler else 0)
-        feasible = [p.feasible for p in self._plans.values() if p.feasible is not None]
-        lowest = [p.lowest_peak_bytes for p in self._plans.values() if p.lowest_peak_bytes is not None]
+        choice = self.choice or PlanChoice(self.hooks, self.options, self.budget_bytes, 0.0, None, self._note)
         return {
             "backend": self.backend.name,
             "budget_bytes": self.budget_bytes,
@@ -942,14 +579,14 @@ class SwapSession:
             "seconds_per_stage": dict(self._stage_seconds),
             "stages": [it["stage"] for it in self.iterations],
             "sequences": len(self._sequences),
-            "plans_generated": self.plans_generated,
+            "plans_generated": choice.plans_generated,
             "plan_changes": self.plan_changes,
-            "planning_iterations": self.planning_iterations,
-            "planned_from": self.planned_from,
-            "plan_feasible": all(feasible) if feasible else None,
-            "lowest_planned_peak_bytes": max(lowest) if lowest else None,
-            "replans": self.replans,
-            "dropped_plans": self.dropped_plans,
+            "planning_iterations": choice.planning_iterations,
+            "planned_from": choice.planned_from,
+            "plan_feasible": choice.feasible(),
+            "lowest_planned_peak_bytes": choice.lowest_peak_bytes(),
+            "replans": choice.replans,
+            "dropped_plans": choice.dropped_plans,
             "swapped_out_bytes": stats.swapped_out_bytes if stats else 0,
             "swapped_in_bytes": stats.swapped_in_bytes if stats else 0,
             "passive_swaps": stats.passive_swaps if stats else 0,
@@ -977,10 +614,6 @@ def _device_facts(exc: BaseException) -> str:
     the session's explanation replaces (the session set that capacity to the budget).
     """
     return " ".join(sentence for sentence in re.split(r"(?<=\.)\s+", str(exc)) if "memfit" not in sentence)
-
-
-def _recomputes(plan: Any) -> bool:
-    return any(isinstance(a, Recompute) for a in plan.actions)
 
 
 class _NoOOMHooks:
