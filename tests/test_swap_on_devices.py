@@ -16,8 +16,7 @@ from memfit.backends.cpu_sim import CpuSimBackend
 from memfit.config import parse_size
 from memfit.models import LlamaConfig, build_training
 from memfit.testing import FakeAcceleratorBackend
-from memfit_executor import runtime as runtime_module
-from memfit_executor.runtime import SwapOutOfMemoryError
+from memfit_executor.retry import RetryOnOOM, SwapOutOfMemoryError
 
 CONFIG = dataclasses.replace(LlamaConfig.preset("tiny"), n_layers=4)
 
@@ -46,13 +45,13 @@ def unswapped_peak():
 
 def count_dispatches(monkeypatch):
     calls = [0]
-    original = runtime_module._RetryOnOOM.__torch_dispatch__
+    original = RetryOnOOM.__torch_dispatch__
 
     def counted(self, func, types, args=(), kwargs=None):
         calls[0] += 1
         return original(self, func, types, args, kwargs)
 
-    monkeypatch.setattr(runtime_module._RetryOnOOM, "__torch_dispatch__", counted)
+    monkeypatch.setattr(RetryOnOOM, "__torch_dispatch__", counted)
     return calls
 
 

@@ -13,7 +13,7 @@ from memfit.backends.cpu_sim import CpuSimBackend
 from memfit.errors import MemfitError
 from memfit.plugins import Hooks, build_plugin_manager
 from memfit.testing import FakeAcceleratorBackend
-from memfit_executor import runtime as runtime_module
+from memfit_executor.retry import RetryOnOOM
 from memfit_executor.runtime import SwapRuntime
 
 MiB = 2**20
@@ -87,13 +87,13 @@ def test_passive_swaps_do_not_wait_on_the_host_and_training_stays_exact(referenc
 
 def test_retry_modes_put_the_operator_level_retry_on_and_off(hooks, monkeypatch):
     calls = []
-    original = runtime_module._RetryOnOOM.__torch_dispatch__
+    original = RetryOnOOM.__torch_dispatch__
 
     def counted(self, func, types, args=(), kwargs=None):
         calls.append(func)
         return original(self, func, types, args, kwargs)
 
-    monkeypatch.setattr(runtime_module._RetryOnOOM, "__torch_dispatch__", counted)
+    monkeypatch.setattr(RetryOnOOM, "__torch_dispatch__", counted)
     fake = FakeAcceleratorBackend(capacity="64MiB")
     runtime = SwapRuntime(fake, min_swap_bytes=1024)
     with fake.activate():
@@ -121,9 +121,9 @@ def test_retry_modes_put_the_operator_level_retry_on_and_off(hooks, monkeypatch)
 def test_armed_mode_arms_near_the_budget_and_handles_the_oom(hooks, monkeypatch):
     """No Python per operator while memory is low; past budget - headroom the retry is armed, and an OOM is handled."""
     calls = []
-    original = runtime_module._RetryOnOOM.__torch_dispatch__
+    original = RetryOnOOM.__torch_dispatch__
     monkeypatch.setattr(
-        runtime_module._RetryOnOOM,
+        RetryOnOOM,
         "__torch_dispatch__",
         lambda self, func, types, args=(), kwargs=None: calls.append(func) or original(self, func, types, args, kwargs),
     )

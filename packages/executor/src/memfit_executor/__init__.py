@@ -3,8 +3,10 @@
 * :func:`memfit.swap` / :class:`~memfit_executor.session.SwapSession` — the session over the
   profiler's stages: OOM handling in WarmUp, plan candidates in GenPolicy, the fastest applied
   in Stable;
+* :mod:`memfit_executor.choice` — per sequence, the plan candidates, their trials, the plan chosen;
 * :mod:`memfit_executor.runtime` — saved-tensor hooks, swap-out/release/swap-in by plan,
-  Algorithm 3 (passive swap) on OOM;
+  Algorithm 3 (passive swap) on OOM; :mod:`memfit_executor.retry` — how an OOM reaches it on each
+  backend, and ``SwapOutOfMemoryError`` when it cannot help;
 * :mod:`memfit_executor.matching` — finding plan entries in later iterations (fuzzy features;
   the Capuchin-style baseline);
 * :mod:`memfit_executor.storage_swap` — the data path: pooled host buffers, the copy stream,
@@ -24,12 +26,14 @@ from memfit_executor.__about__ import __version__
 
 if TYPE_CHECKING:
     from memfit_executor.recompute import ModelFinder, apply_recompute
+    from memfit_executor.retry import SwapOutOfMemoryError
     from memfit_executor.session import SwapSession
 
 __all__, __getattr__, __dir__ = lazy_exports(
     __name__,
     {
         "ModelFinder": "memfit_executor.recompute",
+        "SwapOutOfMemoryError": "memfit_executor.retry",
         "SwapSession": "memfit_executor.session",
         "apply_recompute": "memfit_executor.recompute",
     },

@@ -21,78 +21,39 @@ handle back in backward and returns a tensor over the same bytes. Everything is 
 There is no Python call per operator: the clock is the profiler's native operator count, read at
 pack and unpack calls, which happen throughout forward and backward.
 
-Out of memory (Chameleon Appendix B, Algorithm 3), asked by the allocator before it gives up
-(cpu-sim) or by an operator-level retry (CUDA, NPU: see below):
-
-1. release every block whose swap-out is pending release; the compute stream waits on the copy
-   events (no host–device synchronisation); empty the allocator cache (the defragmentation step;
-   on CUDA, ``expandable_segments`` is the closer equivalent); retry;
-2. then, once per further attempt, **passive swap**: swap out and free the tracked activation
-   whose size is closest to the request (REF-CODE's rule: the smallest one at least as large, else
-   the largest one; the request comes from :meth:`Backend.oom_request_bytes`), and retry. The
-   block is freed at once, after the compute stream has queued a wait for the copy's event —
-   stream-ordered, as the paper's step 4 says ("again with inter-stream synchronisation only"):
-   the host never waits for the copy, so the device's queue is not drained per passive swap;
-3. when nothing is left to free, the allocation fails: the runtime keeps what it saw at that
-   moment (:class:`OOMFailure`) and :class:`SwapOutOfMemoryError` says why.
-
-Passive swaps are reported to the profiler, so the next plan accounts for them.
-
-**Who catches the OOM** (:meth:`SwapRuntime.set_retry_mode`). cpu-sim's allocator asks the
-handler inside the allocation and retries (``Backend.set_oom_handler``), at no cost per operator.
-The CUDA caching allocator cannot: it calls its out-of-memory observers, then raises (see
-``c10/cuda/CUDACachingAllocator.cpp``, ``malloc``), and torch_npu's does the same. There the OOM is
-caught around operators by a ``TorchDispatchMode`` (:class:`_RetryOnOOM`) that asks Algorithm 3
-and re-runs the operator — a Python call per operator, too dear for the Stable stage. So the
-runtime has three retry modes:
-
-* ``per-op``: the mode is on the dispatch stack for every operator (WarmUp, GenPolicy: passive
-  swaps are expected there);
-* ``armed`` (Stable): no Python per operator in the common case. The runtime pushes the mode
-  when the iteration is at risk, judged from calls it gets anyway — the saved-tensor pack and
-  unpack hooks, which also drive planned releases and swap-ins: device bytes in use (read
-  through :meth:`Backend.memory_allocated_reader`, a native read, not CUDA's stats dict) above
-  ``budget - headroom``, or the plan's peak plus the bytes of its swaps that should have been
-  found by now and were not. The headroom is half the margin the plan left (budget minus
-  predicted peak), at least twice the largest saved tensor seen: between two hooks an operator's
-  output and the next operator's can be allocated (a save of an input is seen before the kernel
-  runs, a save of an output after). Once armed in a forward pass it stays armed through that backward
-  pass and is dropped at the first check of a later forward pass that finds no risk: the
-  autograd engine gives every backward node the thread-local state of the moment
-  ``backward()`` was called (the dispatch-mode stack included), so a decision taken inside
-  backward lasts for that node only — which is what an unpack hook at risk does (it arms the
-  rest of its node), while arming in forward covers the whole backward that follows;
-* ``off``: OOM propagates.
-
-On a backend with allocator-level retry every mode keeps the allocator's handler: nothing runs
-per operator there in any mode.
+Out of memory, the runtime runs Algorithm 3 (passive swaps); how the OOM reaches it, on each
+backend, and the retry modes are in :mod:`memfit_executor.retry`.
 """
 
 from __future__ import annotations
 
 import bisect
-import functools
 import heapq
 import itertools
 import logging
 import weakref
-from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from memfit import hookimpl
 from memfit.config import format_size
 from memfit.errors import MemfitError
 from memfit.native import hidden_from_profilers
-from memfit.oom import retry_on_oom
 from memfit.tensors import sole_owner, storage_key
-from memfit.types import OOMEvent, OOMResponse
-from torch.utils._python_dispatch import TorchDispatchMode
+from memfit.types import OOMEvent
 
 from memfit_executor.matching import Binding, Entry, FirstSave, Identity, Matcher, SaveLog, make_matcher
 from memfit_executor.oracle import IdentityOracle
+from memfit_executor.retry import (
+    OOMFailure,
+    OOMHandler,
+    RetryOnOOM,
+    on_dispatch_stack,
+    push_dispatch_mode,
+    remove_dispatch_mode,
+    retrying,
+)
+from memfit_executor.stats import RuntimeStats
 from memfit_executor.storage_swap import StorageSwapper, SwapIn, SwapOut, storage_bytes
 
 log = logging.getLogger("memfit.executor")
@@ -101,28 +62,7 @@ RESIDENT, COPYING, OUT, INFLIGHT = "resident", "copying", "out", "inflight"
 
 
 RETRY_MODES = ("per-op", "armed", "off")
-REUSE_INTERVALS_KEPT = 10_000
-"""How many of the latest reuse intervals :class:`RuntimeStats` keeps."""
 _MAX_RETRIES = 256  # as cpu-sim's allocator: a handler that keeps "freeing" cannot loop forever
-
-
-class SwapOutOfMemoryError(MemfitError, torch.OutOfMemoryError):
-    """Out of memory even after releasing pending blocks and swapping every activation memfit could."""
-
-
-@dataclass(frozen=True, slots=True)
-class OOMFailure:
-    """What the device held when an allocation failed for good (read then, not after the stack unwound)."""
-
-    request_bytes: int
-    in_use_bytes: int
-    capacity_bytes: int
-    activation_bytes: int
-    """Tracked activations still on the device."""
-    static_bytes: int | None
-    """Parameters, their gradients and optimizer states, once an optimizer step has shown them; else ``None``."""
-    largest: tuple[tuple[int, str], ...]
-    """The largest tracked activations: (bytes, state)."""
 
 
 class Stored:
@@ -165,48 +105,6 @@ class SavedRef:
         self.stored = stored
         self.view = t.data
         stored.views.append(self.view)
-
-
-@dataclass
-class RuntimeStats:
-    """What the runtime did, over the whole run."""
-
-    swapped_out_bytes: int = 0
-    swapped_in_bytes: int = 0
-    swaps: int = 0
-    """Planned swap-outs issued."""
-    released: int = 0
-    """Planned swap-outs whose block was freed."""
-    kept: int = 0
-    """Matched tensors never freed because the program still held them."""
-    late_swap_ins: int = 0
-    """Swap-ins done synchronously at unpack because their trigger never came."""
-    passive_swaps: int = 0
-    passive_bytes: int = 0
-    ooms_survived: int = 0
-    """Failed allocations that succeeded after the OOM handler freed memory."""
-    mismatched: int = 0
-    """Matches whose size, dtype, shape or saving operator differ from the plan's entry (only the
-    position matcher makes them; fuzzy matches are signature-equal by construction)."""
-    misswaps: int = 0
-    """Planned swaps of a tensor other than the one the plan meant, by the identity oracle's ground
-    truth (:mod:`memfit_executor.oracle`); counted only while the oracle is on."""
-    copy_waits: int = 0
-    """Planned releases that found their copy to the host not finished, so compute waited for it:
-    the copy stream is behind the plan."""
-    reuse_intervals: deque[int] = field(default_factory=lambda: deque(maxlen=REUSE_INTERVALS_KEPT))
-    """Per planned swap freed (the latest ``REUSE_INTERVALS_KEPT``): operators from its swap-out to
-    the block being free for reuse — with stream-event release, the planned release (freed there,
-    stream-ordered); with ``record_stream``, the first poll (the stand-in for the allocator's event
-    query) that finds the block released and its copy done."""
-    beyond_budget: int = 0
-    """Allocations Algorithm 3 could not bring within the budget that the capacity let go on above it
-    (see :class:`SwapRuntime`'s ``capacity_bytes``); the allocator's peak says by how much."""
-    arms: int = 0
-    """Times the ``armed`` retry mode put the operator-level retry on (see :meth:`SwapRuntime.set_retry_mode`)."""
-    per_iteration: list[dict[str, int]] = field(default_factory=list)
-    """Each iteration's counters, the latest ``history`` of them (:class:`SwapRuntime`); the
-    fields above are totals over the whole run."""
 
 
 def _parameter_memory(t: torch.Tensor) -> bool:
@@ -307,7 +205,7 @@ class SwapRuntime:
         self._last_op = -1
         self._ordinal = 0
         self._hooks: Any = None
-        self._retry = _RetryOnOOM(self)
+        self._retry = RetryOnOOM(self)
         self.retry_mode = "off"
         """``per-op``, ``armed`` or ``off``: see :meth:`set_retry_mode`."""
         self._risk_check: Callable[[int], None] | None = None  # armed mode: called by the hooks
@@ -324,7 +222,7 @@ class SwapRuntime:
         self._grad_owners: list[weakref.ref[torch.Tensor]] = []
         self._allocator_retry = False
         self._oom_hooks: Any = None
-        self._oom_handler: _OOMHandler | None = None
+        self._oom_handler: OOMHandler | None = None
         self._iteration = RuntimeStats()
         self.oom_enabled = True
         """Whether Algorithm 3 answers OOM (a session turns it off in Stable for the Capuchin-style baseline)."""
@@ -350,7 +248,7 @@ class SwapRuntime:
         # session's oom_handler="off" answers no OOM) get none
         pm = getattr(self._oom_hooks, "pm", None)
         if pm is not None:
-            self._oom_handler = _OOMHandler(self)
+            self._oom_handler = OOMHandler(self)
             pm.register(self._oom_handler, name=f"memfit-executor-runtime-{id(self)}")
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
@@ -390,10 +288,10 @@ class SwapRuntime:
         if self._allocator_retry:
             return
         if mode == "per-op":
-            if not _on_dispatch_stack(self._retry):
-                _push_dispatch_mode(self._retry)
+            if not on_dispatch_stack(self._retry):
+                push_dispatch_mode(self._retry)
             return
-        _remove_dispatch_mode(self._retry)
+        remove_dispatch_mode(self._retry)
         if mode == "armed":
             self._read_allocated = self.backend.memory_allocated_reader()
             self._risk_check = self._check_risk
@@ -690,7 +588,7 @@ class SwapRuntime:
             return
         with hidden_from_profilers():
             # the re-allocation is no operator: on a device without allocator retry, Algorithm 3 is asked here
-            stored.swap_in = _retrying(self, stored.swap_out.swap_in)
+            stored.swap_in = retrying(self, stored.swap_out.swap_in)
             if self.on_swap is not None:
                 self.on_swap(storage_bytes(stored.storage), True, stored.passive)
         stored.state = INFLIGHT
@@ -843,13 +741,13 @@ class SwapRuntime:
         forward = not self._in_backward
         at_risk = self._read_allocated() > self._arm_above or (forward and self._projected_peak() > self._arm_above)
         if at_risk:
-            if not _on_dispatch_stack(self._retry):
-                _push_dispatch_mode(self._retry)
+            if not on_dispatch_stack(self._retry):
+                push_dispatch_mode(self._retry)
                 self.stats.arms += 1
             if forward:
                 self._armed_in_forward = self._base
-        elif forward and self._armed_in_forward != self._base and _on_dispatch_stack(self._retry):
-            _remove_dispatch_mode(self._retry)  # a forward pass that has not been at risk (yet)
+        elif forward and self._armed_in_forward != self._base and on_dispatch_stack(self._retry):
+            remove_dispatch_mode(self._retry)  # a forward pass that has not been at risk (yet)
 
     def _arm_threshold(self) -> int:
         self._arm_key = (self.binding, self._largest_saved)
@@ -873,77 +771,3 @@ class SwapRuntime:
         due = bisect.bisect_right(positions, self._now - matcher.drift - getattr(matcher, "tolerance", 0))
         shortfall = cumulative[due] - self._forward_swapped_bytes
         return binding.plan.predicted.peak_bytes + shortfall if shortfall > 0 else 0
-
-
-def _on_dispatch_stack(mode: TorchDispatchMode) -> bool:
-    """Whether ``mode`` is on this thread's dispatch-mode stack (a backward node's stack is its own)."""
-    return any(torch._C._get_dispatch_stack_at(i) is mode for i in range(torch._C._len_torch_dispatch_stack()))
-
-
-def _push_dispatch_mode(mode: TorchDispatchMode) -> None:
-    # The raw push, not ``__enter__``: inside backward the engine restores each node's thread-local
-    # state, which would drop the mode without an ``__exit__`` and leave its Python-side flags set.
-    torch._C._push_on_torch_dispatch_stack(mode)
-
-
-def _remove_dispatch_mode(mode: TorchDispatchMode) -> None:
-    """Take ``mode`` off this thread's stack, putting back any modes pushed above it since."""
-    if not _on_dispatch_stack(mode):
-        return
-    above = []
-    while (top := torch._C._pop_torch_dispatch_stack(None)) is not mode:
-        above.append(top)
-    for other in reversed(above):
-        torch._C._push_on_torch_dispatch_stack(other)
-
-
-class _RetryOnOOM(TorchDispatchMode):
-    """Operator-level Algorithm 3 for backends whose allocator cannot retry: catch OOM, handle, re-run.
-
-    Which errors are OOM is the backend's call (``is_oom``): older torch_npu raises a plain
-    ``RuntimeError``, not ``torch.OutOfMemoryError``. The failing operator's inputs are held by
-    its arguments here, so a passive swap can never choose them.
-    """
-
-    def __init__(self, runtime: SwapRuntime) -> None:
-        super().__init__()
-        self.runtime = runtime
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        return _retrying(self.runtime, func, *args, **(kwargs or {}))
-
-
-def _retrying(runtime: SwapRuntime, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
-    """``fn(*args, **kwargs)``, re-run while Algorithm 3 frees memory after an OOM (the backend says what is one).
-
-    Outside the per-operator retry (mode ``off``, or an allocator that retries itself) it is a plain call.
-    Re-runs are no operators of the program's (cpu-sim's retry is not seen either): profilers do not see them.
-    """
-    if runtime._allocator_retry or runtime.retry_mode == "off":
-        return fn(*args, **kwargs)
-    return retry_on_oom(
-        functools.partial(fn, *args, **kwargs), backend=runtime.backend, ask=runtime._allocator_oom,
-        rerun=hidden_from_profilers,
-    )  # fmt: skip
-
-
-class _OOMHandler:
-    """A runtime's ``on_oom`` hook implementation, registered with its hooks while it is installed.
-
-    Algorithm 3 (Chameleon, Appendix B) for the runtime's backend: release pending swap-outs, then
-    passive swaps. Registered as a plugin object rather than found by the executor's plugin module,
-    so that exactly the installed runtime answers, and none once it is uninstalled.
-    """
-
-    def __init__(self, runtime: SwapRuntime) -> None:
-        self.runtime = runtime
-
-    @hookimpl
-    def on_oom(self, event: OOMEvent) -> OOMResponse | None:
-        if self.runtime.backend is not event.backend:
-            return None
-        answer = self.runtime.handle_oom(event.requested_bytes, event.attempt)
-        if answer is None:
-            return None
-        freed, note = answer
-        return OOMResponse(action="retry", freed_bytes=freed, note=note)
