@@ -58,7 +58,8 @@ def random_local_weights() -> None:
     and changes no byte the device holds during the steps.
     """
     import torch
-    from memfit_parallel.apply import ModelRecipe, ParallelModel
+    from memfit_parallel.apply import ParallelModel
+    from memfit_parallel.recipe import ModelRecipe
     from torch.distributed.tensor import DTensor
 
     def load_weights(self, full_state_dict) -> None:

@@ -49,7 +49,7 @@ def batch(step: int):
 
 
 def recipe():
-    from memfit_parallel.apply import ModelRecipe
+    from memfit_parallel.recipe import ModelRecipe
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     col, row = ColwiseParallel(), RowwiseParallel()

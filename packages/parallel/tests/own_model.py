@@ -90,8 +90,9 @@ def reference() -> list[float]:
 
 def main(out: str) -> None:
     import torch.distributed as dist
-    from memfit_parallel.apply import ModelRecipe, parallelize
+    from memfit_parallel.apply import parallelize
     from memfit_parallel.config import ParallelConfig
+    from memfit_parallel.recipe import ModelRecipe
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     dist.init_process_group("gloo")

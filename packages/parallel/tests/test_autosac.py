@@ -10,9 +10,10 @@ import warnings
 
 import pytest
 from memfit.errors import MemfitError
-from memfit_parallel.apply import llama_recipe, unapplied
+from memfit_parallel.apply import unapplied
 from memfit_parallel.config import BlockRecompute, ParallelConfig, Workload
 from memfit_parallel.planning import search
+from memfit_parallel.recipe import llama_recipe
 from memfit_simulator.hardware import get_spec
 
 HAS_AUTO_SAC = all(importlib.util.find_spec(m) is not None for m in ("memfit_policies", "memfit_executor"))

@@ -7,10 +7,11 @@ import pytest
 import torch
 from memfit.errors import MemfitError
 from memfit.models import LlamaConfig
-from memfit_parallel.apply import llama_recipe, parallelize
+from memfit_parallel.apply import parallelize
 from memfit_parallel.capture import capture_parallel_step
 from memfit_parallel.config import ParallelConfig
 from memfit_parallel.fakepg import fake_process_group, fake_store
+from memfit_parallel.recipe import llama_recipe
 from memfit_parallel.schedules import capture_mesh
 from memfit_simulator.models import make_optimizer
 

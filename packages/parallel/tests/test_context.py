@@ -13,7 +13,6 @@ import torch.nn.functional as F
 from memfit.errors import MemfitError
 from memfit.models import Llama, LlamaConfig
 from memfit.models.llama import Attention
-from memfit_parallel.apply import LlamaStage
 from memfit_parallel.context import (
     ContextParallel,
     context_mask,
@@ -21,6 +20,7 @@ from memfit_parallel.context import (
     unshard_sequence,
     zigzag_positions,
 )
+from memfit_parallel.recipe import LlamaStage
 from torch import nn
 
 

@@ -23,9 +23,10 @@ from memfit.cli.main import cli
 from memfit.errors import MemfitError
 from memfit.models import Llama, LlamaConfig, SyntheticTokens, build_training
 from memfit.plan import MemoryPlan, PlanPrediction, PlanSource, Recompute
-from memfit_parallel.apply import LlamaStage, ModelRecipe, llama_recipe, parallelize, split_blocks, unapplied
+from memfit_parallel.apply import parallelize, split_blocks, unapplied
 from memfit_parallel.config import ParallelConfig
 from memfit_parallel.launch import RunRequest, _kill_group, check_request, launch, trainer_command
+from memfit_parallel.recipe import LlamaStage, ModelRecipe, llama_recipe
 from memfit_parallel.trainer import load_configs
 from torch import nn
 
@@ -432,7 +433,7 @@ class _Nested(nn.Module):
 
 
 def test_a_nested_model_with_non_persistent_buffers_computes_what_it_computes_alone(world_of_one):
-    from memfit_parallel.apply import ModelRecipe
+    from memfit_parallel.recipe import ModelRecipe
 
     recipe = ModelRecipe(build=_Nested, blocks="body.blocks", loss_fn=nn.functional.mse_loss)
     x = torch.randn(4, 8)
@@ -451,7 +452,7 @@ def test_a_nested_model_with_non_persistent_buffers_computes_what_it_computes_al
 
 
 def test_a_blocks_path_that_names_no_container_says_which_exist(world_of_one):
-    from memfit_parallel.apply import ModelRecipe
+    from memfit_parallel.recipe import ModelRecipe
 
     with pytest.raises(MemfitError, match="does not name an nn.ModuleList.*body.blocks"):
         parallelize(ModelRecipe(build=_Nested, blocks="blocks"), ParallelConfig(), device="cpu")
@@ -460,7 +461,7 @@ def test_a_blocks_path_that_names_no_container_says_which_exist(world_of_one):
 def test_a_transformers_llama_built_from_its_config_computes_what_it_computes_alone(world_of_one):
     """The model a transformers user has (rotary ``inv_freq`` non-persistent, blocks at ``model.layers``)."""
     transformers = pytest.importorskip("transformers")
-    from memfit_parallel.apply import ModelRecipe
+    from memfit_parallel.recipe import ModelRecipe
 
     config = transformers.LlamaConfig(
         vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

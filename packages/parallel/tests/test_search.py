@@ -201,7 +201,7 @@ def test_the_screening_costs_context_parallel_attention_as_the_capture_does():
     Screened as the ring, CP candidates were 8-13 % cheaper against their captures than the
     others (0.98 and 0.95 against 1.08 here), so the confirmation was spent on them first.
     """
-    from memfit_parallel.planning import _reference, screen
+    from memfit_parallel.screening import capture_reference, screen
 
     spec = get_spec("h100")
     workload = Workload(model="llama3-8b", global_batch=16, seq_len=8192)
@@ -211,7 +211,7 @@ def test_the_screening_costs_context_parallel_attention_as_the_capture_does():
             dp_shard=8 // cp, cp=cp, activation_checkpoint=ac, sac_memory_fraction=0.5 if ac == "sac" else None,
             param_dtype="bfloat16",
         )  # fmt: skip
-        reference = _reference(workload, spec, (ac, config.sac_memory_fraction, None), "bfloat16")
+        reference = capture_reference(workload, spec, (ac, config.sac_memory_fraction, None), "bfloat16")
         screened = screen(workload, config, spec, reference)
         ratios[cp] = screened.step_s / predict(workload, config, spec).step_s
     assert ratios[2] == pytest.approx(ratios[1], rel=0.05) and ratios[4] == pytest.approx(ratios[1], rel=0.05)
@@ -226,19 +226,19 @@ def test_the_screening_counts_the_activations_tp_keeps_whole():
     candidates were 30 % (no checkpointing) to 53 % (SAC 50 %) under their captures. The screening
     captures the reference under TP 2 and 4 and fits TP 8 through them.
     """
-    from memfit_parallel.planning import _reference, _with_tp, screen
+    from memfit_parallel.screening import capture_reference, screen, with_tp
 
     spec = get_spec("h100")
     workload = Workload(model="llama3-8b", global_batch=16, seq_len=4096)
     for ac, fraction in (("none", None), ("sac", 0.5)):
         mode = (ac, fraction, None)
-        plain = _reference(workload, spec, mode, "bfloat16")
-        with_tp = _with_tp(workload, spec, mode, "bfloat16", plain, (2, 4))
+        plain = capture_reference(workload, spec, mode, "bfloat16")
+        under_tp = with_tp(workload, spec, mode, "bfloat16", plain, (2, 4))
         config = ParallelConfig(
             dp_shard=2, tp=8, activation_checkpoint=ac, sac_memory_fraction=fraction, param_dtype="bfloat16"
         )
         captured = predict(workload, config, spec).peak_by_category["activation"]
-        fitted, scaled = (screen(workload, config, spec, r).peak_by_category["activation"] for r in (with_tp, plain))
+        fitted, scaled = (screen(workload, config, spec, r).peak_by_category["activation"] for r in (under_tp, plain))
         assert fitted == pytest.approx(captured, rel=0.02)
         assert scaled < 0.9 * captured
 
@@ -278,7 +278,7 @@ def test_the_screening_times_steps_as_their_captures():
     1.091 and 0.948 of their captures by the old scaling (0.994 and 0.998 now). The pipeline's peak
     too (0.992).
     """
-    from memfit_parallel.planning import _reference, _with_tp, screen
+    from memfit_parallel.screening import capture_reference, screen, with_tp
 
     spec = get_spec("h100-95gb")
     workload = Workload(model="llama3-8b", global_batch=128, seq_len=8192)
@@ -290,7 +290,8 @@ def test_the_screening_times_steps_as_their_captures():
     for name, shape in shapes.items():
         ac = "full" if name == "fsdp" else "none"
         mode = (ac, None, None)
-        reference = _with_tp(workload, spec, mode, "bfloat16", _reference(workload, spec, mode, "bfloat16"), (2, 4))
+        plain = capture_reference(workload, spec, mode, "bfloat16")
+        reference = with_tp(workload, spec, mode, "bfloat16", plain, (2, 4))
         config = ParallelConfig(activation_checkpoint=ac, param_dtype="bfloat16", **shape)
         screened, captured = screen(workload, config, spec, reference), predict(workload, config, spec)
         ratios[name] = screened.step_s / captured.step_s
@@ -301,7 +302,7 @@ def test_the_screening_times_steps_as_their_captures():
 
 
 def test_a_quantity_of_a_tp_or_fsdp_degree_is_fitted_as_b_over_d_plus_c():
-    from memfit_parallel.planning import _inverse_fit
+    from memfit_parallel.screening import _inverse_fit
 
     b, c = 12.0, 3.0
     points = {d: b / d + c for d in (2, 4)}

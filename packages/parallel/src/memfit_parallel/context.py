@@ -118,7 +118,7 @@ def context_mask(seq_len: int, cp: int, rank: int, device=None) -> torch.Tensor:
 def apply_context_parallel(stage: torch.nn.Module, cp_mesh, blocks_attr: str = "layers") -> ContextParallel:
     """Attach CP to a stage of the reference Llama: every block's attention gathers K/V over ``cp_mesh``.
 
-    The stage keeps the :class:`ContextParallel` as ``_memfit_context`` (:class:`memfit_parallel.apply.LlamaStage`
+    The stage keeps the :class:`ContextParallel` as ``_memfit_context`` (:class:`memfit_parallel.recipe.LlamaStage`
     takes its rotary tables at the rank's global positions from it).
     """
     from memfit.models.llama import Attention

@@ -60,8 +60,9 @@ def check_request(request: RunRequest) -> None:
     """Raise :class:`MemfitError` with every reason the request cannot run (nothing is launched)."""
     from memfit.config import parse_size
 
-    from memfit_parallel.apply import llama_recipe, unapplied
+    from memfit_parallel.apply import unapplied
     from memfit_parallel.config import ParallelConfig, Workload
+    from memfit_parallel.recipe import llama_recipe
     from memfit_parallel.trainer import load_recompute, with_room_for
 
     if request.nproc < 1:

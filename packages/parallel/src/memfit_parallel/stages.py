@@ -215,7 +215,8 @@ def capture_stage(
         _CACHE[key] = _capture_schedule_stage(workload, config, spec, blocks, kind)
         return _CACHE[key]
 
-    from memfit_parallel.apply import block_modules, llama_recipe, parallelize, split_blocks
+    from memfit_parallel.apply import block_modules, parallelize, split_blocks
+    from memfit_parallel.recipe import llama_recipe
 
     applied = capture_config(config)
     llama = model_config(workload.model, workload.seq_len)
@@ -382,7 +383,8 @@ def _capture_schedule_stage(
     stage between its chunks (``max_active_stages=3``); the capture keeps every stage gathered, an
     over-prediction for such ranks (the search proposes two stages per rank).
     """
-    from memfit_parallel.apply import llama_recipe, parallelize
+    from memfit_parallel.apply import parallelize
+    from memfit_parallel.recipe import llama_recipe
 
     applied = schedule_config(capture_config(config)).model_copy(
         update={"stages_per_rank": config.stages_per_rank, "pp_schedule": "interleaved_1f1b"}

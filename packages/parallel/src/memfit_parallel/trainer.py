@@ -130,8 +130,9 @@ def train_configs(
     import torch.distributed as dist
     from memfit.models import LlamaConfig, SyntheticTokens
 
-    from memfit_parallel.apply import llama_recipe, parallelize
+    from memfit_parallel.apply import parallelize
     from memfit_parallel.config import Workload
+    from memfit_parallel.recipe import llama_recipe
 
     overrides = with_room_for(seq_len, model, overrides)
     device, memory, counting = _device_and_memory(capacity)
