@@ -291,3 +291,13 @@ def test_batch_seq_and_layers_are_one_word_each_on_the_command_line_and_the_earl
     assert parsed(["plan"], ["--budget", "1GiB", "--model-layers", "32"])["model_layers"] == 32
     assert parsed(["parallel", "run"], ["--nproc", "2", "--layers", "4"])["n_layers"] == 4
     assert parsed(["faulttol", "run"], ["--n-layers", "3"])["n_layers"] == 3
+
+
+def test_no_source_file_is_over_800_lines():
+    """Files a newcomer can hold in mind: split a module along its seams before it passes 800 lines."""
+    long = {
+        str(path.relative_to(REPO)): n
+        for path in REPO.glob("packages/*/src/**/*.py")
+        if (n := len(path.read_text().splitlines())) > 800
+    }
+    assert not long, f"source files over 800 lines: {long}"
