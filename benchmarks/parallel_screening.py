@@ -1,7 +1,7 @@
 """memfit-parallel's search screening against the captured prediction (``predict``): per-rank peak and step time.
 
 The search screens every candidate from a few reference captures scaled to it
-(:func:`memfit_parallel.planning.screen`) and confirms the fastest with a capture of their own
+(:func:`memfit_parallel.screening.screen`) and confirms the fastest with a capture of their own
 (:func:`memfit_parallel.predict`). The screening's error on the peak decides how many confirmations are
 spent on candidates that do not fit; its error on the step time, in which order they are confirmed
 (the search stops confirming at its deadline, so a fast candidate screened slow may never be reached).
@@ -44,7 +44,7 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     from memfit_parallel import predict
     from memfit_parallel.config import ParallelConfig, Workload
-    from memfit_parallel.planning import _reference, _with_tp, screen
+    from memfit_parallel.screening import capture_reference, screen, with_tp
     from memfit_simulator.hardware import get_spec
 
     workload = Workload(model="llama3-70b", global_batch=512, seq_len=8192)
@@ -52,8 +52,8 @@ def main() -> None:
     rows = []
     for ac, fraction in MODES:
         mode = (ac, fraction, None)
-        plain = _reference(workload, spec, mode, "bfloat16")
-        with_tp = _with_tp(workload, spec, mode, "bfloat16", plain, (2, 4))
+        plain = capture_reference(workload, spec, mode, "bfloat16")
+        under_tp = with_tp(workload, spec, mode, "bfloat16", plain, (2, 4))
         for tp, cp, pp, schedule, microbatches, dp in SHAPES:
             replicate = dp.get("dp_replicate", 1)
             config = ParallelConfig(
@@ -62,7 +62,7 @@ def main() -> None:
                 microbatches=microbatches, activation_checkpoint=ac, sac_memory_fraction=fraction,
                 param_dtype="bfloat16",
             )  # fmt: skip
-            screening = screen(workload, config, spec, with_tp)
+            screening = screen(workload, config, spec, under_tp)
             screened = screening.peak_bytes
             without_tp = screen(workload, config, spec, plain).peak_bytes
             prediction = predict(workload, config, spec)

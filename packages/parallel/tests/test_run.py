@@ -740,14 +740,14 @@ def test_a_failed_run_says_what_each_rank_raised():
         "[rank1]: Traceback (most recent call last):",
         "[rank1]:   File \"trainer.py\", line 1, in <module>",
         "[rank1]: torch.OutOfMemoryError: cpu-sim out of memory: tried to allocate 180 KiB",
-        "[rank1]: memfit_executor.runtime.SwapOutOfMemoryError: out of memory under memfit's swap executor: raise it",
+        "[rank1]: memfit_executor.retry.SwapOutOfMemoryError: out of memory under memfit's swap executor: raise it",
         "[rank0]: ValueError: a bad configuration",
         "[rank0]: Exception raised from c10_cuda_check_implementation at c10/cuda/CUDAException.cpp:43",
         "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:",
     ])  # fmt: skip
     assert rank_errors(output) == [
         "rank 0: ValueError: a bad configuration",
-        "rank 1: memfit_executor.runtime.SwapOutOfMemoryError: out of memory under memfit's swap executor: raise it",
+        "rank 1: memfit_executor.retry.SwapOutOfMemoryError: out of memory under memfit's swap executor: raise it",
     ]
     assert rank_errors("ChildFailedError:\nsomething else") == []
 

@@ -150,9 +150,6 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-"""``(activation_checkpoint, sac_memory_fraction, sac_plan)`` of a configuration."""
-
-
 def checkpointing_modes(sac_plans: dict[float, tuple[BlockRecompute, ...]] | None = None) -> list[CheckpointMode]:
     """The checkpointing the search tries: :data:`AC_MODES`, then Auto-SAC with each of ``sac_plans`` (keep → plan)."""
     modes: list[CheckpointMode] = [(ac, fraction, None) for ac, fraction in AC_MODES]
@@ -281,7 +278,7 @@ def search(
     for config in pool:
         p = screen(workload, config, spec, refs[_mode(config)])
         screened.append((p.step_s, p.peak_bytes, config))
-    # TP keeps some activations whole, so until a mode's reference is captured under TP (_with_tp) its TP
+    # TP keeps some activations whole, so until a mode's reference is captured under TP (with_tp) its TP
     # candidates are screened at a lower bound of their peak (1/tp of the reference); the capture waits for
     # the first of them the confirmation reaches, as most modes never get there
     tp_degrees = sorted({c.tp for c in pool if c.tp > 1})[:2]

@@ -152,7 +152,7 @@ def _block_and_rest(workload: Workload, spec: HardwareSpec, base: ParallelConfig
 
 
 def capture_reference(workload: Workload, spec: HardwareSpec, mode: CheckpointMode, dtype: str) -> Reference:
-    """``mode``'s reference captures: FSDP over two ranks, no TP (TP degrees: :func:`_with_tp`)."""
+    """``mode``'s reference captures: FSDP over two ranks, no TP (TP degrees: :func:`with_tp`)."""
     ac, fraction, plan = mode
     base = ParallelConfig(
         dp_shard=2, activation_checkpoint=ac, sac_memory_fraction=fraction, sac_plan=plan, param_dtype=dtype

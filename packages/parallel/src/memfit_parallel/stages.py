@@ -80,7 +80,7 @@ class StageProfile:
     """The peak by category of each region of the step (:func:`peak_regions`), for extrapolation in depth."""
     attention_s: tuple[float, float, float] = (0.0, 0.0, 0.0)
     """Of ``forward_s``, ``backward_s`` and ``recompute_s``, the seconds of attention kernels (the
-    search's screening scales them for context parallelism: :func:`memfit_parallel.planning.screen`)."""
+    search's screening scales them for context parallelism: :func:`memfit_parallel.screening.screen`)."""
     overhead_s: tuple[float, float, float] = (0.0, 0.0, 0.0)
     """Of ``forward_s``, ``backward_s`` and ``recompute_s``, the time model's per-operator overheads of the
     operators but FSDP's copies: paid once per operator whatever the microbatch's size (the screening does

@@ -141,7 +141,9 @@ def import_pulp():
         loader.join()
         if failed:
             raise failed[0]
-    return sys.modules["pulp"]
+    # a plain import now: a lookup once PuLP is in, and a wait on its module lock while another thread
+    # is still importing it (sys.modules has it from the start of that import, half made)
+    return importlib.import_module("pulp")
 
 
 def solver(time_limit: float, gap: float):
