@@ -1,5 +1,6 @@
 """A finished ``memfit.swap`` session lets go of everything: itself, its profiler, the user's model and its memory."""
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -50,4 +51,6 @@ def test_a_finished_session_keeps_nothing_alive_and_its_memory_is_freed():
     # the device's own count (cpu-sim's allocator), not the session's: the model, its gradients and
     # optimizer states and every activation are gone
     assert seen["after"] == seen["before"]
-    assert seen["planned"] > 0, "the run planned nothing: the planners, PuLP among them, never ran"
+    if all(importlib.util.find_spec(m) for m in ("memfit_profiler", "memfit_policies")):
+        # with only core beside the executor (its package-alone CI env) nothing plans: the OOM handler alone runs
+        assert seen["planned"] > 0, "the run planned nothing: the planners, PuLP among them, never ran"
