@@ -110,7 +110,7 @@ def baseline_rounds(rounds: int, steps: int) -> dict:
             memfit_cmd = [
                 sys.executable, "-c", "from memfit.cli.main import main; main()", "run", "--backend", "cpu-sim",
                 "--budget", str(ac_peak), "--capacity", str(2 * ac_peak), "--baseline", "ac",
-                "--baseline-steps", str(min(steps, 10)), "--report", str(report_path), "--",
+                "--baseline-steps", str(min(steps, 10)), "--out", str(report_path), "--",
                 sys.executable, str(HF_TRAIN), *args,
             ]  # fmt: skip
             subprocess.run(memfit_cmd, check=True, capture_output=True)

@@ -86,7 +86,7 @@ def gpt2_trial() -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         report_path = Path(tmp) / "report.json"
         out = subprocess.run(
-            ["memfit", "run", "--backend", "cpu-sim", "--budget", str(budget), "--report", str(report_path), "--",
+            ["memfit", "run", "--backend", "cpu-sim", "--budget", str(budget), "--out", str(report_path), "--",
              sys.executable, str(script), *args],
             capture_output=True, text=True, check=True,
         )  # fmt: skip

@@ -1,6 +1,7 @@
 """Composition: every monorepo package installed together."""
 
 import importlib.metadata
+import json
 
 import pytest
 from memfit.plugins import Hooks, build_plugin_manager
@@ -47,6 +48,9 @@ def test_memfit_plugins_lists_every_builtin_plugin_with_its_distribution():
     for package in PACKAGES:
         if package != "core":
             assert f"memfit-{package}" in rows[package]
+    listed = json.loads(run_memfit("plugins", "--json").stdout)
+    assert {info["name"]: info["distribution"] for info in listed}["memfit.oom"] == "memfit"
+    assert len(listed) == len(rows)
 
 
 def test_memfit_version_and_demo_from_the_console_script(tmp_path):

@@ -293,6 +293,39 @@ def test_batch_seq_and_layers_are_one_word_each_on_the_command_line_and_the_earl
     assert parsed(["faulttol", "run"], ["--n-layers", "3"])["n_layers"] == 3
 
 
+def test_every_command_says_out_set_json_and_devices_with_one_meaning_and_the_earlier_names_still_parse():
+    """``--out`` for what a command writes, ``--set`` for a KEY=VALUE override, ``--json`` wherever a command reports,
+    ``--devices`` as COUNTxDEVICE; ``--report`` and ``--option`` stay second names of ``--out`` and ``--set``."""
+    import click
+    from memfit.cli.main import cli
+
+    def command(path):
+        found = cli
+        for name in path:
+            found = found.get_command(click.Context(found), name)
+        return found
+
+    shows_only = {("demo",)}  # a show: its figures are memfit run's, which --json prints
+    wrong, no_json = [], []
+    for path in _command_paths():
+        found = command(path)
+        if isinstance(found, click.Group):
+            continue
+        options = [param for param in found.params if isinstance(param, click.Option)]
+        for option in options:
+            first = option.opts[0]
+            if first in ("--report", "--option") or ("--devices" in option.opts and "COUNT" not in option.metavar):
+                wrong.append(f"memfit {' '.join(path)} {first}")
+        if tuple(path) not in shows_only and not any("--json" in option.opts for option in options):
+            no_json.append("memfit " + " ".join(path))
+    assert not wrong, f"options under another word than the shared one: {wrong}"
+    assert not no_json, f"commands that report without --json: {no_json}"
+    run = command(["run"]).make_context("run", ["--report", "r.json", "--", "python", "t.py"]).params
+    assert run["report_path"].name == "r.json"
+    plan = command(["plan"]).make_context("plan", ["--budget", "1GiB", "--option", "sac.local=ilp"]).params
+    assert plan["planner_options"] == ("sac.local=ilp",)
+
+
 def test_no_source_file_is_over_800_lines():
     """Files a newcomer can hold in mind: split a module along its seams before it passes 800 lines."""
     long = {

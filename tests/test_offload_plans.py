@@ -21,7 +21,7 @@ def test_memfit_plan_draws_and_writes_an_offload_plan_for_a_simulated_step(tmp_p
     out, png = tmp_path / "offload.json", tmp_path / "offload.png"
     result = run_memfit(
         "plan", "--simulate", "tiny:8x128", "--budget", "12MiB", "--planner", "offload",
-        "--option", "offload.min_bytes=64KiB", "--out", str(out), "--plot", str(png),
+        "--set", "offload.min_bytes=64KiB", "--out", str(out), "--plot", str(png),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "stores" in result.stdout and "prefetches" in result.stdout and "offload traffic per step" in result.stdout
@@ -32,7 +32,7 @@ def test_memfit_plan_draws_and_writes_an_offload_plan_for_a_simulated_step(tmp_p
     result = run_memfit("plan", "--simulate", "tiny:8x128", "--budget", "12MiB", "--out", str(out))
     assert result.returncode == 0, result.stderr
     assert MemoryPlan.load(out).planner != "offload"
-    result = run_memfit("plan", "--simulate", "tiny:8x128", "--budget", "12MiB", "--option", "offload.kapa=2")
+    result = run_memfit("plan", "--simulate", "tiny:8x128", "--budget", "12MiB", "--set", "offload.kapa=2")
     assert result.returncode != 0 and "kapa: Extra inputs are not permitted" in result.stderr
 
 

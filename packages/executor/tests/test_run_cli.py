@@ -51,6 +51,18 @@ def test_a_script_that_raises_gets_the_summary_and_the_report_then_its_traceback
     assert 'train.py", line 10, in <module>' in traceback and "runpy" not in traceback  # the script's frames
 
 
+def test_json_prints_the_report_that_out_writes_after_the_script(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(TWO_STEPS + "print('trained')\n")
+    out = tmp_path / "run.json"
+    args = ["run", "--backend", "cpu-sim", "--out", str(out), "--json", "--", "python", str(script)]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.output
+    printed, report = result.stdout.split("\n", 1)
+    assert printed == "trained" and json.loads(report) == json.loads(out.read_text())  # no table on stdout
+    assert json.loads(report)["iterations"] == 2 and "report written to" in result.stderr and str(out) in result.stderr
+
+
 def test_the_peak_includes_the_iteration_in_progress(tmp_path):
     """Before: a failure in iteration 0 reported a peak of 0, a later one its last finished iteration's peak."""
     _, report = run(tmp_path, TWO_STEPS + "big = torch.ones(4 * 2**20)\nraise RuntimeError('boom')\n")
@@ -95,9 +107,9 @@ def test_a_report_that_cannot_be_written_is_a_usage_error_before_the_script_runs
         (tmp_path, "is a directory"),
         (script / "run.json", "train.py is not a directory"),
     ]:
-        args = ["run", "--backend", "cpu-sim", "--report", str(report), "--", "python", str(script)]
+        args = ["run", "--backend", "cpu-sim", "--out", str(report), "--", "python", str(script)]
         result = CliRunner().invoke(cli, args, terminal_width=200)
-        assert result.exit_code == 2 and "Invalid value for" in result.output and "--report" in result.output
+        assert result.exit_code == 2 and "Invalid value for" in result.output and "--out" in result.output
         assert why in " ".join(result.output.split()), result.output
         assert not (tmp_path / "ran").exists() and "Traceback" not in result.output
 

@@ -33,11 +33,22 @@ def test_simulate_prints_json():
     assert data["seeds"] == [0, 1]
 
 
+def test_devices_take_the_device_as_memfit_parallel_plan_does_and_a_bare_count_takes_device():
+    args = ["simulate", "--model", "tiny", "--seq", "32", "--hours", "1", "--seeds", "1", "--micro-batches", "8",
+            "--stages", "2", "--json"]  # fmt: skip
+    named = CliRunner().invoke(faulttol, [*args, "--devices", "4xh100"])
+    bare = CliRunner().invoke(faulttol, [*args, "--devices", "4", "--device", "h100"])
+    assert named.exit_code == bare.exit_code == 0, named.output + bare.output
+    assert json.loads(named.output) == json.loads(bare.output)
+    both = CliRunner().invoke(faulttol, [*args, "--devices", "4xh100", "--device", "ascend-910b"])
+    assert both.exit_code != 0 and "give the device once" in both.output
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
         (["--failure-rate", "1.5"], "strictly between 0 and 1"),
-        (["--devices", "0"], "--devices must be at least 1"),
+        (["--devices", "0"], "a positive count"),
         (["--model", "gpt5"], "is not a preset"),
         (["--devices", "6", "--stages", "4", "--model", "tiny", "--seq", "32"], "do not divide"),
     ],

@@ -167,17 +167,25 @@ def test_memfit_plan_asks_every_installed_planner_or_those_named(trace, tmp_path
     assert result.exit_code != 0 and f"unknown planner 'nope'; installed planners: {installed}" in result.output
 
 
+def test_memfit_plan_json_prints_the_plan_that_out_writes(trace, tmp_path):
+    trace.save(tmp_path / "step.npz")
+    out = tmp_path / "p.json"
+    args = ["plan", str(tmp_path / "step.npz"), "--budget", "16GiB", "--planner", "swap", "--json", "--out", str(out)]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.output
+    assert MemoryPlan.from_json(result.stdout) == MemoryPlan.load(out)  # stdout is the plan, and nothing else
+    assert "plan written to" in result.stderr and str(out) in result.stderr
+
+
 def test_memfit_plan_explains_failures(trace, tmp_path):
     trace.save(tmp_path / "step.npz")
     result = CliRunner().invoke(cli, ["plan", str(tmp_path / "step.npz"), "--budget", "1GiB"])
     assert result.exit_code != 0 and "swapping every candidate still peaks at" in result.output
     result = CliRunner().invoke(cli, ["plan", str(tmp_path / "step.npz"), "--budget", "lots"])
     assert result.exit_code != 0 and "invalid budget 'lots'" in result.output
-    result = CliRunner().invoke(cli, ["plan", str(tmp_path / "step.npz"), "--budget", "1GiB", "--option", "sac=ilp"])
-    assert result.exit_code != 0 and "--option 'sac=ilp': expected PLANNER.FIELD=VALUE" in result.output
-    result = CliRunner().invoke(
-        cli, ["plan", str(tmp_path / "step.npz"), "--budget", "1GiB", "--option", "sac.local=ipl"]
-    )
+    result = CliRunner().invoke(cli, ["plan", str(tmp_path / "step.npz"), "--budget", "1GiB", "--set", "sac=ilp"])
+    assert result.exit_code != 0 and "--set 'sac=ilp': expected PLANNER.FIELD=VALUE" in result.output
+    result = CliRunner().invoke(cli, ["plan", str(tmp_path / "step.npz"), "--budget", "1GiB", "--set", "sac.local=ipl"])
     assert result.exit_code != 0 and "options of planner 'sac'" in result.output and "local" in result.output
     (tmp_path / "bad.npz").write_text("nope")
     result = CliRunner().invoke(cli, ["plan", str(tmp_path / "bad.npz"), "--budget", "1GiB"])

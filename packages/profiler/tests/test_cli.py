@@ -53,3 +53,18 @@ def test_an_unknown_option_is_said_to_be_one(tmp_path):
     result = CliRunner().invoke(cli, ["profile", "--frobnicate", "--", "python", str(tmp_path / "train.py")])
     assert result.exit_code == 2 and "No such option '--frobnicate'" in result.output
     assert "not a Python script" not in result.output
+
+
+def test_profile_json_prints_the_summary_as_one_object_after_the_script(tmp_path):
+    import json
+
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    args = ["profile", "--backend", "cpu-sim", "--capacity", "1GiB", "--json", "--", "python", str(script), "8"]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.output
+    printed, summary = result.stdout.split("\n", 1)
+    assert printed == "trained 8 steps"  # the script's own output, then only the JSON
+    summary = json.loads(summary)
+    assert summary["iterations"] == 8 and sum(summary["iterations_per_stage"].values()) == 8
+    assert summary["peak_device_bytes"] > 0 and summary["stage_transitions"][0]["from"] == "WarmUp"

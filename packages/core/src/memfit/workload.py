@@ -6,7 +6,8 @@ Torch-free, so that a command's ``--help`` and a planner without torch can name 
   (:mod:`memfit.models.llama` builds it), from ``tiny`` (tests) to the published ``llama3-405b``
   (simulation on fake tensors only);
 * :data:`DTYPES`: every dtype name a command or an option accepts, with the canonical torch name
-  and the bytes of one element (:func:`dtype_name`, :func:`dtype_bytes`).
+  and the bytes of one element (:func:`dtype_name`, :func:`dtype_bytes`);
+* :func:`parse_devices`: ``--devices``, one grammar for every command (``128xh100``).
 
 Example:
     ```python
@@ -21,6 +22,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 
 from memfit.errors import MemfitError
@@ -124,3 +126,23 @@ def dtype_bytes(name: str) -> int:
     """
     dtype_name(name)
     return DTYPES[name][1]
+
+
+def parse_devices(text: str, default_device: str | None = None) -> tuple[int, str]:
+    """``--devices`` as ``(count, device)``: ``COUNTxDEVICE`` (``"128xh100"`` → ``(128, "h100")``) everywhere.
+
+    A bare ``COUNT`` is accepted where the command names the device another way (``default_device``,
+    e.g. its ``--device``). The device's name is not checked here (core knows no hardware registry);
+    the caller looks it up.
+
+    Raises:
+        MemfitError: not ``COUNTxDEVICE`` (or ``COUNT`` with a default device), or a count below 1.
+    """
+    match = re.fullmatch(r"\s*(\d+)\s*(?:[x×*]\s*([A-Za-z0-9_.-]+))?\s*", text)
+    if match and int(match.group(1)) >= 1 and (match.group(2) or default_device):
+        return int(match.group(1)), match.group(2) or default_device
+    bare = " (or a bare count, with the device given by --device)" if default_device else ""
+    raise MemfitError(
+        f"--devices {text!r} is not COUNTxDEVICE: write e.g. 128xh100, 8xh100-95gb or 4xcpu, a positive count "
+        f"times a device of the simulator's registry{bare}"
+    )

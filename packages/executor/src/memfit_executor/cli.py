@@ -38,11 +38,18 @@ from rich.table import Table
     "Above it, a plan that does not hold shows as a measured peak above the budget instead of an OOM.",
 )
 @click.option(
+    "--out",
     "--report",
     "report_path",
     type=click.Path(dir_okay=False, path_type=Path),
     default=None,
-    help="Write a JSON report here (peak, budget, stages, plans, swap traffic, passive swaps, OOMs survived).",
+    help="Write the JSON report here (peak, budget, stages, plans, swap traffic, passive swaps, OOMs survived).",
+)
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print the report as one JSON object after the script instead of the summary table.",
 )
 @click.option(
     "--plot",
@@ -111,8 +118,8 @@ from rich.table import Table
 @click.option("-v", "--verbose", is_flag=True, help="Log stage transitions and plans as they happen.")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, required=True)
 def run(
-    backend, budget, capacity, report_path, plot_path, baseline, baseline_steps, matcher, release_mode, planner, adapt,
-    plan_path, plan_trace_path, verbose, command,
+    backend, budget, capacity, report_path, as_json, plot_path, baseline, baseline_steps, matcher, release_mode,
+    planner, adapt, plan_path, plan_trace_path, verbose, command,
 ):  # fmt: skip
     """Run COMMAND (python train.py ...) under memfit's swap executor, within BUDGET.
 
@@ -120,7 +127,11 @@ def run(
     (returns, exits, raises, is sent SIGTERM), the summary and the report come first; then, if it
     raised, its traceback, and the exit status is the script's (143 after SIGTERM, 130 after Ctrl-C).
 
-        memfit run --backend cpu-sim --budget 4GiB --report run.json -- python train.py
+        memfit run --backend cpu-sim --budget 4GiB --out run.json -- python train.py
+
+    One of three runs: this one puts a script of the user's under a memory budget on one device;
+    `memfit parallel run` trains the reference Llama on several processes with a parallel
+    configuration; `memfit faulttol run` kills and recovers ranks of a live run.
     """
     # everything the user gave is checked before torch is imported, the backend made and the script run
     try:
@@ -128,7 +139,7 @@ def run(
     except MemfitError as exc:
         raise click.ClickException(str(exc)) from exc
     checks = ((budget, _check_budget, "--budget"), (capacity, _check_capacity, "--capacity"),
-              (report_path, check_writable, "--report"), (plot_path, check_writable, "--plot"))  # fmt: skip
+              (report_path, check_writable, "--out"), (plot_path, check_writable, "--plot"))  # fmt: skip
     for value, check, hint in checks:
         try:
             if value is not None:
@@ -162,11 +173,15 @@ def run(
         if session.runtime is not None:
             report = session.report()
             with console_after_script() as console:
-                console.print(summary(report))
+                words = Console(stderr=True) if as_json else console  # with --json, stdout carries only the JSON
+                if not as_json:
+                    console.print(summary(report))
+                elif baseline is None:  # else printed with the baseline's figures
+                    _print_json(report, console)
                 if report_path is not None:
-                    _write_report(report, report_path, console)
+                    _write_report(report, report_path, words)
                 if plot_path is not None:
-                    _draw(session, report, plot_path, console)
+                    _draw(session, report, plot_path, words)
     if failure is not None:
         raise click.ClickException(str(failure)) from failure
     if script_error is not None:
@@ -177,18 +192,29 @@ def run(
     if exit_code not in (None, 0):
         raise SystemExit(exit_code)
     if baseline is not None:
-        report["baseline"] = _compare_with_baseline(baseline, baseline_steps, backend, command, report)
+        report["baseline"] = _compare_with_baseline(baseline, baseline_steps, backend, command, report, as_json)
         if report_path is not None:  # written again, with the baseline's figures
-            _write_report(report, report_path, Console())
+            _write_report(report, report_path, Console(stderr=as_json))
+        if as_json:
+            _print_json(report, Console())
+
+
+def _print_json(report: dict[str, Any], console: Console) -> None:
+    """The report on standard output as one JSON object (no colours or wrapping), for another program to read."""
+    console.file.write(json.dumps(report, indent=2) + "\n")
+    console.file.flush()
 
 
 def _compare_with_baseline(
-    mode: str, steps: int, backend: str | None, command: tuple[str, ...], report: dict[str, Any]
+    mode: str, steps: int, backend: str | None, command: tuple[str, ...], report: dict[str, Any], as_json: bool
 ) -> dict[str, Any]:
-    """Run the script as a user would without memfit (:mod:`memfit_executor.baseline`); print both; its figures."""
+    """Run the script as a user would without memfit (:mod:`memfit_executor.baseline`); print both; its figures.
+
+    With ``as_json`` the words go to standard error: standard output carries only the JSON.
+    """
     import subprocess
 
-    console = Console()
+    console = Console(stderr=as_json)
     console.print(f"baseline {mode}: running the script's first {steps} steps again without memfit ...")
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "baseline.json"
@@ -198,7 +224,8 @@ def _compare_with_baseline(
             tail = "\n".join(done.stderr.strip().splitlines()[-15:])
             raise click.ClickException(f"the baseline run ({mode}) failed (exit {done.returncode}):\n{tail}")
         measured = json.loads(out.read_text())
-    console.print(comparison(report, measured))
+    if not as_json:
+        console.print(comparison(report, measured))
     return measured
 
 

@@ -562,7 +562,7 @@ class SwapSession:
         return self._in_place[0].plan
 
     def report(self) -> dict[str, Any]:
-        """What happened, as a JSON-ready dict (``memfit run --report`` writes it)."""
+        """What happened, as a JSON-ready dict (``memfit run --out`` writes it)."""
         stats = self.runtime.stats if self.runtime is not None else None
         # finished iterations (the profiler's run peak) and the one in progress (the backend's since its last reset)
         peak = max(self.backend.max_memory_allocated(), self.profiler.peak_device_bytes if self.profiler else 0)

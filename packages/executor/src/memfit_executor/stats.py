@@ -1,4 +1,4 @@
-"""What the swap runtime did over a run: the counts and totals the session's report gives (``memfit run --report``)."""
+"""What the swap runtime did over a run: the counts and totals the session's report gives (``memfit run --out``)."""
 
 from __future__ import annotations
 

@@ -19,7 +19,13 @@ def faulttol() -> None:
 
 @faulttol.command()
 @click.option(
-    "--devices", type=int, default=32, show_default=True, help="Devices at the start (one pipeline stage each)."
+    "--devices",
+    "devices_spec",
+    default="32",
+    show_default=True,
+    metavar="COUNT[xDEVICE]",
+    help="How many of which device at the start, e.g. 32xascend-910b (one pipeline stage each); a bare count "
+    "takes --device.",
 )
 @click.option("--hours", type=float, default=9.0, show_default=True, help="Virtual hours to simulate.")
 @click.option(
@@ -29,7 +35,7 @@ def faulttol() -> None:
     "--seeds", type=int, default=5, show_default=True, help="Failure traces (seeds 0..n-1); results are means."
 )
 @click.option("--model", default="llama2-7b", show_default=True, help=f"A preset: {', '.join(PRESETS)}.")
-@click.option("--device", default="ascend-910b", show_default=True, help="The device (memfit-simulator's registry).")
+@click.option("--device", default=None, help="The device (memfit-simulator's registry)  [default: ascend-910b]")
 @click.option("--seq", type=int, default=4096, show_default=True, help="Tokens per sample (micro-batch of one sample).")
 @click.option("--micro-batches", type=int, default=64, show_default=True, help="Global batch, in micro-batches.")
 @click.option(
@@ -49,16 +55,23 @@ def faulttol() -> None:
 )
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
 def simulate(
-    devices, hours, failure_rate, seeds, model, device, seq, micro_batches, stages, repair_hours, restart_s,
+    devices_spec, hours, failure_rate, seeds, model, device, seq, micro_batches, stages, repair_hours, restart_s,
     reroute_model, plot, as_json,
 ):  # fmt: skip
     """Adaptive vs always-reconfigure (Oobleck), always-reroute (ReCycle) and redundant computation (Bamboo)."""
+    from memfit.workload import parse_devices
+
     from memfit_faulttol.cluster import plot_runs, simulate_cluster
     from memfit_faulttol.profile import profile_from_simulator
 
     problems = []
-    if devices < 1:
-        problems.append(f"--devices must be at least 1 (got {devices})")
+    try:
+        devices, named = parse_devices(devices_spec, default_device=device or "ascend-910b")
+    except MemfitError as exc:
+        raise click.BadParameter(str(exc), param_hint="--devices") from exc
+    if device is not None and named != device:
+        problems.append(f"--devices {devices_spec} names {named}, --device {device}: give the device once")
+    device = named
     if hours <= 0:
         problems.append(f"--hours must be positive (got {hours})")
     if not 0 < failure_rate < 1:
@@ -179,6 +192,10 @@ def run(
     and run the failed step again, without a restart from a checkpoint. Afterwards the ledger
     is checked (every sample of every step trained exactly once) and replayed in one process
     (the losses the run must have had).
+
+    One of three runs: this one kills and recovers ranks of a live run on a trainer of its own;
+    `memfit parallel run` trains the reference Llama with a parallel configuration (without fault
+    tolerance yet); `memfit run` puts a script of the user's under a memory budget on one device.
     """
     from memfit_faulttol.live import LiveOptions
     from memfit_faulttol.runner import check_ledger, launch_live, ledger_summary, replay_ledger, run_dir_problems

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from pathlib import Path
 
 import click
+from memfit import workload
 from memfit.errors import MemfitError
 
 from memfit_parallel.launch import run
@@ -20,16 +20,10 @@ def parallel():
 
 def parse_devices(text: str) -> tuple[int, str]:
     """``"128xh100"`` as ``(128, "h100")`` (the device name as the simulator's registry knows it)."""
-    match = re.fullmatch(r"\s*(\d+)\s*[x×*]\s*([A-Za-z0-9_.-]+)\s*", text)
-    if not match or int(match.group(1)) < 1:
-        raise MemfitError(
-            f"--devices {text!r} is not COUNTxDEVICE: write e.g. 128xh100, 8xh100-95gb or 4xcpu (a positive count "
-            "times a device of the simulator's registry)"
-        )
+    count, name = workload.parse_devices(text)
     from memfit_simulator.hardware import get_spec
 
-    spec = get_spec(match.group(2))  # an unknown device raises, listing the known ones
-    return int(match.group(1)), spec.name
+    return count, get_spec(name).name  # an unknown device raises, listing the known ones
 
 
 @parallel.command()
@@ -52,7 +46,11 @@ def parse_devices(text: str) -> tuple[int, str]:
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Also write the plan (JSON) to this file (what `memfit parallel run --config` reads).")  # fmt: skip
 def plan(model, devices, batch, seq, dtype, top, max_confirmed, time_limit, as_json, out):
-    """Search the parallel configurations of MODEL on DEVICES by simulation; show the fastest that fit."""
+    """Search the parallel configurations of MODEL on DEVICES by simulation; show the fastest that fit.
+
+    One of two plans: this one chooses how to split a model over many devices; `memfit plan`
+    plans one device's memory (what to swap, recompute or offload).
+    """
     from memfit_parallel.config import Workload
     from memfit_parallel.planning import MAX_CONFIRMED, search
 

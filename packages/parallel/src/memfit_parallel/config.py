@@ -359,7 +359,7 @@ def _another_memfit_file(item: object) -> str | None:
         goes = " (its recompute actions go to `memfit parallel run --sac-plan`)" if "recompute" in kinds else ""
         return f"a memory plan of `memfit plan` (planner {item['planner']!r}){goes}"
     if isinstance(item.get("runs"), list) and "global_batch" in item:
-        return "the report of a run (`memfit parallel run --report`)"
+        return "the report of a run (`memfit parallel run --out`)"
     return None
 
 

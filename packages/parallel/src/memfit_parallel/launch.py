@@ -9,7 +9,7 @@ and prints the losses and each rank's peak memory from the trainer's JSON report
 
 Example:
     ```
-    memfit parallel run --nproc 4 --config plan.json --steps 5 --report out.json
+    memfit parallel run --nproc 4 --config plan.json --steps 5 --out out.json
     ```
 """
 
@@ -323,10 +323,13 @@ def planned_peak(plan: dict | None, request: RunRequest, result: dict, entry: di
 @click.option("--lr", type=float, default=3e-3, show_default=True, help="AdamW learning rate.")
 @click.option("--capacity", default="4GiB", show_default=True, help="cpu-sim device capacity per rank (CPU).")
 @click.option(
+    "--out",
     "--report",
+    "report",
     type=click.Path(dir_okay=False, path_type=Path),
     help="Write the JSON report here once the run has finished (a failed run leaves an earlier report as it was).",
 )
+@click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object instead of text.")
 @click.option(
     "--sac-plan",
     type=click.Path(path_type=Path),
@@ -344,10 +347,16 @@ def planned_peak(plan: dict | None, request: RunRequest, result: dict, entry: di
 @click.option("--timeout", "timeout_s", type=click.FloatRange(0, min_open=True), default=DEFAULT_TIMEOUT_S,
               show_default=True, help="Seconds.")  # fmt: skip
 def run(
-    config_path, nproc, model, n_layers, batch, seq, steps, seed, lr, capacity, report, sac_plan, max_restarts,
-    timeout_s,
+    config_path, nproc, model, n_layers, batch, seq, steps, seed, lr, capacity, report, as_json, sac_plan,
+    max_restarts, timeout_s,
 ):  # fmt: skip
-    """Train the reference Llama with a parallel configuration on NPROC local processes (torchrun)."""
+    """Train the reference Llama with a parallel configuration on NPROC local processes (torchrun).
+
+    One of three runs: this one trains memfit's reference Llama across processes; `memfit run`
+    puts a script of the user's under a memory budget on one device; `memfit faulttol run` kills
+    and recovers ranks of a live run.
+    """
+    say = click.echo if not as_json else lambda text: click.echo(text, err=True)  # --json: stdout has only JSON
     from memfit_parallel.trainer import load_configs
 
     try:
@@ -361,10 +370,10 @@ def run(
         for key, value in given.items():
             if value is not None:
                 if plan and value != workload[key]:
-                    click.echo(f"note: training {_OPTION[key]} {value}, not the plan's {workload[key]}")
+                    say(f"note: training {_OPTION[key]} {value}, not the plan's {workload[key]}")
                 workload[key] = value
         if plan and n_layers is not None:
-            click.echo(f"note: training {n_layers} blocks, not the plan's {workload['model']} preset's")
+            say(f"note: training {n_layers} blocks, not the plan's {workload['model']} preset's")
         request = RunRequest(
             nproc=nproc, configs=configs, model=workload["model"], n_layers=n_layers,
             global_batch=workload["global_batch"], seq_len=workload["seq_len"], steps=steps, seed=seed, lr=lr,
@@ -373,13 +382,16 @@ def run(
         check_request(request)
         if report is not None:
             check_writable(report)
-        click.echo(
+        say(
             f"launching {nproc} processes, {request.model}, global batch {request.global_batch} x {request.seq_len}: "
             + ", ".join(c.describe() for c in request.configs)
         )
         result = launch(request, report, timeout_s=timeout_s)
     except MemfitError as exc:
         raise click.ClickException(str(exc)) from exc
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+        return
     if result.get("restarts"):
         click.echo(f"restarted {result['restarts']} time(s) after a rank failed; the failed attempts left:")
         for line in result["earlier_failures"]:

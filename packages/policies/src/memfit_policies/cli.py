@@ -154,6 +154,7 @@ def summary(trace: Trace, plan: MemoryPlan) -> Table:
               help="swap planner: the model's layer count.")  # fmt: skip
 @click.option("--min-tensor", default=None, help="swap planner: smallest tensor to swap (min(20MiB, budget/256)).")
 @click.option(
+    "--set",
     "--option",
     "planner_options",
     multiple=True,
@@ -161,8 +162,14 @@ def summary(trace: Trace, plan: MemoryPlan) -> Table:
     help="Any planner's option, e.g. offload.min_bytes=16KiB or sac.local=ilp (repeat for several; "
     "values are JSON where they parse, text otherwise).",
 )
-def plan(trace_path, budget, simulate_spec, planners, out, plot, bandwidth, planner_options, **swap_flags):
-    """Plan for the step in TRACE (or a simulated one, --simulate) so that it fits in --budget."""
+@click.option("--json", "as_json", is_flag=True, help="Print the plan (what --out writes) instead of the table.")
+def plan(trace_path, budget, simulate_spec, planners, out, plot, bandwidth, planner_options, as_json, **swap_flags):
+    """Plan for the step in TRACE (or a simulated one, --simulate) so that it fits in --budget.
+
+    One of two plans: this one plans one device's memory (what to swap, recompute or offload);
+    `memfit parallel plan` chooses how to split a model over many devices.
+    """
+    say = Console(stderr=True) if as_json else console  # with --json, stdout carries only the plan
     # the swap planner's flags, under its option names
     renamed = {"min_tensor": "min_tensor_bytes"}
     swap_options = {renamed.get(flag, flag): value for flag, value in swap_flags.items() if value is not None}
@@ -183,10 +190,13 @@ def plan(trace_path, budget, simulate_spec, planners, out, plot, bandwidth, plan
             options=options,
         )
         result = get_hooks().choose_plan(problem, planners or None, require_feasible=False)
-        console.print(summary(trace, result))
+        if as_json:
+            click.echo(result.to_json())
+        else:
+            console.print(summary(trace, result))
         if plot is not None:
             plot_memory(trace, result, plot)
-            console.print(f"memory curves drawn to {plot}")
+            say.print(f"memory curves drawn to {plot}")
     except MemfitError as exc:
         raise click.ClickException(str(exc)) from exc
     if not result.is_feasible():
@@ -198,13 +208,13 @@ def plan(trace_path, budget, simulate_spec, planners, out, plot, bandwidth, plan
         fits_not = f"no plan fits the budget of {format_size(result.budget_bytes)} ({result.planner} planner)"
         raise click.ClickException(f"{fits_not}: {why}{unwritten}")
     if not result.keeps_margin():
-        console.print(
+        say.print(
             f"[yellow]warning[/]: the plan fits the budget but not its margin of "
             f"{format_size(result.predicted.margin_bytes)}: {result.predicted.shortfall}"
         )
     if out is not None:
         result.save(out)
-        console.print(f"plan written to {out}")
+        say.print(f"plan written to {out}")
 
 
 def _parse_options(pairs: tuple[str, ...]) -> dict[str, dict[str, Any]]:
@@ -214,7 +224,7 @@ def _parse_options(pairs: tuple[str, ...]) -> dict[str, dict[str, Any]]:
         key, sep, text = pair.partition("=")
         planner, dot, field = key.strip().partition(".")
         if not (sep and dot and planner and field):
-            raise MemfitError(f"--option {pair!r}: expected PLANNER.FIELD=VALUE, e.g. offload.min_bytes=16KiB")
+            raise MemfitError(f"--set {pair!r}: expected PLANNER.FIELD=VALUE, e.g. offload.min_bytes=16KiB")
         try:
             value = json.loads(text)
         except json.JSONDecodeError:

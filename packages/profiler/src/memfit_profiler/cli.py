@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -55,6 +56,32 @@ def summary_tables(profiler: OnlineProfiler) -> list[Table]:
     return tables
 
 
+def summary_json(profiler: OnlineProfiler) -> dict:
+    """What :func:`summary_tables` shows, as one JSON-ready object (``memfit profile --json``)."""
+    its = profiler.iterations
+    return {
+        "iterations": profiler.iteration_count,
+        "recorder": "native" if profiler.recorder.native else "python",
+        "final_stage": profiler.stage.value,
+        "iterations_per_stage": {k.value: v for k, v in profiler.stage_counts.items()},
+        "ops_per_phase": dict(zip(("FWD", "BWD", "OPT"), its[-1].phase_ops, strict=True)) if its else None,
+        "median_iteration_seconds": float(np.median([i.seconds for i in its])) if its else None,
+        "peak_device_bytes": profiler.peak_device_bytes if profiler.backend is not None else None,
+        "detailed_traces": len(profiler.traces),
+        "stage_transitions": [
+            {
+                "iteration": o.iteration,
+                "from": o.previous_stage.value,
+                "to": o.stage.value,
+                "length_diff": o.similarity.length_diff,
+                "cosine": o.similarity.cosine,
+            }
+            for o in profiler.observations
+            if o.changed
+        ],  # fmt: skip
+    }
+
+
 def largest_activations(trace: Trace, top: int = 5) -> Table:
     """The biggest non-parameter tensors of a trace, with the operator that produced them."""
     producer = {}
@@ -101,9 +128,10 @@ def largest_activations(trace: Trace, top: int = 5) -> Table:
     type=click.IntRange(0),
     help="Stable iterations in GenPolicy before Stable.",
 )
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object instead of tables.")
 @click.option("-v", "--verbose", is_flag=True, help="Log stage transitions as they happen.")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, required=True)
-def profile(backend, capacity, out, mode, stable_before_genpolicy, stable_before_stable, verbose, command):
+def profile(backend, capacity, out, mode, stable_before_genpolicy, stable_before_stable, as_json, verbose, command):
     """Run COMMAND (python train.py ...) under the online profiler and summarise it.
 
     Iterations end at each optimizer step, so the script needs no change:
@@ -130,8 +158,12 @@ def profile(backend, capacity, out, mode, stable_before_genpolicy, stable_before
         raise click.ClickException(str(exc)) from exc
     finally:
         device.close()
-    for table in summary_tables(profiler):
-        console.print(table)
+    say = Console(stderr=True) if as_json else console  # with --json, stdout carries only the JSON
+    if as_json:
+        click.echo(json.dumps(summary_json(profiler), indent=2))
+    else:
+        for table in summary_tables(profiler):
+            console.print(table)
     if out is not None:
         if not profiler.traces:
             raise click.ClickException(
@@ -139,8 +171,9 @@ def profile(backend, capacity, out, mode, stable_before_genpolicy, stable_before
                 f"({profiler.iteration_count} iterations). Run longer, lower -m, or use --mode detailed."
             )
         profiler.traces[-1].save(out)
-        console.print(f"trace of iteration {profiler.traces[-1].iteration} written to {out}")
-    counts = profiler.stage_counts
-    console.print("iterations per stage: " + ", ".join(f"{k.value} {v}" for k, v in counts.items()))
+        say.print(f"trace of iteration {profiler.traces[-1].iteration} written to {out}")
+    if not as_json:
+        counts = profiler.stage_counts
+        console.print("iterations per stage: " + ", ".join(f"{k.value} {v}" for k, v in counts.items()))
     if exit_code not in (None, 0):  # the script's own sys.exit(), after the summary
         raise SystemExit(exit_code)

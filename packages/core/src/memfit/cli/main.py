@@ -7,6 +7,7 @@ them, and names the package to install when one of memfit's own is missing.
 
 from __future__ import annotations
 
+import json
 import sys
 
 import click
@@ -77,7 +78,8 @@ def cli() -> None:
 
 
 @cli.command()
-def plugins() -> None:
+@click.option("--json", "as_json", is_flag=True, help="Print the plugins as one JSON list instead of a table.")
+def plugins(as_json: bool) -> None:
     """List registered plugins: name, what they provide, distribution and version."""
     from memfit.plugins import get_hooks
 
@@ -85,6 +87,10 @@ def plugins() -> None:
         infos = get_hooks().plugin_infos()
     except MemfitError as exc:
         raise click.ClickException(str(exc)) from exc
+    if as_json:
+        fields = ("name", "kind", "distribution", "version")
+        click.echo(json.dumps([{f: getattr(info, f) for f in fields} for info in infos], indent=2))
+        return
     table = Table(title="memfit plugins")
     # The name is what MEMFIT_DISABLE_PLUGINS takes: never shorten it; let the others wrap.
     table.add_column("name", no_wrap=True)
