@@ -516,7 +516,8 @@ def main() -> None:
     started = time.perf_counter()
     fractions = [float(f) for f in args.fractions.split(",") if f.strip()]
 
-    from memfit_policies.opstats import module_stats, op_seconds
+    from memfit.optimes import op_seconds
+    from memfit_policies.opstats import module_stats
 
     trace, time_model = simulated_trace()
     seconds, op_times = op_seconds(trace)

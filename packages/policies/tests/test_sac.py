@@ -13,13 +13,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 from memfit.errors import MemfitError
+from memfit.optimes import op_seconds
 from memfit.plan import MemoryPlan, Recompute
 from memfit.synthetic import training_trace
 from memfit.trace import Trace
 from memfit.types import Phase
 from memfit_policies.joint import JointPlannerConfig, generate_joint_plan, trace_under_recompute
 from memfit_policies.local import greedy_order, greedy_policy, ilp_policy, knapsack_policy, tradeoff
-from memfit_policies.opstats import ModuleStats, module_stats, op_seconds
+from memfit_policies.opstats import ModuleStats, module_stats
 from memfit_policies.sac import (
     SacPlannerConfig,
     _local_solution,

@@ -16,8 +16,9 @@ what graph-level offload would do for a step, before compiling anything:
    (:func:`~memfit_offload.schedule.select_largest_first`, shared with the pass).
 4. **Order**: Algorithm 1 (``order="refined"``) or just in time (``"jit"``).
 
-Operator times are the trace's durations when it has them, else the step time spread evenly over
-the operators (the swap planner's Eq. 1); device bytes are the trace's curve without its swaps.
+Operator times are the trace's durations when it has them, else estimated from the operators'
+sizes and scaled to the step time (:func:`memfit.optimes.op_seconds`, as for every planner);
+device bytes are the trace's curve without its swaps.
 The copy bandwidth is the caller's (``PlanningProblem.host_to_device_bytes_per_s``), else
 :class:`~memfit_offload.costs.DeviceSpeed`'s default.
 
@@ -35,6 +36,7 @@ from typing import Literal
 
 import numpy as np
 from memfit.config import MemfitModel, Size, format_size
+from memfit.optimes import op_seconds
 from memfit.plan import MemoryPlan, PlanPrediction, PlanSource
 from memfit.trace import TENSOR_CATEGORIES, Trace
 from memfit.types import Phase
@@ -62,14 +64,6 @@ class OffloadPlannerConfig(MemfitModel):
     """Seconds of exposed transfer that holding the whole budget for one second is worth (Algorithm 1's cost)."""
     order: Literal["refined", "jit"] = "refined"
     """Where prefetches go: Algorithm 1, or right before their readers (the baseline)."""
-
-
-def _op_seconds(trace: Trace) -> tuple[np.ndarray, str]:
-    durations = trace.ops.duration_s
-    if trace.n_ops and np.isfinite(durations).all():
-        return durations.astype(np.float64), f"trace durations ({trace.source})"
-    spread = trace.step_seconds / max(1, trace.n_ops)
-    return np.full(trace.n_ops, spread), "the traced step time spread evenly over the operators (Eq. 1)"
 
 
 def candidates(
@@ -131,7 +125,7 @@ def plan_trace(
     """
     config = config or OffloadPlannerConfig()
     bandwidth = copy_bytes_per_s or DEFAULT_COPY_BYTES_PER_S
-    seconds, op_times = _op_seconds(trace)
+    seconds, op_times = op_seconds(trace)
     live = trace.no_swap_memory_curve().astype(np.int64)
     ranked, excluded = candidates(trace, seconds, config, bandwidth)
 

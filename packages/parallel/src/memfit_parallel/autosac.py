@@ -121,7 +121,8 @@ def block_sac_plan(
 @functools.cache
 def _block_stats(model: str, seq_len: int, dtype: str, spec_json: str) -> Any:
     """The block's operator statistics (a simulated step): simulated once for every budget planned from them."""
-    from memfit_policies.opstats import module_stats, op_seconds
+    from memfit.optimes import op_seconds
+    from memfit_policies.opstats import module_stats
     from memfit_simulator.simulation import simulate_training
 
     from memfit_parallel.config import model_config

@@ -36,12 +36,13 @@ import dataclasses
 
 import numpy as np
 from memfit.config import MemfitModel, Size
+from memfit.optimes import op_seconds
 from memfit.plan import MemoryPlan
 from memfit.trace import Trace
 from pydantic import Field
 
 from memfit_policies.local import LocalPolicy
-from memfit_policies.opstats import module_stats, op_seconds
+from memfit_policies.opstats import module_stats
 from memfit_policies.sac import REGION_OVERHEAD_S, SacSolution, recompute_actions, solve_sac
 from memfit_policies.swap import CannotFit, SwapPlannerConfig, generate_swap_plan, planner_margin
 from memfit_policies.variations import FINER_LAYERS_PER_PHASE

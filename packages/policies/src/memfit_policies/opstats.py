@@ -11,7 +11,7 @@ recomputed one would differ), *in-place* (decided with the operator that created
 Operator times are the trace's durations when it has them (a simulated trace: the simulator's
 calibrated or roofline model), otherwise estimated from the operators' sizes (FLOPs of matrix
 products, bytes of the rest, a fixed launch cost) and scaled to the measured step time
-(:func:`op_seconds` says which).
+(:func:`memfit.optimes.op_seconds`, which every planner uses, says which).
 
 Example:
     ```python
@@ -27,12 +27,12 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Collection
 from dataclasses import dataclass
 
 import numpy as np
 from memfit.errors import MemfitError
+from memfit.optimes import ATTENTION_OPS, op_seconds
 from memfit.trace import Trace
 from memfit.types import Phase
 
@@ -45,17 +45,6 @@ RANDOM_OPS = frozenset(
     }
 )  # fmt: skip
 """Operators that draw random numbers, when torch is not there to ask (``torch.Tag.nondeterministic_seeded``)."""
-
-_MATMUL_OPS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::linear"})
-_ATTENTION_OPS = frozenset(
-    {
-        "aten::_scaled_dot_product_flash_attention", "aten::_scaled_dot_product_efficient_attention",
-        "aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_cudnn_attention",
-        "aten::scaled_dot_product_attention",
-    }
-)  # fmt: skip
-# Relative rates for the estimate from sizes; only ratios matter (the total is scaled to the step).
-_FLOPS, _BYTES_PER_S, _LAUNCH_S = 1e11, 1e10, 5e-6
 
 
 # -- per-module statistics --------------------------------------------------------------------
@@ -126,46 +115,6 @@ class ModuleStats:
         return self.saved_bytes - self.kept_bytes(keep)
 
 
-def op_seconds(trace: Trace) -> tuple[np.ndarray, str]:
-    """Per-operator seconds and where they came from (see the module docs)."""
-    durations = trace.ops.duration_s
-    if durations.size and np.isfinite(durations).all():
-        return durations.astype(np.float64), f"trace durations ({trace.source})"
-    weights = np.array([_estimate(trace, i) for i in range(trace.n_ops)])
-    total = weights.sum()
-    if trace.step_seconds > 0 and total > 0:
-        weights *= trace.step_seconds / total
-        return weights, "estimated from operator sizes, scaled to the traced step time"
-    return weights, "estimated from operator sizes (nominal rates; the trace has no step time)"
-
-
-def _estimate(trace: Trace, i: int) -> float:
-    name = trace.op_name(i)
-    inputs, outputs = trace.op_inputs(i), trace.op_outputs(i)
-    nbytes = trace.tensors.nbytes
-    moved = float(nbytes[inputs].sum() + nbytes[outputs].sum())
-    flops = 0.0
-    if name in _MATMUL_OPS and len(inputs) >= 2 and len(outputs):
-        # products of the three sizes give (M N K)^2 times the batch cubed, whatever the layout
-        a, b = sorted((float(nbytes[t]) for t in inputs), reverse=True)[:2]
-        c = float(nbytes[outputs[0]])
-        element = max(1, _element_size(trace.tensor_dtype(int(outputs[0]))))
-        flops = 2.0 * math.sqrt(a * b * c / element**3)
-    elif name in _ATTENTION_OPS and len(inputs):
-        shape = trace.tensor_shape(int(inputs[0]))
-        if len(shape) == 4:
-            batch, heads, length, dim = shape
-            flops = 4.0 * batch * heads * length * length * dim
-    return _LAUNCH_S + max(flops / _FLOPS, moved / _BYTES_PER_S)
-
-
-def _element_size(dtype: str) -> int:
-    digits = "".join(ch for ch in dtype if ch.isdigit())
-    if dtype == "bool" or not digits:
-        return 1
-    return max(1, int(digits[:2] if digits.startswith(("16", "32", "64")) else digits[0]) // 8)
-
-
 def _random_names(trace: Trace) -> frozenset[str]:
     """Operators of the trace that draw random numbers: tagged ``nondeterministic_seeded`` in torch.
 
@@ -180,7 +129,7 @@ def _random_names(trace: Trace) -> frozenset[str]:
     random = set(RANDOM_OPS)
     for name in trace.op_names:
         packet = _packet(torch, name)
-        if packet is None or name in _ATTENTION_OPS:
+        if packet is None or name in ATTENTION_OPS:
             continue
         for overload in packet.overloads():
             if torch.Tag.nondeterministic_seeded in getattr(packet, overload).tags:

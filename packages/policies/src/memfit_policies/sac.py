@@ -73,12 +73,13 @@ from dataclasses import dataclass, field
 import numpy as np
 from memfit.config import MemfitModel, Size, format_size
 from memfit.errors import MemfitError
+from memfit.optimes import op_seconds
 from memfit.plan import MemoryPlan, PlanPrediction, PlanSource, Recompute
 from memfit.trace import Trace
 from pydantic import Field, PositiveFloat
 
 from memfit_policies.local import LOCAL_POLICIES, LocalPolicy, import_pulp, solver, tradeoff
-from memfit_policies.opstats import ModuleStats, module_stats, op_seconds
+from memfit_policies.opstats import ModuleStats, module_stats
 from memfit_policies.swap import planner_margin
 
 REGION_OVERHEAD_S = 200e-6
