@@ -257,7 +257,25 @@ class PlanPrediction(MemfitModel):
 
 
 class MemoryPlan(MemfitModel):
-    """A versioned, validated plan: actions plus the budget and what it was planned from."""
+    """A versioned, validated plan: actions plus the budget and what it was planned from.
+
+    Example:
+        ```python
+        import os
+        import tempfile
+        from memfit.plan import MemoryPlan, PlanPrediction, PlanSource, Recompute
+
+        plan = MemoryPlan(
+            planner="sac", budget_bytes=2**30, source=PlanSource(kind="measured", ops=900, peak_bytes=3 * 2**30),
+            actions=(Recompute(module="layers.0"), Recompute(module="layers.1")),   # full checkpointing of two blocks
+            predicted=PlanPrediction(peak_bytes=2**30 - 2**20, margin_bytes=2**26),
+        )
+        plan.is_feasible(), plan.keeps_margin()   # (True, False): under the budget, not under budget - margin
+        with tempfile.TemporaryDirectory() as folder:
+            plan.save(os.path.join(folder, "plan.json"))
+            MemoryPlan.load(os.path.join(folder, "plan.json")) == plan   # True
+        ```
+    """
 
     schema_version: Literal[4] = PLAN_SCHEMA_VERSION
     planner: str

@@ -221,7 +221,23 @@ class SwapTable(_Table):
 
 @dataclass(frozen=True, eq=False)
 class Trace:
-    """One training step: operators, tensors, swaps and the step's totals. See the module docs."""
+    """One training step: operators, tensors, swaps and the step's totals. See the module docs.
+
+    Example:
+        ```python
+        import os
+        import tempfile
+        from memfit.synthetic import training_trace
+        from memfit.trace import Trace
+
+        trace = training_trace(n_layers=2, ops_per_layer=4, acts_per_layer=2, activation_bytes=2**20, param_bytes=2**20)
+        trace.n_ops, len(trace.tensors), trace.op_name(0)   # (18, 6, 'fwd_op0')
+        trace.peak_bytes()      # 6291456: two 1 MiB parameters and four 1 MiB activations, at the turn to backward
+        with tempfile.TemporaryDirectory() as folder:
+            trace.save(os.path.join(folder, "step.npz"))
+            Trace.load(os.path.join(folder, "step.npz")) == trace   # True
+        ```
+    """
 
     ops: OpTable
     tensors: TensorTable

@@ -161,6 +161,18 @@ class PlanningProblem:
             Planners read theirs with :meth:`planner_options`.
         planners: the planner names the caller asked for (lower case); ``None``: every planner.
             A plugin that serves several planners plans only those :meth:`asks` for.
+
+    Example:
+        ```python
+        from memfit.plugins import get_hooks
+        from memfit.synthetic import training_trace
+        from memfit.types import PlanningProblem
+
+        trace = training_trace(n_layers=8, activation_bytes=64 * 2**20)   # peaks at 2.1 GiB
+        problem = PlanningProblem(trace, budget_bytes=2**30, options={"swap": {"margin": "64MiB"}})
+        (plan,) = get_hooks().plan_memory(problem, planners=["swap"])     # memfit-policies' swap planner
+        plan.planner, plan.keeps_margin(), plan.predicted.margin_bytes    # ('swap', True, 67108864)
+        ```
     """
 
     trace: Trace

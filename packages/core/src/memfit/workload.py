@@ -30,7 +30,19 @@ from memfit.errors import MemfitError
 
 @dataclass(frozen=True)
 class LlamaConfig:
-    """Shape of a Llama-style decoder."""
+    """Shape of a Llama-style decoder.
+
+    Example:
+        ```python
+        from memfit.models import Llama
+        from memfit.workload import LlamaConfig
+
+        config = LlamaConfig.preset("tiny", n_layers=4)      # a preset, with fields replaced
+        config.dim, config.head_dim, config.num_parameters()   # (64, 16, 217664)
+        sum(p.numel() for p in Llama(config).parameters()) == config.num_parameters()   # True
+        LlamaConfig.preset("llama3-8b").num_parameters()       # 8030261248
+        ```
+    """
 
     vocab_size: int = 256
     dim: int = 64

@@ -19,7 +19,18 @@ from memfit.errors import MemfitError
 
 
 class Strategy(StrEnum):
-    """How a state came about (the fault-tolerance policy of Definition 1)."""
+    """How a state came about (the fault-tolerance policy of Definition 1).
+
+    Example:
+        ```python
+        from memfit_faulttol import ClusterState, ExecutionPlan, Pipeline, Strategy
+
+        [strategy.value for strategy in Strategy]    # ['initial', 'reroute', 'reparallelize', 'takeover']
+        Strategy("reroute") is Strategy.REROUTE      # True; a StrEnum, so also == "reroute"
+        state = ClusterState(alive=frozenset({0, 1}), plan=ExecutionPlan((Pipeline((4, 4), 8, (0, 1)),)))
+        state.strategy is Strategy.INITIAL           # True: the default of a state made by hand
+        ```
+    """
 
     INITIAL = "initial"
     REROUTE = "reroute"
@@ -32,7 +43,17 @@ class Strategy(StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class Pipeline:
-    """One pipeline: ``layers[s]`` layers on stage ``s`` (run by ``devices[s]``), ``micro_batches`` per step."""
+    """One pipeline: ``layers[s]`` layers on stage ``s`` (run by ``devices[s]``), ``micro_batches`` per step.
+
+    Example:
+        ```python
+        from memfit_faulttol import Pipeline
+
+        pipeline = Pipeline(layers=(8, 8, 8, 8), micro_batches=16, devices=(0, 1, 2, 3))
+        pipeline.stages, pipeline.ranges()    # (4, [(0, 8), (8, 16), (16, 24), (24, 32)]): layers of each stage
+        Pipeline(layers=(11, 11, 10), micro_batches=16).ranges()[-1]   # (22, 32): uneven stages are fine
+        ```
+    """
 
     layers: tuple[int, ...]
     micro_batches: int
@@ -61,7 +82,18 @@ class Pipeline:
 
 @dataclass(frozen=True, slots=True)
 class ExecutionPlan:
-    """Pipelines that together train every layer with the global batch."""
+    """Pipelines that together train every layer with the global batch.
+
+    Example:
+        ```python
+        from memfit_faulttol import ExecutionPlan, Pipeline
+
+        plan = ExecutionPlan((Pipeline((16, 16), 8), Pipeline((11, 11, 10), 8)))   # asymmetric: 2 and 3 stages
+        plan.dp, plan.nodes, plan.layers, plan.symmetric   # (2, 5, 32, False)
+        plan.describe()                                    # 'dp=2 pp=[2, 3] [16+16×8mb | 11+11+10×8mb]'
+        plan.with_devices(range(5)).holding()[4]           # (22, 32): device 4 holds layers 22 to 31
+        ```
+    """
 
     pipelines: tuple[Pipeline, ...]
 
@@ -138,6 +170,17 @@ class ClusterState:
         strategy: what produced ``plan``.
         failures_seen / device_hours: the failure history (for the rate estimate of the time to the
             next fault); ``device_hours`` is the devices × hours observed.
+
+    Example:
+        ```python
+        from memfit_faulttol import ClusterState, ExecutionPlan, Pipeline, Strategy
+
+        plan = ExecutionPlan((Pipeline((16, 16), 8, (0, 1)), Pipeline((16, 16), 8, (2, 3))))
+        # device 2 (pipeline 1, stage 0) failed; its micro-batches go to stage 0 of pipeline 0
+        state = ClusterState(alive=frozenset({0, 1, 3}), plan=plan, failed_slots=frozenset({(1, 0)}),
+                             strategy=Strategy.REROUTE)
+        state.slot_of(3), state.failed_per_stage()    # ((1, 1), {0: 1})
+        ```
     """
 
     alive: frozenset[int]

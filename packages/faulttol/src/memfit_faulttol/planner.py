@@ -164,6 +164,23 @@ class Decision:
         score: Eq. 8's objective (samples/s over the expected interval).
         candidates: ``{strategy: (step_s, transition_s, score)}`` of every candidate considered.
         transfers: the weight transfers to make (re-parallelisation only).
+
+    Example:
+        ```python
+        from memfit_faulttol import LayerProfile, Planner
+
+        profile = LayerProfile.uniform(8, forward_s=0.01, backward_s=0.02, param_bytes=1e9, optimizer_bytes=2e9,
+                                       activation_bytes=1e9, capacity_bytes=32 * 2**30)
+        planner = Planner(profile, micro_batches=8)
+        state = planner.initial_state(range(8), stages=2)   # dp=4 pp=[2, 2, 2, 2]
+        first = planner.decide(state, failed=[0], rate_per_device_hour=0.1)
+        first.strategy.value, first.transition_s   # ('reroute', 0.0): the plan stays, no weights move
+        sorted(first.candidates)                   # ['reparallelize', 'reroute']: the two it weighed
+        second = planner.decide(first.state, failed=[2], rate_per_device_hour=0.1)   # stage 0 loses another replica
+        second.strategy.value                          # 'reparallelize'
+        second.plan.describe()                         # 'dp=3 pp=[2, 2, 2] [4+4×3mb | 4+4×3mb | 4+4×2mb]'
+        [(t.layer, t.receiver, t.sender) for t in second.transfers][:2]   # [(0, 7, 4), (1, 7, 6)]: layer, to, from
+        ```
     """
 
     strategy: Strategy
@@ -196,6 +213,20 @@ class Planner:
         reroute_model: how rerouted states are estimated (``"pipeline"``, the default, within 7% of
             the event simulation; or ``"eq13"``, the paper's, up to 139% above it when several
             stages lost a replica; see :func:`memfit_faulttol.estimator.estimate_state`).
+
+    Example:
+        ```python
+        from memfit_faulttol import LayerProfile, Planner
+
+        profile = LayerProfile.uniform(8, forward_s=0.01, backward_s=0.02, param_bytes=1e9, optimizer_bytes=2e9,
+                                       activation_bytes=1e9, capacity_bytes=32 * 2**30)
+        planner = Planner(profile, micro_batches=8)
+        planner.best_plan(8).describe()           # 'dp=1 pp=[8] [1+1+1+1+1+1+1+1×8mb]'
+        state = planner.initial_state(range(8), stages=2)
+        state.plan.describe()                     # 'dp=4 pp=[2, 2, 2, 2] [4+4×2mb | 4+4×2mb | 4+4×2mb | 4+4×2mb]'
+        decision = planner.decide(state, failed=[0, 2, 4, 6], rate_per_device_hour=0.1)   # every stage 0 is lost
+        decision.strategy.value, decision.plan.describe()   # ('reparallelize', 'dp=1 pp=[4] [2+2+2+2×8mb]')
+        ```
     """
 
     def __init__(
@@ -428,6 +459,21 @@ class FaultContext:
         rate_per_device_hour: the prior failure rate λ (per device-hour) for the time to the next fault.
         live_copies_only: no checkpoint to read lost layers from: only recoveries whose weights all
             come from survivors are candidates (``Planner.decide(live_copies_only=True)``).
+
+    Example:
+        ```python
+        from memfit.plugins import get_hooks
+        from memfit.types import FaultEvent
+        from memfit_faulttol import FaultContext, LayerProfile, Planner
+
+        profile = LayerProfile.uniform(8, forward_s=0.01, backward_s=0.02, param_bytes=1e9, optimizer_bytes=2e9,
+                                       activation_bytes=1e9, capacity_bytes=32 * 2**30)
+        planner = Planner(profile, micro_batches=8)
+        context = FaultContext(planner, planner.initial_state(range(8), stages=2), rate_per_device_hour=0.1)
+        response = get_hooks().handle_fault(FaultEvent(kind="node_lost", ranks=(0,), state=context))
+        response.handler, response.action      # ('memfit-faulttol', 'reroute')
+        0 in response.decision.state.alive     # False: the Decision, its state without device 0
+        ```
     """
 
     planner: Planner

@@ -42,6 +42,16 @@ class LayerProfile:
             latency_s: one message's latency.
         devices_per_server: devices sharing the fast links.
         source: where the figures come from.
+
+    Example:
+        ```python
+        from memfit_faulttol import LayerProfile
+
+        profile = LayerProfile.uniform(32, forward_s=0.012, backward_s=0.024, param_bytes=4e8, optimizer_bytes=8e8,
+                                       activation_bytes=9e8, capacity_bytes=64 * 2**30)
+        profile.layers, round(profile.total("forward_s", 0, 8), 3)   # (32, 0.096): forward of layers 0 to 7
+        profile.state_bytes(0, 8)     # 9600000000.0: what moving those 8 layers transfers
+        ```
     """
 
     forward_s: tuple[float, ...]

@@ -42,6 +42,20 @@ class NPUBackend(AcceleratorBackend):
     Args:
         capacity: emulate a smaller NPU (bytes or a human size).
         index: device index (default: current device).
+
+    Example:
+        ```python
+        # needs: npu
+        import torch
+        from memfit.plugins import get_hooks
+        from memfit_npu import NPUBackend
+
+        backend = get_hooks().create_backend("npu", capacity="16GiB")   # the best backend where torch_npu sees an NPU
+        isinstance(backend, NPUBackend), backend.device.type, backend.capacity_bytes   # (True, 'npu', 17179869184)
+        backend.comm_backend, backend.visible_devices_env   # ('hccl', 'ASCEND_RT_VISIBLE_DEVICES')
+        x = torch.ones(1024, 1024, device=backend.device)
+        backend.memory_allocated() >= x.nbytes               # True: x's 4 MiB, counted by torch_npu's allocator
+        ```
     """
 
     def __init__(self, *, capacity: int | str | None = None, index: int | None = None) -> None:

@@ -74,6 +74,22 @@ class OffloadBackend:
             forward/backward pair, in compilation order.
         runtime: the :class:`~memfit_offload.ops.OffloadRuntime` the compiled graphs run with
             (its ``stats`` count the bytes moved and the exposed transfer time).
+
+    Example:
+        ```python
+        import memfit_offload
+        import torch
+        from memfit.plugins import get_hooks
+
+        sim = get_hooks().create_backend("cpu-sim", capacity="1GiB")
+        with sim.activate():
+            model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256))
+            offload = memfit_offload.backend(device_backend=sim)   # an OffloadBackend, no budget: offload all it can
+            torch.compile(model, backend=offload)(torch.randn(64, 256)).square().mean().backward()
+        [candidate.name for candidate in offload.decisions[0].chosen]   # ['gelu', 'addmm']: stored in forward
+        offload.runtime.stats.stores, offload.runtime.stats.prefetches  # (2, 2): back to the device in backward
+        sorted({action.kind for action in offload.plan().actions})      # ['prefetch', 'release', 'store']
+        ```
     """
 
     def __init__(

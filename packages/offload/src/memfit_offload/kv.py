@@ -195,11 +195,20 @@ class KVOffload(KVCacheHooks):
 
     Example:
         ```python
-        offload = KVOffload(backend)
-        cache = model.new_kv_cache(1, 4096, hooks=offload)
-        logits = model.prefill(prompt, cache)
-        for _ in range(100):
-            logits = model.decode_step(logits.argmax(-1), cache)
+        import torch
+        from memfit.models import Llama, LlamaConfig
+        from memfit.plugins import get_hooks
+        from memfit_offload import KVOffload
+
+        backend = get_hooks().create_backend("cpu-sim", capacity="256MiB")
+        with backend.activate():
+            model = Llama(LlamaConfig.preset("tiny", n_layers=4)).eval()
+            offload = KVOffload(backend)
+            cache = model.new_kv_cache(1, 128, hooks=offload)
+            logits = model.prefill(torch.randint(0, 256, (1, 32)), cache)
+            for _ in range(32):
+                logits = model.decode_step(logits.argmax(-1), cache)
+        offload.stats.blocks_stored, offload.stats.prefetches   # (16, 128): 4 full blocks a layer; 4 layers a step
         offload.stats.waits   # layers whose prefetch was not there in time
         ```
     """

@@ -45,7 +45,26 @@ __all__ = ["OptimizerOffload", "offload_optimizer"]
 
 
 class OptimizerOffload:
-    """The hooks :func:`offload_optimizer` installs; :meth:`remove` takes them away (states return to the device)."""
+    """The hooks :func:`offload_optimizer` installs; :meth:`remove` takes them away (states return to the device).
+
+    Example:
+        ```python
+        import memfit_offload
+        from memfit.models import build_training
+        from memfit.plugins import get_hooks
+
+        sim = get_hooks().create_backend("cpu-sim", capacity="1GiB")
+        with sim.activate():
+            run = build_training("tiny", batch_size=2, seq_len=16)
+            hooks = memfit_offload.offload_optimizer(run.optimizer, device_backend=sim)   # an OptimizerOffload
+            losses = [run.step(), run.step()]
+            stats = hooks.runtime.stats
+            stats.stores, stats.prefetches                  # (84, 42): 42 states stored a step, fetched back once
+            on_host = sim.memory_allocated()
+            hooks.remove()                                  # the states come back to the device
+            sim.memory_allocated() - on_host                # 1001984: AdamW's exp_avg and exp_avg_sq
+        ```
+    """
 
     def __init__(self, optimizer: torch.optim.Optimizer, runtime: OffloadRuntime, *, min_bytes: int = 0) -> None:
         self.optimizer = optimizer

@@ -45,7 +45,18 @@ MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 class Workload(MemfitModel):
-    """What is trained: a reference Llama preset, the global batch and sequence length."""
+    """What is trained: a reference Llama preset, the global batch and sequence length.
+
+    Example:
+        ```python
+        from memfit_parallel import ParallelConfig, Workload
+
+        workload = Workload(model="llama3-70b", global_batch=512, seq_len=8192)
+        ParallelConfig(dp_shard=32, tp=8).local_batch(workload)   # 16 sequences a data-parallel rank
+        ParallelConfig(dp_shard=6).problems(workload)   # ['global batch 512 does not split over 6 data-parallel ranks']
+        ParallelConfig(tp=8, cp=3).problems(workload)   # ['sequence length 8192 is not divisible by 2 × cp = 6']
+        ```
+    """
 
     model: str
     """A reference Llama preset (``llama3-8b``, ``tiny``, ...): what ``predict`` and the search capture.
@@ -60,7 +71,20 @@ class Workload(MemfitModel):
 
 
 class ModelShape(MemfitModel):
-    """The few numbers of a transformer that decide which degrees can split it."""
+    """The few numbers of a transformer that decide which degrees can split it.
+
+    Example:
+        ```python
+        from memfit_parallel import ModelShape, ParallelConfig, Workload
+        from memfit_parallel.config import model_shape
+
+        shape = ModelShape(n_layers=32, n_heads=32, n_kv_heads=8)
+        shape == model_shape("llama3-8b")                         # True: the preset's
+        workload = Workload(model="llama3-8b", global_batch=64, seq_len=4096)
+        ParallelConfig(tp=8, dp_shard=8).problems(workload, shape)   # []
+        ParallelConfig(tp=16).problems(workload, shape)  # ["tp=16 does not divide the model's 32 heads and 8 KV heads"]
+        ```
+    """
 
     n_layers: int = Field(ge=1)
     n_heads: int = Field(ge=1)
@@ -92,7 +116,22 @@ class BlockRecompute(MemfitModel):
 
 
 class ParallelConfig(MemfitModel):
-    """How one step is split over ``world_size`` devices. Every degree defaults to 1 (no split)."""
+    """How one step is split over ``world_size`` devices. Every degree defaults to 1 (no split).
+
+    Example:
+        ```python
+        import os
+        import tempfile
+        from memfit_parallel import ParallelConfig
+
+        config = ParallelConfig(dp_shard=4, tp=2, pp=2, microbatches=4, activation_checkpoint="full")
+        config.world_size, config.describe()   # (16, 'FSDP 4 × TP 2 × PP 2 (1f1b, 4 mb), full AC')
+        config.mesh_shape()                    # (('pp', 'dp_shard', 'tp'), (2, 4, 2)): outer to inner
+        with tempfile.TemporaryDirectory() as folder:
+            path = config.save(os.path.join(folder, "config.json"))   # what --config reads
+            ParallelConfig.load(path) == config                        # True
+        ```
+    """
 
     dp_replicate: int = Field(default=1, ge=1)
     """Data-parallel replicas holding whole (or FSDP-sharded) copies; with ``dp_shard > 1`` this is HSDP."""

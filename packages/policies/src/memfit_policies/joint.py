@@ -49,7 +49,20 @@ from memfit_policies.variations import FINER_LAYERS_PER_PHASE
 
 
 class JointPlannerConfig(MemfitModel):
-    """Options of the ``joint`` planner (``PlanningProblem.options["joint"]``)."""
+    """Options of the ``joint`` planner (``PlanningProblem.options["joint"]``).
+
+    Example:
+        ```python
+        from memfit.synthetic import training_trace
+        from memfit_policies import JointPlannerConfig, generate_joint_plan
+
+        trace = training_trace(n_layers=4, activation_bytes=64 * 2**20, modules=True)
+        half = JointPlannerConfig(shares=(0.5,))   # recomputation brings half of the reduction, swaps the rest
+        plan = generate_joint_plan(trace, trace.peak_bytes() * 3 // 4, half, bandwidth_bytes_per_s=10e9)
+        sorted({action.kind for action in plan.actions}), plan.keeps_margin()   # (['recompute', 'swap'], True)
+        plan.source.description[:44]    # '50% of the reduction asked of recomputation '
+        ```
+    """
 
     margin: Size | None = None
     """Bytes kept free below the budget; default min(2 GiB, 10% of the budget), as the other planners."""

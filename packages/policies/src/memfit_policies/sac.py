@@ -91,7 +91,20 @@ towards fewer modules)."""
 
 
 class SacPlannerConfig(MemfitModel):
-    """Options of the ``sac`` planner (``PlanningProblem.options["sac"]``)."""
+    """Options of the ``sac`` planner (``PlanningProblem.options["sac"]``).
+
+    Example:
+        ```python
+        from memfit.synthetic import training_trace
+        from memfit_policies import SacPlannerConfig, generate_sac_plan
+
+        trace = training_trace(n_layers=4, activation_bytes=64 * 2**20, modules=True)
+        config = SacPlannerConfig(modules=("layers.0", "layers.1"))   # only these may be checkpointed
+        plan = generate_sac_plan(trace, trace.peak_bytes() * 3 // 4, config)
+        plan.keeps_margin()                             # True
+        [action.module for action in plan.actions]      # ['layers.0', 'layers.1']: both checkpointed
+        ```
+    """
 
     margin: Size | None = None
     """Bytes kept free below the budget; default min(2 GiB, 10% of the budget), as the swap planner."""

@@ -64,7 +64,20 @@ DEFAULT_BANDWIDTH = 12e9
 
 
 class SwapPlannerConfig(MemfitModel):
-    """Options of the swap planner (``PlanningProblem.options["swap"]``)."""
+    """Options of the swap planner (``PlanningProblem.options["swap"]``).
+
+    Example:
+        ```python
+        from memfit.synthetic import training_trace
+        from memfit_policies import SwapPlannerConfig, generate_swap_plan
+
+        trace = training_trace(n_layers=8, activation_bytes=64 * 2**20)
+        config = SwapPlannerConfig(margin="128MiB", model_layers=8)
+        plan = generate_swap_plan(trace, budget_bytes=2**30, config=config, bandwidth_bytes_per_s=25e9)
+        plan.predicted.margin_bytes, plan.keeps_margin()   # (134217728, True)
+        len(plan.layers)       # 33: (10 // 8 + 1) * 8 = 16 logical layers a phase, and one for the optimizer
+        ```
+    """
 
     margin: Size | None = None
     """Bytes kept free below the budget; default min(2 GiB, 10% of the budget)."""

@@ -63,7 +63,26 @@ _active: OnlineProfiler | None = None
 
 @dataclass(frozen=True, slots=True)
 class IterationRecord:
-    """One profiled iteration."""
+    """One profiled iteration.
+
+    Example:
+        ```python
+        from memfit.models import build_training
+        from memfit.plugins import get_hooks
+        from memfit_profiler import OnlineProfiler
+
+        backend = get_hooks().create_backend("cpu-sim", capacity="1GiB")
+        with backend.activate():
+            run = build_training("tiny", batch_size=2, seq_len=16)
+            with OnlineProfiler(backend) as profiler:
+                for _ in range(3):
+                    run.step()
+        first, last = profiler.iterations[0], profiler.iterations[-1]
+        first.index, first.stage.name, first.ended_by     # (0, 'WARMUP', 'optimizer')
+        [r.same_sequence for r in profiler.iterations]   # [False, False, True]: AdamW's first step is unlike the rest
+        last.n_ops == sum(last.phase_ops)                 # True: its forward, backward and optimizer operators
+        ```
+    """
 
     index: int
     n_ops: int
@@ -118,6 +137,22 @@ class OnlineProfiler:
             latest); ``iteration_count`` and ``stage_counts`` cover the whole run. Bounded so
             that a profiler left on for a whole run does not grow with it.
         prefer_native: use the native recorder when it can be built.
+
+    Example:
+        ```python
+        from memfit.models import build_training
+        from memfit.plugins import get_hooks
+        from memfit_profiler import OnlineProfiler
+
+        backend = get_hooks().create_backend("cpu-sim", capacity="1GiB")
+        with backend.activate():
+            run = build_training("tiny", batch_size=2, seq_len=16)
+            with OnlineProfiler(backend, m=1, n=2) as profiler:
+                for _ in range(6):
+                    run.step()              # the loss; the optimizer's step ends the iteration
+        [r.stage.name[0] for r in profiler.iterations]   # ['W', 'W', 'W', 'G', 'G', 'G']: WarmUp, then GenPolicy
+        profiler.stage.name, len(profiler.traces)        # ('STABLE', 3): a trace of each GenPolicy iteration
+        ```
     """
 
     def __init__(

@@ -92,7 +92,19 @@ _START, _END = -1, -2  # sentinels around each phase, so that a one-operator pha
 
 
 class Stage(enum.Enum):
-    """Where the swap system stands."""
+    """Where the swap system stands.
+
+    Example:
+        ```python
+        import numpy as np
+        from memfit_profiler import Stage, StageMachine
+
+        [stage.value for stage in Stage]    # ['WarmUp', 'GenPolicy', 'Stable']
+        machine = StageMachine(m=0, n=1)
+        machine.stage                       # Stage.WARMUP: no sequence seen yet
+        [machine.observe(np.arange(10)).stage.name for _ in range(3)]   # ['GENPOLICY', 'GENPOLICY', 'STABLE']
+        ```
+    """
 
     WARMUP = "WarmUp"
     """No plan yet: the OOM handler keeps training alive. Lightweight recording."""
@@ -148,7 +160,20 @@ class Signature:
 
 @dataclass(frozen=True, slots=True)
 class Similarity:
-    """How an iteration compares with a reference sequence (see the module docs)."""
+    """How an iteration compares with a reference sequence (see the module docs).
+
+    Example:
+        ```python
+        import numpy as np
+        from memfit_profiler import similarity
+
+        reference = np.arange(1000) % 50
+        inserted = np.insert(reference, 500, [7, 7, 7])   # three operators more, in the middle
+        sim = similarity(inserted, reference)
+        round(sim.length_diff, 4), round(sim.cosine, 4)   # (0.003, 0.9998): the same sequence
+        round(sim.exact_match, 2)                         # 0.5: every later position shifted
+        ```
+    """
 
     length_diff: float
     """Largest relative length difference over the compared phases (|a - b| / max(a, b))."""
@@ -194,7 +219,21 @@ def similarity(current: Signature | np.ndarray, reference: Signature | np.ndarra
 
 @dataclass(eq=False)
 class KnownSequence:
-    """A sequence the machine has seen recently, and where it stands."""
+    """A sequence the machine has seen recently, and where it stands.
+
+    Example:
+        ```python
+        import numpy as np
+        from memfit_profiler import StageMachine
+
+        machine = StageMachine(m=2, n=5)
+        for _ in range(3):
+            observation = machine.observe(np.arange(100) % 7)
+        known = machine.sequence(observation.sequence)
+        known.id, known.stage.name, list(known.seen)   # (0, 'GENPOLICY', [0, 1, 2])
+        known.reference.lengths                        # (100, 0, 0): forward, backward, optimizer operators
+        ```
+    """
 
     id: int
     reference: Signature
@@ -225,7 +264,21 @@ class Transition:
 
 @dataclass(frozen=True, slots=True)
 class Observation:
-    """The machine's verdict on one iteration."""
+    """The machine's verdict on one iteration.
+
+    Example:
+        ```python
+        import numpy as np
+        from memfit_profiler import StageMachine
+
+        machine = StageMachine(m=1, n=1)
+        first = machine.observe(np.arange(100) % 7)
+        first.same_sequence, first.stage.name, first.changed   # (False, 'WARMUP', False)
+        second = machine.observe(np.arange(100) % 7)
+        second.same_sequence, second.previous_stage.name, second.stage.name   # (True, 'WARMUP', 'GENPOLICY')
+        [(t.sequence, t.after.name) for t in second.transitions]          # [(0, 'GENPOLICY')]
+        ```
+    """
 
     iteration: int
     stage: Stage
@@ -261,6 +314,19 @@ class StageMachine:
             for (default ``3 (m + 1)``); a GenPolicy sequence unseen for that long goes back to WarmUp.
         max_sequences: known sequences kept; the least recently seen are forgotten first,
             WarmUp ones before planned ones.
+
+    Example:
+        ```python
+        import numpy as np
+        from memfit_profiler import StageMachine
+
+        machine = StageMachine(m=1, n=1)
+        short, long = np.arange(100) % 7, np.arange(200) % 7   # two sequence lengths, taking turns
+        for tokens in (short, long) * 4:
+            observation = machine.observe(tokens)
+        observation.stage.name                                 # 'STABLE'
+        [(s.id, s.stage.name) for s in machine.sequences]      # [(0, 'STABLE'), (1, 'STABLE')]: a plan for each
+        ```
     """
 
     def __init__(

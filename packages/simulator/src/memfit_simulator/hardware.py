@@ -42,7 +42,21 @@ class Link(MemfitModel):
 
 
 class HardwareSpec(MemfitModel):
-    """One device model. Figures are per device."""
+    """One device model. Figures are per device.
+
+    Example:
+        ```python
+        from memfit_simulator import HardwareSpec, get_spec, simulate_training
+
+        get_spec("h100").flops("bfloat16")      # 989400000000000.0: the datasheet's dense peak
+        mine = HardwareSpec(
+            name="my-npu", description="a 1 MiB accelerator", capacity_bytes=2**20, memory_bandwidth=1.6e12,
+            host_bandwidth=25e9, peak_flops={"float32": 50e12, "bfloat16": 400e12}, sources={"peak_flops": "datasheet"},
+        )
+        mine.flops("float16")                   # 50000000000000.0: float32's, for a dtype it does not list
+        simulate_training("tiny", batch=2, seq=16, device=mine).fits   # False: the step peaks at about 2 MiB
+        ```
+    """
 
     name: str
     description: str

@@ -53,7 +53,21 @@ from memfit_simulator.timing import op_costs
 
 @dataclass
 class SimulationResult:
-    """A simulated training step."""
+    """A simulated training step.
+
+    Example:
+        ```python
+        from memfit_simulator import simulate_training
+
+        result = simulate_training("tiny", batch=2, seq=16, device="h100")
+        result.fits, result.memory.peak_bytes             # (True, 2156544)
+        categories = result.memory.peak_by_category        # bytes at the peak: parameter, gradient, activation...
+        categories["optimizer_state"] == 2 * categories["parameter"]   # True: AdamW's two states per parameter
+        sorted(result.seconds_by_phase())                  # ['BWD', 'FWD', 'OPT']
+        trace = result.trace()                             # a memfit Trace to plan from, as a measured one
+        trace.source, trace.peak_bytes()                   # ('simulated', 2156544)
+        ```
+    """
 
     settings: dict[str, Any]
     spec: HardwareSpec

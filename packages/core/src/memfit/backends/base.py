@@ -145,7 +145,25 @@ class MemoryStats:
 
 
 class Backend(abc.ABC):
-    """A device backend. Subclasses implement the abstract members; see the module docs."""
+    """A device backend. Subclasses implement the abstract members; see the module docs.
+
+    Example:
+        ```python
+        import torch
+        from memfit.backends.base import Backend
+        from memfit.plugins import get_hooks
+
+        backend = get_hooks().create_backend("cpu-sim", capacity="64MiB")
+        isinstance(backend, Backend), backend.device_type    # (True, 'cpu')
+        with backend.activate():
+            x = torch.empty(1024, 1024, device=backend.device)
+            backend.memory_allocated()                        # 4194304: the 4 MiB of x
+            try:
+                torch.empty(32 * 2**20, device=backend.device)   # 128 MiB: more than the capacity
+            except torch.OutOfMemoryError as exc:
+                backend.is_oom(exc), backend.oom_request_bytes(exc)   # (True, 134217728)
+        ```
+    """
 
     name: str
     """Registered name, e.g. ``cpu-sim``."""
