@@ -276,9 +276,11 @@ def test_a_recomputing_plan_gives_way_to_swaps_when_a_second_sequence_recurs():
     recomputed = [c > p for c, p in zip(calls, plain_calls, strict=True)]  # modules called again in backward
     its = session.report()["per_iteration"]
     assert its[13]["stage"] == "Stable" and recomputed[13]  # one sequence: its plan checkpoints modules
-    # a new length (iteration 14) shows itself only once it has run: from its next iteration on it does
-    # not run the other sequence's recomputation, which holds that sequence's peak, not its own
-    assert its[14]["sequence"] != its[13]["sequence"] and not any(recomputed[15:28]), recomputed
+    # a new length (iteration 14) shows itself as another sequence only once it has run, but its calls'
+    # shapes are not the plan's: it does not run the other sequence's recomputation, which holds that
+    # sequence's peak, not its own, and keeps its tensors from the OOM handler (whose passive swaps then
+    # fell short on a busy machine, where the measured times chose a plan with less margin)
+    assert its[14]["sequence"] != its[13]["sequence"] and not any(recomputed[14:28]), recomputed
     replanned = [r for r in session.choice.replans if r["reason"].startswith("another sequence recurs")]
     assert [r["sequence"] for r in replanned] == [its[13]["sequence"]]
     # from then on nothing recomputes; `sac` has no swap plan to offer, so passive swaps keep the budget

@@ -6,6 +6,7 @@ submodules.
 """
 
 import collections
+import contextlib
 import warnings
 
 import pytest
@@ -276,6 +277,37 @@ def test_no_grad_runs_the_original_forward():
     with torch.no_grad():
         expected = run.model(tokens)
     assert torch.equal(got, expected) and got.grad_fn is None
+
+
+def test_calls_unlike_the_plans_own_iterations_run_unchanged_once_the_session_said_which_those_were():
+    """A longer batch under a plan made for shorter ones: checkpointing it would keep its tensors from
+    the OOM handler for a peak nobody predicted. Counted by the recomputation context (entered once per
+    recomputed call, the test's own oracle) and by the call's result against plain training."""
+    run = new_run()
+    recomputed = [0]
+
+    @contextlib.contextmanager
+    def counting():
+        recomputed[0] += 1
+        yield
+
+    applied = apply_recompute(run.model, full_checkpointing(run.model), recompute_context=counting)
+    layers = len(run.model.layers)
+    tokens, targets = run.data.batch(0)
+
+    def step(length):
+        recomputed[0] = 0
+        run.model.loss(tokens[:, :length], targets[:, :length]).backward()
+        return recomputed[0]
+
+    assert step(64) == layers  # nothing told yet: every call is checkpointed
+    applied.end_iteration(of_the_plan=False)  # that iteration was of another sequence: its shapes are not the plan's
+    assert step(32) == layers
+    applied.end_iteration(of_the_plan=True)  # that one was of the plan's sequence (length 32)
+    assert step(64) == 0 and applied.unlike_calls == layers  # a longer batch: run unchanged
+    applied.end_iteration(of_the_plan=False)
+    assert step(32) == layers and step(64) == 0 and applied.unlike_calls == 2 * layers
+    applied.remove()
 
 
 def test_unknown_module_is_an_error_with_a_suggestion():

@@ -96,7 +96,7 @@ def test_a_file_of_another_kind_says_what_it_is_and_where_configurations_come_fr
     assert said.startswith(f"{tmp_path / 'memory.json'} is a memory plan of `memfit plan` (planner 'sac')"), said
     assert "--sac-plan" in said and "memfit parallel plan ... --out FILE" in said and len(said.splitlines()) == 1
     (tmp_path / "report.json").write_text(json.dumps({"global_batch": 8, "seq_len": 32, "runs": []}))
-    with pytest.raises(MemfitError, match=r"report.json is the report of a run \(`memfit parallel run --report`\)"):
+    with pytest.raises(MemfitError, match=r"report.json is the report of a run \(`memfit parallel run --out`\)"):
         ParallelConfig.load_all(tmp_path / "report.json")
     (tmp_path / "noise.json").write_bytes(bytes(range(256)))
     with pytest.raises(MemfitError, match="noise.json is not a parallel configuration: the file is binary"):

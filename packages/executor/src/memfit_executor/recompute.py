@@ -49,8 +49,10 @@ different number of times than the plan lists (the program changed since it was 
 :class:`RecomputePlanWarning` says so once per module: decisions still apply by call index.
 
 Under ``torch.no_grad()`` (or inference mode) a checkpointed module runs its original forward
-directly. Modules must not nest (one checkpointed inside another's checkpointed forward): it is
-an error naming both.
+directly; so does a call with inputs of other shapes than the plan's own iterations had, once the
+swap session has told the application which iterations those were
+(:meth:`AppliedRecompute.end_iteration`). Modules must not nest (one checkpointed inside another's
+checkpointed forward): it is an error naming both.
 
 Finding the model in a script that does not hand it over: :class:`ModelFinder`.
 
@@ -301,7 +303,7 @@ class _CheckpointedForward:
         setattr(self, _MARK, applied)
 
     def __call__(self, *args, **kwargs):
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or not self.applied._like_planned(self.name, (args, kwargs)):
             return self.original(*args, **kwargs)
         if self.cache_keywords:
             args, kwargs = self._without_cache(args, kwargs)
@@ -462,7 +464,38 @@ class AppliedRecompute:
         self.on_saved = on_saved
         self.warned_cache = False
         """Whether turning a transformers layer's KV cache off was said (once per application)."""
+        self.unlike_calls = 0
+        """Calls run without checkpointing: their inputs' shapes unlike any of the plan's own iterations."""
         self._installed: list[tuple[nn.Module, _CheckpointedForward, Any]] = []
+        self._planned_shapes: dict[str, set[tuple]] | None = None  # per module, from end_iteration(True)
+        self._shapes: dict[str, set[tuple]] = {}  # this iteration's, per module
+
+    def end_iteration(self, of_the_plan: bool) -> None:
+        """Close an iteration; ``of_the_plan``: it was of the sequence the plan was made for.
+
+        The shapes of the checkpointed calls' tensor inputs in such iterations become the plan's.
+        From the first one on, a call whose inputs have shapes no call of that module had there (a
+        longer batch, before the session can tell that this is another sequence) runs unchanged:
+        the plan's peak is a prediction for its own shapes, and inside a checkpointed module the
+        tensors are checkpoint's, which memfit's OOM handler cannot swap out. Unchanged, the call
+        saves through memfit's hooks like any unplanned one. Never called (``apply_recompute`` used
+        directly): every call is checkpointed.
+        """
+        if of_the_plan:
+            planned = self._planned_shapes if self._planned_shapes is not None else {}
+            for name, shapes in self._shapes.items():
+                planned.setdefault(name, set()).update(shapes)
+            self._planned_shapes = planned
+        self._shapes = {}
+
+    def _like_planned(self, name: str, inputs: tuple[tuple, dict]) -> bool:
+        args, kwargs = inputs
+        shapes = _tensor_shapes((*args, *kwargs.values()))
+        self._shapes.setdefault(name, set()).add(shapes)
+        if self._planned_shapes is None or shapes in self._planned_shapes.get(name, ()):
+            return True
+        self.unlike_calls += 1
+        return False
 
     def _install(self, name: str, module: nn.Module, action: Recompute) -> None:
         previous = module.__dict__.get("forward", _NO_INSTANCE_FORWARD)
@@ -503,6 +536,16 @@ class AppliedRecompute:
 
 
 _NO_INSTANCE_FORWARD = object()
+
+
+def _tensor_shapes(values: tuple) -> tuple:
+    """The shapes and dtypes of the tensors among ``values`` and in their tuples and lists (one level)."""
+    found = []
+    for value in values:
+        for item in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(item, torch.Tensor):
+                found.append((tuple(item.shape), item.dtype))
+    return tuple(found)
 
 
 def checkpointed_by(module: nn.Module) -> AppliedRecompute | None:
@@ -649,6 +692,17 @@ class ModelFinder:
     hook makes ``Module.__call__`` take its slower, hook-running path for every module. So it is
     meant to be installed only while a plan with recomputation is pending or in place (a session
     does that) and removed after (:meth:`remove`, or leave its ``with`` block).
+
+    Example:
+        ```python
+        from memfit.models import build_training
+        from memfit_executor import ModelFinder
+
+        run = build_training("tiny", batch_size=2, seq_len=16)
+        with ModelFinder() as finder:
+            run.step()                          # the script's own step: nothing names the model
+        finder.model is run.model               # True
+        ```
     """
 
     def __init__(self) -> None:

@@ -152,6 +152,20 @@ class SwapSession:
             check that plans hold. Below the budget it is an error.
         hooks: plugin hooks (planners, OOM handlers); default: the installed plugins.
         **options: see :class:`SwapOptions`.
+
+    Example:
+        ```python
+        import memfit
+        from memfit.models import build_training
+
+        # the virtual device could hold twice the budget: staying within it is memfit's doing
+        with memfit.swap(budget="12MiB", backend="cpu-sim", capacity="24MiB") as session:
+            run = build_training("tiny", batch_size=8, seq_len=128)
+            losses = [run.step() for _ in range(12)]
+        report = session.report()
+        report["peak_device_bytes"] <= report["budget_bytes"]   # True: the allocator's own peak
+        report["iterations_per_stage"]          # {'WarmUp': 4, 'GenPolicy': 6, 'Stable': 2}
+        ```
     """
 
     def __init__(
@@ -446,6 +460,8 @@ class SwapSession:
             self._pass_mode = False  # a step after all (accumulation over many micro-batches): steps end iterations
             self.runtime.on_backward = None
         counters = self.runtime.end_iteration()
+        if self._recompute is not None and self._recompute_owner is not None:
+            self._recompute.end_iteration(of_the_plan=record.sequence == self._recompute_owner[0])
         copied = self.backend.copy_throughput()
         owner = self._applied[counters["plan"]] if counters["plan"] is not None else self._recompute_owner
         self.iterations.append(
