@@ -184,7 +184,7 @@ class PlanChoice:
             self._genpolicy_step(record, plans, counters, finished_log)
         elif plans is not None and record.sequence_stage is Stage.STABLE and plans.chosen is not None:
             self._check_health(record, plans, counters, copied)
-        for t in self.profiler.observations[-1].transitions:
+        for t in record.transitions:
             self.on_transition(t.sequence, t.after)
         self._plan_follower(record, counters, finished_log)
         self._one_sequence_recomputes(record)

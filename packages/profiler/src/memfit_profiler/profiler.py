@@ -52,7 +52,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from memfit_profiler.modules import ModuleRecord, ModuleSpans, annotate
 from memfit_profiler.recorder import DETAILED, LIGHTWEIGHT, OFF, RawIteration, make_recorder
-from memfit_profiler.stages import KnownSequence, Observation, Similarity, Stage, StageMachine
+from memfit_profiler.stages import KnownSequence, Observation, Similarity, Stage, StageMachine, Transition
 
 log = logging.getLogger("memfit.profiler")
 
@@ -110,6 +110,9 @@ class IterationRecord:
     step: int = 0
     """The optimizer step (or explicit :meth:`OnlineProfiler.step`) it belongs to, counted from 0. Several
     iterations share one when the step ran several forward-backward passes (gradient accumulation)."""
+    transitions: tuple[Transition, ...] = ()
+    """The stage changes the stage machine made on seeing it: its sequence's and other sequences' (one
+    forgotten, or sent back to WarmUp). What an iteration listener reacts to, as the swap executor does."""
 
 
 class OnlineProfiler:
@@ -458,6 +461,7 @@ class OnlineProfiler:
                 same_sequence=obs.same_sequence,
                 saved_bytes=saved,
                 step=self.step_count,
+                transitions=obs.transitions,
             )
             self._remember(record, obs)
             if detailed and raw.detail is not None and i == 0:
