@@ -481,7 +481,9 @@ class AppliedRecompute:
         saves through memfit's hooks like any unplanned one. Never called (``apply_recompute`` used
         directly): every call is checkpointed.
         """
-        if of_the_plan:
+        # an iteration that called none of the modules (a record of a pass without the model, several
+        # records at one step) teaches nothing: an empty set would leave every later call unchecked
+        if of_the_plan and self._shapes:
             planned = self._planned_shapes if self._planned_shapes is not None else {}
             for name, shapes in self._shapes.items():
                 planned.setdefault(name, set()).update(shapes)
