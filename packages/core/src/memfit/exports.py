@@ -7,17 +7,15 @@ imported until a name is used, so ``import memfit_executor`` (and every plugin m
 
 Example:
     ```python
-    # memfit_mypackage/__init__.py
+    # the __init__.py of a package with a module session.py that defines Session
     from typing import TYPE_CHECKING
 
     from memfit.exports import lazy_exports
 
-    from memfit_mypackage.__about__ import __version__
-
     if TYPE_CHECKING:
-        from memfit_mypackage.session import Session
+        from .session import Session
 
-    __all__, __getattr__, __dir__ = lazy_exports(__name__, {"Session": "memfit_mypackage.session"})
+    __all__, __getattr__, __dir__ = lazy_exports(__name__, {"Session": f"{__name__}.session"})
     ```
 """
 
