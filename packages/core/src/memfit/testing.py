@@ -65,9 +65,10 @@ def pytest_configure(config: pytest.Config) -> None:
         return
     threads = max(1, _cores() // int(workers))
     os.environ["OMP_NUM_THREADS"] = str(threads)  # inherited by the scripts and ranks tests start
-    import torch
+    if importlib.util.find_spec("torch") is not None:  # a package's tests may run without torch
+        import torch
 
-    torch.set_num_threads(threads)
+        torch.set_num_threads(threads)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
