@@ -100,7 +100,7 @@ def patched(device_backend, probe: str | None):
     elif probe == "same_stream":
         backend_cls.copy_stream = lambda self: self.current_stream()
     elif probe == "no_pool":
-        runtime_cls._recycle = lambda self, key, buffer, event: None
+        runtime_cls._recycle = lambda self, buffer, event: None
     try:
         yield
     finally:

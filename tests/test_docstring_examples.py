@@ -21,7 +21,7 @@ PACKAGES = (
 """Packages whose exported classes need an example: all of them."""
 CORE_CLASSES = (
     "memfit.trace.Trace", "memfit.plan.MemoryPlan", "memfit.types.PlanningProblem", "memfit.backends.base.Backend",
-    "memfit.workload.LlamaConfig",
+    "memfit.workload.LlamaConfig", "memfit.hostbuffers.HostBufferPool",
 )  # fmt: skip
 """Core's data model: not exported from ``memfit`` itself, but what every package builds on."""
 

@@ -34,12 +34,12 @@ Example:
 
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from memfit.errors import MemfitError
+from memfit.hostbuffers import HostBufferPool
 from memfit.tensors import storage_key
 
 
@@ -50,44 +50,6 @@ class SwapError(MemfitError):
 def storage_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
     """A flat uint8 tensor over the whole storage, with a version counter of its own."""
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
-
-
-class HostBufferPool:
-    """Reusable host buffers (pinned where the backend pins), bucketed by exact byte size.
-
-    Pinning host memory is expensive and swaps repeat every iteration with the same sizes, so
-    buffers are kept and handed out again instead of being freed.
-    """
-
-    def __init__(self, backend: Any) -> None:
-        self.backend = backend
-        self._free: dict[int, list[torch.Tensor]] = defaultdict(list)
-        self._in_use_until: list[tuple[Any, torch.Tensor]] = []  # (event, buffer) a copy still reads
-        self.allocated_bytes = 0
-
-    def take(self, nbytes: int) -> torch.Tensor:
-        self._reclaim()
-        free = self._free[nbytes]
-        if free:
-            return free.pop()
-        self.allocated_bytes += nbytes
-        return self.backend.host_empty((nbytes,), torch.uint8)
-
-    def give_back(self, buffer: torch.Tensor, after: Any = None) -> None:
-        """Return a buffer; with ``after`` (an event), only once the work before it has finished."""
-        if after is None or after.query():
-            self._free[buffer.numel()].append(buffer)
-        else:
-            self._in_use_until.append((after, buffer))
-
-    def _reclaim(self) -> None:
-        still = []
-        for event, buffer in self._in_use_until:
-            if event.query():
-                self._free[buffer.numel()].append(buffer)
-            else:
-                still.append((event, buffer))
-        self._in_use_until = still
 
 
 @dataclass(eq=False)  # identity: its fields are tensors, which do not compare to a bool
@@ -229,7 +191,7 @@ class StorageSwapper:
     def swap_out_storage(self, storage: torch.UntypedStorage) -> SwapOut:
         """:meth:`swap_out` for a storage the caller has already checked (see :meth:`check`)."""
         nbytes = storage.nbytes()
-        host = self.pool.take(nbytes)
+        host = self.pool.take((nbytes,), torch.uint8)
         device_view = storage_bytes(storage)
         stream = self.backend.copy_stream()
         stream.wait_event(self.backend.current_stream().record_event())  # the producer has finished

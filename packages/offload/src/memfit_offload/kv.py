@@ -75,6 +75,7 @@ from typing import Any
 
 import torch
 from memfit.errors import MemfitError
+from memfit.hostbuffers import HostBufferPool
 from memfit.models.kvcache import KVCache, KVCacheHooks
 
 from memfit_offload.ops import copy_stream_after_compute
@@ -150,29 +151,10 @@ class _CacheState:
         self.host_tensors: list[torch.Tensor] = []  # given back to the pool when the cache is collected
 
 
-class _HostPool:
-    """Host buffers ``(blocks, 2, *block_shape)`` kept for reuse, by block shape and dtype."""
-
-    def __init__(self, backend: Any) -> None:
-        self.backend = backend
-        self._free: dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor]] = collections.defaultdict(list)
-        self.allocated_bytes = 0
-
-    def take(self, blocks: int, block_shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        free = self._free[(2, *block_shape), dtype]
-        fitting = [t for t in free if t.shape[0] >= blocks]
-        if fitting:
-            buffer = min(fitting, key=lambda t: t.shape[0])
-            free.remove(buffer)
-            return buffer
-        buffer = self.backend.host_empty((blocks, 2, *block_shape), dtype)
-        self.allocated_bytes += buffer.numel() * buffer.element_size()
-        return buffer
-
-    def give_back(self, buffers: Iterable[torch.Tensor]) -> None:
-        # Copies still queued into a buffer run before any later user's (one FIFO copy stream).
-        for buffer in buffers:
-            self._free[tuple(buffer.shape[1:]), buffer.dtype].append(buffer)
+def _give_back_all(pool: HostBufferPool, buffers: Iterable[torch.Tensor]) -> None:
+    """A dropped cache's host segments go back to the pool for the next cache."""
+    for buffer in buffers:
+        pool.give_back(buffer)
 
 
 class KVOffload(KVCacheHooks):
@@ -231,7 +213,7 @@ class KVOffload(KVCacheHooks):
         self.prefetch_distance = prefetch_distance
         self._device = torch.empty(0, device=backend.device).device  # "cuda" -> "cuda:0", as a cache holds it
         self._states: weakref.WeakKeyDictionary[KVCache, _CacheState] = weakref.WeakKeyDictionary()
-        self._pool = _HostPool(backend)
+        self._pool = HostBufferPool(backend)
         # (store event, device tensors the store reads): released, in order, once the event has completed
         self._pending: collections.deque[tuple[Any, list[torch.Tensor]]] = collections.deque()
         self.reset_stats()
@@ -353,7 +335,7 @@ class KVOffload(KVCacheHooks):
                     f"offloads from {self._device}: put the model on backend.device before making the cache"
                 )
             state = self._states[cache] = _CacheState(cache)
-            weakref.finalize(cache, self._pool.give_back, state.host_tensors)
+            weakref.finalize(cache, _give_back_all, self._pool, state.host_tensors)
         return state
 
     def _grow(self, cache: KVCache, state: _CacheState, layer: _Layer, blocks: int) -> None:
@@ -361,7 +343,8 @@ class KVOffload(KVCacheHooks):
         while layer.capacity < blocks:
             size = max(blocks - layer.capacity, layer.capacity, MIN_SEGMENT_BLOCKS)
             size = min(size, max(state.max_blocks - layer.capacity, blocks - layer.capacity))
-            buffer = self._pool.take(size, cache.block_shape, cache.dtype)  # may be larger than asked: use it all
+            # copies still queued into a buffer run before any later user's (one FIFO copy stream)
+            buffer = self._pool.take((size, 2, *cache.block_shape), cache.dtype, at_least=True)  # use it all
             state.host_tensors.append(buffer)
             layer.segments.append(_Segment(layer.capacity, buffer))
             layer.capacity += buffer.shape[0]

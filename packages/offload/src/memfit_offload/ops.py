@@ -58,6 +58,7 @@ from typing import Any
 
 import torch
 from memfit.errors import MemfitError
+from memfit.hostbuffers import HostBufferPool
 
 __all__ = ["OffloadRuntime", "ResidencyError", "TransferStats", "runtime"]
 
@@ -156,7 +157,7 @@ class OffloadRuntime:
         self.stats = TransferStats()
         self._lock = threading.Lock()
         self._stored: dict[int, Any] = {}  # host storage -> its store's event, until prefetched
-        self._pool: dict[tuple[int, torch.dtype], list[tuple[torch.Tensor, Any]]] = {}  # free host buffers
+        self._pool = HostBufferPool(backend)
         self._prefetched: dict[int, tuple[torch.Tensor, Any]] = {}  # device storage -> (host, copy event)
         # copy sources and destinations, until their copy completes: released device tensors, host buffers
         self._held: list[tuple[Any, torch.Tensor]] = []
@@ -184,24 +185,13 @@ class OffloadRuntime:
         return stats
 
     # -- operator bodies --------------------------------------------------------------------------
-    def _host_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A host buffer from the pool (one whose last store is done) or a new one."""
-        free = self._pool.get((numel, dtype))
-        while free:
-            buffer, event = free.pop()
-            if event.query():
-                return buffer
-            free.insert(0, (buffer, event))
-            if all(not e.query() for _, e in free):
-                break
-        return self.backend.host_empty((numel,), dtype)
-
-    def _recycle(self, key: tuple[int, torch.dtype], buffer: torch.Tensor, event: Any) -> None:
-        self._pool.setdefault(key, []).append((buffer, event))
+    def _recycle(self, buffer: torch.Tensor, event: Any) -> None:
+        """Give ``buffer`` back to the pool, reused once its store (``event``) is done."""
+        self._pool.give_back(buffer, after=event)
 
     def store(self, x: torch.Tensor) -> torch.Tensor:
         numel = _extent(x)
-        buffer = self._host_buffer(numel, x.dtype)
+        buffer = self._pool.take((numel,), x.dtype)  # one whose last store is done, or a new one
         host = buffer.as_strided(x.size(), x.stride())
         # the copy stream reads x: it must wait for the compute work that writes it (on cpu-sim
         # compute is synchronous; on a GPU, without this the store copies a tensor still being
@@ -221,7 +211,7 @@ class OffloadRuntime:
         # forward without backward), its record goes and its buffer returns to the pool: host
         # allocations cost tens of microseconds, and every step stores the same sizes again
         weakref.finalize(returned, self._stored.pop, key, None)
-        weakref.finalize(returned, self._recycle, (numel, x.dtype), buffer, event)
+        weakref.finalize(returned, self._recycle, buffer, event)
         self.stats.stored_bytes += numel * x.element_size()  # the span moved (a view with gaps moves them too)
         self.stats.stores += 1
         return returned
