@@ -125,4 +125,7 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
+    from memfit_parallel.trainer import exit_rank
+
     main(sys.argv[1])
+    exit_rank(0)  # not through the interpreter's finalization, which a gloo thread may still be in

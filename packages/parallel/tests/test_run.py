@@ -758,7 +758,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from memfit_parallel.trainer import init_process_group
+from memfit_parallel.trainer import exit_rank, init_process_group
 
 attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
 init_process_group("gloo", timedelta(seconds=60))
@@ -773,6 +773,7 @@ if dist.get_rank() == 0:
     with open(sys.argv[1], "w") as f:
         json.dump({"runs": [], "restarts": attempt, "ranks_reached": ranks.item()}, f)
 dist.destroy_process_group()
+exit_rank(0)
 """
 
 
