@@ -12,11 +12,12 @@ Two parts, each in processes of its own, on cpu-sim:
 * ``baseline``: a Qwen2 built from its config (``tests/hf_train.py``), ``memfit run --baseline ac``
   at the peak full activation checkpointing reaches (``gradient_checkpointing_enable()``), in
   ``--rounds`` paired rounds (each: memfit's run, then full AC's steps): both peaks and the median
-  step times (memfit's Stable steps), and their ratio per round.
+  step times (memfit's Stable steps), and their ratio per round; ``--hidden`` sizes the model (default
+  128; larger makes the step's matrix products, not per-operator costs, its time).
 
 Prints one JSON object ``{"long": {...}, "baseline": {...}}``.
 
-Run: python benchmarks/real_loops.py [--steps 1000] [--rounds 3] [--part long|baseline|both]
+Run: python benchmarks/real_loops.py [--steps 1000] [--rounds 3] [--hidden 128] [--part long|baseline|both]
 """
 
 from __future__ import annotations
@@ -95,10 +96,10 @@ def long_run(steps: int, granularity: int, fraction: float) -> dict:
     }
 
 
-def baseline_rounds(rounds: int, steps: int) -> dict:
+def baseline_rounds(rounds: int, steps: int, hidden: int = 128) -> dict:
     from memfit_executor.cli import stable_step_seconds
 
-    args = ("--model", "qwen2", "--iterations", str(steps))
+    args = ("--model", "qwen2", "--iterations", str(steps), "--hidden", str(hidden))
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "ac.json"
         cmd = [sys.executable, "-m", "memfit_executor.baseline", str(out), "ac", str(steps), "cpu-sim", "--"]
@@ -126,7 +127,7 @@ def baseline_rounds(rounds: int, steps: int) -> dict:
             })  # fmt: skip
     ratios = [r["step_ratio"] for r in results if r["step_ratio"]]
     return {
-        "model": "qwen2 (tests/hf_train.py)",
+        "model": f"qwen2 (tests/hf_train.py), hidden {hidden}",
         "budget_bytes": ac_peak,
         "rounds": results,
         "median_step_ratio": statistics.median(ratios) if ratios else None,
@@ -142,12 +143,13 @@ def main() -> None:
     parser.add_argument("--fraction", type=float, default=0.5, help="budget as a fraction of the plain peak")
     parser.add_argument("--rounds", type=int, default=3, help="paired rounds of memfit against full AC")
     parser.add_argument("--baseline-steps", type=int, default=30, help="steps of each memfit run in a round")
+    parser.add_argument("--hidden", type=int, default=128, help="hidden size of the baseline part's Qwen2")
     args = parser.parse_args()
     result = {}
     if args.part in ("long", "both"):
         result["long"] = long_run(args.steps, args.granularity, args.fraction)
     if args.part in ("baseline", "both"):
-        result["baseline"] = baseline_rounds(args.rounds, args.baseline_steps)
+        result["baseline"] = baseline_rounds(args.rounds, args.baseline_steps, args.hidden)
     print(json.dumps(result, indent=2))
 
 

@@ -42,6 +42,7 @@ parser.add_argument("--autocast", choices=["bf16"], default=None)
 parser.add_argument("--compile-block", action="store_true")
 parser.add_argument("--accelerate", action="store_true")
 parser.add_argument("--measure-peak", action="store_true")
+parser.add_argument("--hidden", type=int, default=128, help="hidden size of the qwen2 and llama models (MLP: twice it)")
 args = parser.parse_args()
 lengths = [int(x) for x in args.lengths.split(",")]
 
@@ -68,8 +69,9 @@ elif args.model == "qwen2":
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     config = Qwen2Config(
-        hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=512, max_position_embeddings=512, attn_implementation="eager", attention_dropout=args.dropout,
+        hidden_size=args.hidden, intermediate_size=2 * args.hidden, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=512, max_position_embeddings=512, attn_implementation="eager",
+        attention_dropout=args.dropout,
     )  # fmt: skip
     model = Qwen2ForCausalLM(config)
     blocks = model.model.layers
@@ -78,8 +80,8 @@ else:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=512, max_position_embeddings=512, attn_implementation="sdpa",
+        hidden_size=args.hidden, intermediate_size=2 * args.hidden, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=512, max_position_embeddings=512, attn_implementation="sdpa",
     )  # fmt: skip
     model = LlamaForCausalLM(config)
     blocks = model.model.layers
