@@ -117,6 +117,46 @@ def test_memfit_run_plans_recomputation_for_an_unmodified_script(tmp_path):
     assert report["per_iteration"][-1]["plan"] is not None, (why, tail)  # a sac plan is in place
 
 
+def test_recompute_plans_turned_away_say_the_budget_from_which_they_would_be_tried(tmp_path):
+    """Issue 30: the note on recompute plans `auto` does not apply names a budget a user can pass."""
+    import json
+    import re
+
+    from memfit.config import parse_size
+    from memfit.plan import default_margin
+
+    script = tmp_path / "train.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import dataclasses
+            from memfit.models import LlamaConfig, build_training
+
+            config = dataclasses.replace(LlamaConfig.preset("tiny"), n_layers=4, max_seq_len=256)
+            run = build_training(config, batch_size=8, seq_len=256)
+            for _ in range(8):
+                run.step()
+            """
+        )
+    )
+    report_path = tmp_path / "report.json"
+    result = run_memfit(  # 16 MiB: below what the recompute planners reach on this model
+        "run", "--backend", "cpu-sim", "--budget", "16MiB", "--capacity", "48MiB", "--report", str(report_path),
+        "--", sys.executable, str(script),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    report = json.loads(report_path.read_text())
+    assert report["peak_device_bytes"] <= report["budget_bytes"]
+    [note] = [n for n in report["notes"] if "that recompute are not applied" in n]
+    found = re.search(r"the lowest peak they predict, ([\d.]+ \w+), .* from a budget of (\d+) B", note)
+    assert found, note
+    lowest, needed = parse_size(found[1].replace(" ", "")), int(found[2])
+    assert needed > parse_size("16MiB")
+    # rounded to 2 decimals in the note: the budget keeps the margin for a peak a hundredth of a MiB higher
+    assert needed - default_margin(needed) >= lowest - 0.01 * 2**20
+    assert "--planner swap" in note
+
+
 def test_an_unknown_planner_is_a_clear_error(tmp_path):
     with pytest.raises(MemfitError, match=r"unknown planner 'sack'; choose auto or one of .*joint, sac, swap"):
         memfit.swap(budget="1GiB", backend="cpu-sim", planner="sack")

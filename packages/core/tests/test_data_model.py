@@ -400,3 +400,12 @@ def test_bad_sizes_and_configs_name_the_problem():
         MemfitConfig.from_mapping({"budgett": "1GiB"})
     assert MemfitConfig.model_fields["budget"].description.startswith("Device bytes")
     assert format_size(3 * 2**30) == "3.00 GiB"
+
+
+@pytest.mark.parametrize("peak", [0, 1, 9, 900, 901, 10**6, 18 * 2**30, 18 * 2**30 + 1, 30 * 2**30])
+def test_budget_keeping_margin_is_the_smallest_budget_whose_margin_a_peak_leaves_free(peak):
+    from memfit.plan import budget_keeping_margin, default_margin
+
+    budget = budget_keeping_margin(peak)
+    assert peak <= budget - default_margin(budget)
+    assert budget == peak or peak > (budget - 1) - default_margin(budget - 1)

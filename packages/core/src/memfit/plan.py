@@ -38,6 +38,7 @@ Example:
 
 from __future__ import annotations
 
+import bisect
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
@@ -232,6 +233,16 @@ def default_margin(budget: int) -> int:
     share it: room for what a prediction misses (allocator rounding, a copy that lands late).
     """
     return min(2 * 2**30, budget // 10)
+
+
+def budget_keeping_margin(peak: int) -> int:
+    """The smallest budget ``b`` with ``peak <= b - default_margin(b)``: where a plan peaking at ``peak`` keeps it.
+
+    ``b - default_margin(b)`` never falls as ``b`` grows, and the margin is at most 2 GiB, so ``b``
+    lies in ``[peak, peak + 2 GiB]``. Example: ``budget_keeping_margin(900) == 999`` (999 less its 99 B margin).
+    """
+    candidates = range(peak, peak + 2 * 2**30 + 1)
+    return candidates[bisect.bisect_left(candidates, peak, key=lambda b: b - default_margin(b))]
 
 
 class PlanPrediction(MemfitModel):

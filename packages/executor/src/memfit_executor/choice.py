@@ -17,12 +17,13 @@ profiler (:mod:`memfit_profiler.stages`; the session's module docs tell the stor
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from memfit.config import format_size
-from memfit.plan import Recompute
+from memfit.plan import Recompute, budget_keeping_margin, default_margin
 from memfit.plugins import Hooks
 from memfit.types import PlanningProblem
 
@@ -369,10 +370,7 @@ class PlanChoice:
             if plans.swap_only:
                 why = "several sequences recur and checkpointing applies to the whole model"
             else:
-                why = (
-                    "they do not keep their margin, and memory held by checkpointed modules cannot be swapped "
-                    "out when memory runs short"
-                )
+                why = self._margin_advice([p for p in proposed if p not in usable], plans.budget_cut)
             self._note(
                 f"plans of planner {', '.join(left_out)} that recompute are not applied: {why}"
                 + ("" if usable else "; training goes on with passive swaps only")
@@ -400,6 +398,25 @@ class PlanChoice:
                 len(candidates), plans.sequence, trace.iteration,
             )  # fmt: skip
         return candidates
+
+    def _margin_advice(self, refused: list[Any], budget_cut: float) -> str:
+        """Why recompute plans that do not keep their margin are refused, and the budget at which they would not be."""
+        lowest = min(refused, key=lambda p: p.predicted.peak_bytes)
+        peak, margin = lowest.predicted.peak_bytes, lowest.predicted.margin_bytes
+        # the default margin grows with the budget; a margin a planner option set does not
+        default = margin == default_margin(lowest.budget_bytes)
+        needed = math.ceil((budget_keeping_margin(peak) if default else peak + margin) / (1 - budget_cut))
+        where = (
+            "is above the budget"
+            if peak > lowest.budget_bytes
+            else f"leaves less than their margin ({format_size(margin)}) free below the budget"
+        )
+        return (
+            f"the lowest peak they predict, {format_size(peak)}, {where}, and memory a checkpointed module holds "
+            f"cannot be swapped out when a prediction falls short. They are timed beside the swap plans from a budget "
+            f"of {needed} B ({format_size(needed)}), or more where, given that room, they recompute less; "
+            f"--planner swap stops planning them"
+        )
 
     def _check_health(
         self, record: Any, plans: SequencePlans, counters: dict[str, Any], throughput: tuple[int, float]
