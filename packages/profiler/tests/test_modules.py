@@ -244,3 +244,50 @@ def test_a_module_called_twice_and_a_compiled_model(backend, prefer_native, comp
         backward = {trace.op_module(i) for i in np.flatnonzero(trace.ops.phase == Phase.BWD)}
         assert {"shared", "head.1"} <= backward
     assert "input" in {trace.tensor_category(r) for r in range(len(trace.tensors))}  # x, made before the step
+
+
+class Rotate(torch.nn.Module):
+    """A function wrapped as a module, as transformers' kernel hub wraps ``apply_rotary_pos_emb`` ("Func")."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat((-x[..., 4:], x[..., :4]), dim=-1)
+
+
+ROTATE = Rotate()
+"""One object for every layer, reached by no ``named_modules()``."""
+
+
+class RotatingLayer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(ROTATE(x)).relu() * x
+
+
+def test_a_module_no_named_modules_reaches_counts_for_each_caller(backend, prefer_native):
+    """Named per call under its caller, so each layer's forward stays one region (issue 30 item 5)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(RotatingLayer(), RotatingLayer())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(4, 8)
+
+    def step():
+        model(x).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    step()
+    with OnlineProfiler(backend, mode="detailed", prefer_native=prefer_native) as prof:
+        step()
+        step()
+    trace = prof.traces[-1]
+    assert {"0.<Rotate>", "1.<Rotate>"} <= set(trace.module_names)
+    assert "Rotate" not in trace.module_names
+    forward = np.flatnonzero(trace.ops.phase == Phase.FWD)
+    cats = [trace.op_module(int(i)) for i in forward if trace.op_name(int(i)) == "aten::cat"]
+    assert cats == ["0.<Rotate>", "1.<Rotate>"]
+    for layer in ("0", "1"):  # each layer's forward operators are one contiguous run
+        mine = [int(i) for i in forward if (trace.op_module(int(i)) or "").split(".")[0] == layer]
+        assert mine and mine[-1] - mine[0] + 1 == len(mine)

@@ -204,7 +204,9 @@ def module_stats(trace: Trace, seconds: np.ndarray | None = None) -> dict[str, M
         seconds, _ = op_seconds(trace)
     names = trace.module_names
     children = {n for n in names for m in names if m != n and m.startswith(f"{n}.")}
-    candidates = sorted(n for n in children if n)  # non-leaf, not the model itself
+    # non-leaf, not the model itself, and reachable by name: not a module the profiler named after its
+    # caller ("...self_attn.<Func>": no named_modules() entry for recomputation to wrap)
+    candidates = sorted(n for n in children if n and "<" not in n)
     op_module = trace.ops.module
     phase = trace.ops.phase
     composite = _composite_names(trace)

@@ -98,11 +98,12 @@ def _grad_tensors(tree: Any, *, non_leaf: bool) -> list[torch.Tensor]:
 class _Call:
     """One call of a module: its forward span, its backward span while open, the calls it made."""
 
-    __slots__ = ("module", "forward_span", "backward_span", "children", "compiled")
+    __slots__ = ("module", "forward_span", "backward_span", "children", "compiled", "caller")
 
-    def __init__(self, module: int, forward_span: int, compiled: bool) -> None:
+    def __init__(self, module: int, forward_span: int, compiled: bool, caller: int = -1) -> None:
         self.module = module
         self.forward_span = forward_span
+        self.caller = caller  # the forward span of the call that made this one; -1 at the top
         self.compiled = compiled
         self.backward_span = _OPEN
         self.children: list[_Call] = []
@@ -119,6 +120,7 @@ class _SpanLog:
         self.start: list[int] = []
         self.end: list[int] = []
         self.span_module: list[int] = []
+        self.span_caller: list[int] = []  # per span: the forward span of the call that made its call, or -1
         self.backward: list[bool] = []
         self.stack: list[_Call] = []  # forward calls running
         self.top: list[int] = []  # modules called while no module ran forward, in order
@@ -137,10 +139,11 @@ class _SpanLog:
             handle.remove()
         self.hooks.clear()
 
-    def open(self, module: int, backward: bool) -> int:
+    def open(self, module: int, backward: bool, caller: int = -1) -> int:
         self.start.append(self.position())
         self.end.append(_OPEN)
         self.span_module.append(module)
+        self.span_caller.append(caller)
         self.backward.append(backward)
         return len(self.start) - 1
 
@@ -159,7 +162,8 @@ class _SpanLog:
         in_backward = torch._C._current_graph_task_id() >= 0  # a recomputation (activation checkpointing)
         if not self.stack and not in_backward:
             self.top.append(index)
-        call = _Call(index, self.open(index, in_backward), compiled)
+        caller = self.stack[-1].forward_span if self.stack else -1
+        call = _Call(index, self.open(index, in_backward, caller), compiled, caller)
         if self.stack:
             self.stack[-1].children.append(call)
         self.stack.append(call)
@@ -202,7 +206,7 @@ class _SpanLog:
             torch.autograd.Variable._execution_engine.queue_callback(lambda: self.backward_done(task))
         if call.backward_span != _OPEN:  # a second backward through the same graph (retain_graph)
             self.backward_ends(call)
-        call.backward_span = self.open(call.module, True)
+        call.backward_span = self.open(call.module, True, call.caller)
         self.open_backward[call.backward_span] = (call, task)
 
     def backward_ends(self, call: _Call) -> None:
@@ -308,16 +312,34 @@ class ModuleSpans:
                 for name, sub in _named_modules(top):
                     named.setdefault(id(sub), f"{prefix}.{name}" if name else prefix)
         code_of_name = {"": 0} if (root is not None or log.modules) else {}
+        # A module no named_modules() reaches, called inside one it does (transformers wraps functions
+        # such as apply_rotary_pos_emb as a module "Func" for its kernel hub, one object for every
+        # layer), is named per call under its caller, "model.layers.0.self_attn.<Func>": its operators
+        # are then its caller's, whose forward stays one contiguous region that can be checkpointed.
+        span_names: list[str] = []
+        first_name: dict[int, str] = {}  # module index -> the name of its first call
+        for index, caller in zip(log.span_module, log.span_caller, strict=True):
+            module = log.modules[index]
+            name = named.get(id(module))
+            if name is None:
+                prefix = span_names[caller] if caller >= 0 else ""
+                name = f"{prefix}.<{type(module).__name__}>" if prefix else type(module).__name__
+            span_names.append(name)
+            first_name.setdefault(index, name)
 
         def code(module: torch.nn.Module) -> int:
-            return code_of_name.setdefault(named.get(id(module), type(module).__name__), len(code_of_name))
+            name = named.get(id(module))
+            if name is None:
+                name = first_name.get(log.module_index.get(id(module), -1), type(module).__name__)
+            return code_of_name.setdefault(name, len(code_of_name))
 
-        module_code = np.array([code(m) for m in log.modules], dtype=np.int32)
+        for module in log.modules:  # codes in the order of first calls, as before
+            code(module)
+        span_module = np.array([code_of_name.setdefault(n, len(code_of_name)) for n in span_names], dtype=np.int32)
         depth = np.array([name.count(".") + 1 if name else 0 for name in code_of_name], dtype=np.int64)
         start = np.array(log.start, dtype=np.int64)
         end = np.array(log.end, dtype=np.int64)
         end[end == _OPEN] = n_ops
-        span_module = module_code[np.array(log.span_module, dtype=np.int64)]
         order = np.lexsort((np.arange(start.size), depth[span_module], start))  # painted last: innermost
         forward = ~np.array(log.backward, dtype=bool)
         forward_start = int(start[forward].min()) if forward.any() else 0
