@@ -259,8 +259,12 @@ def test_a_persistent_change_of_sequence_length_is_planned_for_and_the_old_plan_
     change = 14
     assert its[change]["sequence"] != its[change - 1]["sequence"]  # the same operators, larger tensors
     # a new length of a planned program follows its plan (memfit_profiler.stages): planned for once it
-    # recurs, from its next iteration (the one it recurred in ran Lightweight), Stable after one trial
-    assert [it["stage"] for it in its[change : change + 5]] == ["WarmUp"] * 2 + ["GenPolicy"] * 2 + ["Stable"]
+    # recurs, Stable after one trial. It is planned from the iteration it recurred in when that one
+    # was traced (Detailed: the run was in GenPolicy, as when a busy machine's slow copies had the old
+    # sequence re-planned), else from its next: one GenPolicy iteration or two.
+    planning = 1 if its[change + 1]["detailed"] else 2
+    stages = ["WarmUp"] * 2 + ["GenPolicy"] * planning + ["Stable"] * (3 - planning)
+    assert [it["stage"] for it in its[change : change + 5]] == stages
     assert session.profiler.machine.sequence(its[change]["sequence"]).follower
     old = its[change - 1]["sequence"]
     assert its[-1]["sequence"] == old
