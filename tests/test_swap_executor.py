@@ -329,8 +329,11 @@ def test_a_copy_stream_that_falls_behind_is_planned_for_again_with_the_measured_
     its = report["per_iteration"]
     assert its[slow_from - 1]["stage"] == "Stable"
     late = [r for r in report["replans"] if r["iteration"] >= slow_from and r["reason"].startswith("copies ran at")]
-    # planned again with what the link delivers (the emulated link never runs faster than its bandwidth)
-    assert len(late) == 1 and late[0]["bandwidth"] <= bandwidth
+    # planned again with what the link delivers (the emulated link never runs faster than its bandwidth;
+    # on a busy machine its copy worker can deliver less, and the run is planned again for that, never
+    # for a faster link: the plan is for the slowest iteration seen)
+    assert late and late[0]["bandwidth"] <= bandwidth
+    assert all(later["bandwidth"] < earlier["bandwidth"] for earlier, later in zip(late, late[1:], strict=False))
     # planned again from the trace the sequence was first planned from (the profiler's own trace
     # numbering is the oracle): the program did not change, only the link
     first_trace = session.profiler.traces[0].iteration
