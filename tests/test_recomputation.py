@@ -85,22 +85,28 @@ def test_twenty_iterations_at_a_third_of_the_peak_are_bit_identical(plain, plann
         assert rerun and rerun >= entirely
 
 
-def test_memfit_run_plans_recomputation_for_an_unmodified_script(tmp_path):
+def reference_script(tmp_path, steps):
+    """A user's script training the reference Llama (4 layers, batch 8 x 256) for ``steps`` steps."""
     script = tmp_path / "train.py"
     script.write_text(
         textwrap.dedent(
-            """
+            f"""
             import dataclasses
             from memfit.models import LlamaConfig, build_training
 
             config = dataclasses.replace(LlamaConfig.preset("tiny"), n_layers=4, max_seq_len=256)
             run = build_training(config, batch_size=8, seq_len=256)
-            for _ in range(14):
+            for _ in range({steps}):
                 run.step()
             print("trained", run.step_index)
             """
         )
     )
+    return script
+
+
+def test_memfit_run_plans_recomputation_for_an_unmodified_script(tmp_path):
+    script = reference_script(tmp_path, 14)
     report_path = tmp_path / "report.json"
     result = run_memfit(  # --planner sac: what is tested is that memfit run applies recomputation
         "run", "--backend", "cpu-sim", "--budget", "24MiB", "--capacity", "48MiB", "--planner", "sac",
@@ -125,20 +131,7 @@ def test_recompute_plans_turned_away_say_the_budget_from_which_they_would_be_tri
     from memfit.config import parse_size
     from memfit.plan import default_margin
 
-    script = tmp_path / "train.py"
-    script.write_text(
-        textwrap.dedent(
-            """
-            import dataclasses
-            from memfit.models import LlamaConfig, build_training
-
-            config = dataclasses.replace(LlamaConfig.preset("tiny"), n_layers=4, max_seq_len=256)
-            run = build_training(config, batch_size=8, seq_len=256)
-            for _ in range(8):
-                run.step()
-            """
-        )
-    )
+    script = reference_script(tmp_path, 8)
     report_path = tmp_path / "report.json"
     result = run_memfit(  # 16 MiB: below what the recompute planners reach on this model
         "run", "--backend", "cpu-sim", "--budget", "16MiB", "--capacity", "48MiB", "--report", str(report_path),

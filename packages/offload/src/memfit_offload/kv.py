@@ -152,7 +152,10 @@ class _CacheState:
 
 
 def _give_back_all(pool: HostBufferPool, buffers: Iterable[torch.Tensor]) -> None:
-    """A dropped cache's host segments go back to the pool for the next cache."""
+    """A dropped cache's host segments go back to the pool for the next cache.
+
+    Without an event: copies still queued into a buffer run before any later user's (one FIFO copy stream).
+    """
     for buffer in buffers:
         pool.give_back(buffer)
 
@@ -343,7 +346,6 @@ class KVOffload(KVCacheHooks):
         while layer.capacity < blocks:
             size = max(blocks - layer.capacity, layer.capacity, MIN_SEGMENT_BLOCKS)
             size = min(size, max(state.max_blocks - layer.capacity, blocks - layer.capacity))
-            # copies still queued into a buffer run before any later user's (one FIFO copy stream)
             buffer = self._pool.take((size, 2, *cache.block_shape), cache.dtype, at_least=True)  # use it all
             state.host_tensors.append(buffer)
             layer.segments.append(_Segment(layer.capacity, buffer))
