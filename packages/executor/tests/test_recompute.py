@@ -300,14 +300,18 @@ def test_calls_unlike_the_plans_own_iterations_run_unchanged_once_the_session_sa
         run.model.loss(tokens[:, :length], targets[:, :length]).backward()
         return recomputed[0]
 
+    assert not applied.ran_as_planned()  # no checkpointed module called yet: the session says nothing
     applied.end_iteration(of_the_plan=True)  # an iteration that called no module (a pass without it) teaches nothing
     assert step(64) == layers  # nothing learnt yet: every call is checkpointed
+    assert applied.ran_as_planned()  # (what the session tells the profiler)
     applied.end_iteration(of_the_plan=False)  # that iteration was of another sequence: its shapes are not the plan's
     assert step(32) == layers
     applied.end_iteration(of_the_plan=True)  # that one was of the plan's sequence (length 32)
     assert step(64) == 0 and applied.unlike_calls == layers  # a longer batch: run unchanged
+    assert not applied.ran_as_planned()
     applied.end_iteration(of_the_plan=False)
-    assert step(32) == layers and step(64) == 0 and applied.unlike_calls == 2 * layers
+    assert step(32) == layers and applied.ran_as_planned()
+    assert step(64) == 0 and applied.unlike_calls == 2 * layers and not applied.ran_as_planned()  # one unlike call
     applied.remove()
 
 

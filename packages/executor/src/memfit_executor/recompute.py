@@ -466,6 +466,7 @@ class AppliedRecompute:
         """Whether turning a transformers layer's KV cache off was said (once per application)."""
         self.unlike_calls = 0
         """Calls run without checkpointing: their inputs' shapes unlike any of the plan's own iterations."""
+        self._unlike_now = 0  # unlike_calls in the current iteration
         self._installed: list[tuple[nn.Module, _CheckpointedForward, Any]] = []
         self._planned_shapes: dict[str, set[tuple]] | None = None  # per module, from end_iteration(True)
         self._shapes: dict[str, set[tuple]] = {}  # this iteration's, per module
@@ -483,6 +484,7 @@ class AppliedRecompute:
         """
         # an iteration that called none of the modules (a record of a pass without the model, several
         # records at one step) teaches nothing: an empty set would leave every later call unchecked
+        self._unlike_now = 0
         if of_the_plan and self._shapes:
             planned = self._planned_shapes if self._planned_shapes is not None else {}
             for name, shapes in self._shapes.items():
@@ -497,7 +499,17 @@ class AppliedRecompute:
         if self._planned_shapes is None or shapes in self._planned_shapes.get(name, ()):
             return True
         self.unlike_calls += 1
+        self._unlike_now += 1
         return False
+
+    def ran_as_planned(self) -> bool:
+        """Whether the current iteration ran the plan: it called checkpointed modules, each on the plan's shapes.
+
+        Before the plan's first own iteration (:meth:`end_iteration`), any shapes are the plan's.
+        The session tells the profiler so (``set_recomputed_source``): checkpointing changes what a
+        forward pass runs and saves, and the iteration is still of the sequence the plan was made for.
+        """
+        return bool(self._shapes) and self._unlike_now == 0 and not any(f.warned for _, f, _ in self._installed)
 
     def _install(self, name: str, module: nn.Module, action: Recompute) -> None:
         previous = module.__dict__.get("forward", _NO_INSTANCE_FORWARD)

@@ -236,6 +236,7 @@ class SwapSession:
         self._pass_ends = 0  # iterations the session ended so
         self._log: SaveLog | None = None
         self._applied: list[tuple[int, int | None]] = []  # per binding in place: (sequence, candidate or None)
+        self._planners: dict[tuple[int, int | None], str] = {}  # the planner of each plan in place
         self._in_place: list[Binding] = []
         self._external: Binding | None = None
         self._models: ModelFinder | None = None
@@ -286,6 +287,7 @@ class SwapSession:
         )
         if self.profiler is not None:
             self.profiler.set_saved_bytes_source(self.runtime.take_saved_bytes)
+            self.profiler.set_recomputed_source(self._recomputed_for)
             self.runtime.on_backward = self._on_backward
         self.runtime.install(self.hooks if self.options.oom_handler != "off" else _NoOOMHooks())
         # an unmodified script never hands us its model: find it, in case a plan recomputes
@@ -478,7 +480,9 @@ class SwapSession:
                 "peak_device_bytes": record.peak_device_bytes,
                 "ops": record.n_ops,
                 "saved_bytes": record.saved_bytes,
-                "plan": None if owner is None else {"sequence": owner[0], "candidate": owner[1]},
+                "plan": None
+                if owner is None
+                else {"sequence": owner[0], "candidate": owner[1], "planner": self._planners.get(owner)},
                 **{k: v for k, v in counters.items() if k != "plan"},
             }
         )
@@ -533,6 +537,7 @@ class SwapSession:
             self._set_recompute(recompute)
         self._in_place = [b for _, b in applicable]
         self._applied = [a for a, b in applicable if b.entries]
+        self._planners = {a: b.plan.planner for a, b in applicable}
         self._recompute_owner = applicable[0][0] if recompute is not None and self._recompute is not None else None
 
     def _set_recompute(self, plan: Any) -> None:
@@ -558,6 +563,12 @@ class SwapSession:
             self._note(f"a plan's recomputation does not fit the model in training and is left out: {exc}")
             return
         self._recompute_plan = plan
+
+    def _recomputed_for(self) -> int | None:
+        """The sequence whose recomputation plan the iteration ending now ran as planned, if any (for the profiler)."""
+        if self._recompute is None or self._recompute_owner is None or not self._recompute.ran_as_planned():
+            return None
+        return self._recompute_owner[0]
 
     def _not_recorded(self) -> Any:
         """Recomputed operators are not part of the program's signature, nor of the plan's positions."""

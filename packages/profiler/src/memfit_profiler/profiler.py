@@ -204,6 +204,7 @@ class OnlineProfiler:
         self._listeners: list[Callable[[Observation], None]] = []
         self._iteration_listeners: list[Callable[[IterationRecord], None]] = []
         self._saved_bytes_source: Callable[[], list[tuple[int, int]]] | None = None
+        self._recomputed_source: Callable[[], int | None] | None = None
         self._static_keys: set[int] = set()
         self._handles: list[Any] = []
         self._detailed = False
@@ -309,6 +310,15 @@ class OnlineProfiler:
         :mod:`memfit_profiler.stages` for why it replaces the forward length in the test.
         """
         self._saved_bytes_source = source
+
+    def set_recomputed_source(self, source: Callable[[], int | None] | None) -> None:
+        """Have the change test know which sequence's recomputation plan an iteration ran.
+
+        ``source()`` is called once per drained iteration and returns the id of the known sequence
+        whose recomputation plan ran on the shapes it was planned for, else ``None``. The swap
+        executor supplies it; see :mod:`memfit_profiler.stages` for what the test then allows.
+        """
+        self._recomputed_source = source
 
     def replan(self, sequence: int) -> None:
         """Send a Stable sequence back to GenPolicy, so that a new plan is generated for it."""
@@ -436,6 +446,7 @@ class OnlineProfiler:
     ) -> None:
         segments = _segments(raw)
         forwards = self._saved_bytes_source() if self._saved_bytes_source is not None else None
+        recomputed_for = self._recomputed_source() if self._recomputed_source is not None else None
         if not segments:
             return
         for i, (a, b) in enumerate(segments):
@@ -443,7 +454,7 @@ class OnlineProfiler:
             saved = None if forwards is None else sum(n for start, n in forwards if a <= start < b)
             ran_in, detailed = self.machine.stage, self._detailed
             traced = detailed and raw.detail is not None and i == 0  # the pass kept as a trace (below)
-            obs = self.machine.observe(tokens, phases, saved, traced=traced)
+            obs = self.machine.observe(tokens, phases, saved, traced=traced, recomputed_for=recomputed_for)
             last = i == len(segments) - 1
             record = IterationRecord(
                 index=self.iteration_count,

@@ -41,6 +41,16 @@ previous iteration, and joins the closest one that passes the test, or starts a 
 * A sequence in GenPolicy that has not been seen for ``window`` iterations goes back to WarmUp
   (so Detailed recording does not stay on for a sequence that went away); Stable sequences keep
   their plans until ``max_sequences`` newer ones push them out.
+* An iteration that ran a sequence's **recomputation plan** on the shapes it was planned for
+  (the executor says so: ``observe(..., recomputed_for=...)``) is compared with that sequence
+  with twice the length tolerance. Checkpointing changes the program it was planned from:
+  checkpoint saves each checkpointed module's inputs (a transformers Qwen2 layer's hidden states,
+  attention mask and position ids: 6% more bytes when every layer is checkpointed), and a
+  checkpointed transformers layer does not write its KV cache (about 5% fewer forward operators).
+  Such an iteration would otherwise start a new sequence, and the plan's trials and Stable
+  iterations would not count for the sequence it was made for. The executor vouches only when
+  every checkpointed call had the shapes of the plan's own iterations, so another length is still
+  another sequence.
 * The executor can send a Stable sequence back to GenPolicy (:meth:`StageMachine.replan`) when
   its plan stops holding (passive swaps keep happening, or copies fall behind).
 * **Relatives** (:meth:`StageMachine.is_relative`): a new sequence whose operators pass the test
@@ -87,6 +97,9 @@ NGRAM_BUCKETS = 4096
 4096 buckets and the few hundred distinct n-grams of a model they are rare."""
 FOLLOWER_TRIALS = 1
 """GenPolicy trials of a follower (a relative of a sequence planned for: see the module docs)."""
+RECOMPUTED_TOLERANCE = 2
+"""Against the sequence whose recomputation plan an iteration ran, the length tests allow this many
+times ``length_tolerance`` (see the module docs: checkpointing changes what a forward pass runs and saves)."""
 _PHASES = tuple(Phase)
 _START, _END = -1, -2  # sentinels around each phase, so that a one-operator phase has n-grams too
 
@@ -366,10 +379,11 @@ class StageMachine:
         """The known sequence with this id, if it is still known."""
         return next((s for s in self.sequences if s.id == sequence_id), None)
 
-    def is_same(self, sim: Similarity) -> bool:
-        """The two-part test (see the module docs)."""
-        volume_ok = sim.saved_bytes_diff is None or sim.saved_bytes_diff < self.length_tolerance
-        return sim.length_diff < self.length_tolerance and sim.cosine > self.cosine_threshold and volume_ok
+    def is_same(self, sim: Similarity, recomputed: bool = False) -> bool:
+        """The two-part test (module docs); ``recomputed``: the iteration ran that sequence's recomputation plan."""
+        tolerance = self.length_tolerance * (RECOMPUTED_TOLERANCE if recomputed else 1)
+        volume_ok = sim.saved_bytes_diff is None or sim.saved_bytes_diff < tolerance
+        return sim.length_diff < tolerance and sim.cosine > self.cosine_threshold and volume_ok
 
     def is_relative(self, sim: Similarity) -> bool:
         """The same operators, other saved bytes: the same program on tensors of another size (module docs)."""
@@ -390,6 +404,7 @@ class StageMachine:
         phases: np.ndarray | None = None,
         saved_bytes: int | None = None,
         traced: bool = False,
+        recomputed_for: int | None = None,
     ) -> Observation:
         """Process one finished iteration; returns the stage the next iteration runs in.
 
@@ -399,6 +414,8 @@ class StageMachine:
             saved_bytes: bytes the forward pass saved for backward, when known (see the module docs).
             traced: the iteration was recorded in Detailed mode: a follower that leaves WarmUp with
                 it is planned from it (see the module docs).
+            recomputed_for: the sequence whose recomputation plan the iteration ran on the shapes it
+                was planned for, when the executor knows (see the module docs).
         """
         signature = tokens if isinstance(tokens, Signature) else Signature.of(tokens, phases, saved_bytes)
         iteration = self.iterations
@@ -406,7 +423,7 @@ class StageMachine:
         before = self.stage
         transitions: list[Transition] = []
         scored = [(similarity(signature, s.reference), s) for s in self.sequences]
-        passing = [(sim, s) for sim, s in scored if self.is_same(sim)]
+        passing = [(sim, s) for sim, s in scored if self.is_same(sim, recomputed=s.id == recomputed_for)]
         if passing:
             sim, seq = max(passing, key=lambda p: p[0].cosine)
             same, ran_as = True, seq.stage
