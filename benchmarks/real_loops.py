@@ -14,10 +14,15 @@ Two parts, each in processes of its own, on cpu-sim:
   ``--rounds`` paired rounds (each: memfit's run, then full AC's steps): both peaks and the median
   step times (memfit's Stable steps), and their ratio per round; ``--hidden`` sizes the model (default
   128; larger makes the step's matrix products, not per-operator costs, its time).
+* ``recompute``: the same Qwen2 at the budget from which the recomputation plans keep their margin
+  (the one the note of a ``--planner sac`` run at 30 % of the peak names): in paired rounds,
+  ``memfit run`` as users get it (``auto``) against ``--planner swap`` at that budget, the planner
+  of the plan each chose, and full AC's step at its own peak beside them.
 
-Prints one JSON object ``{"long": {...}, "baseline": {...}}``.
+Prints one JSON object ``{"long": {...}, "baseline": {...}, "recompute": {...}}`` (the parts run).
 
-Run: python benchmarks/real_loops.py [--steps 1000] [--rounds 3] [--hidden 128] [--part long|baseline|both]
+Run: python benchmarks/real_loops.py [--steps 1000] [--rounds 3] [--hidden 128]
+[--part long|baseline|recompute|both|all] (both: long and baseline)
 """
 
 from __future__ import annotations
@@ -96,26 +101,44 @@ def long_run(steps: int, granularity: int, fraction: float) -> dict:
     }
 
 
+def _qwen2(steps: int, hidden: int) -> tuple[str, ...]:
+    return (str(HF_TRAIN), "--model", "qwen2", "--iterations", str(steps), "--hidden", str(hidden))
+
+
+def _ac_peak(folder: str, steps: int, hidden: int) -> int:
+    out = Path(folder) / "ac.json"
+    cmd = [sys.executable, "-m", "memfit_executor.baseline", str(out), "ac", str(steps), "cpu-sim", "--"]
+    subprocess.run([*cmd, *_qwen2(steps, hidden)], check=True, capture_output=True)
+    return json.loads(out.read_text())["peak_device_bytes"]
+
+
+def _memfit_run(folder: str, budget: int, script: tuple[str, ...], *options: str) -> dict:
+    """``memfit run`` on cpu-sim at ``budget`` with room for twice it; its report."""
+    report_path = Path(folder) / "run.json"
+    cmd = [
+        sys.executable, "-c", "from memfit.cli.main import main; main()", "run", "--backend", "cpu-sim",
+        "--budget", str(budget), "--capacity", str(2 * budget), *options, "--out", str(report_path), "--",
+        sys.executable, *script,
+    ]  # fmt: skip
+    subprocess.run(cmd, check=True, capture_output=True)
+    return json.loads(report_path.read_text())
+
+
+def _chosen_planners(report: dict) -> list[str]:
+    """The planners of the plans the Stable iterations ran."""
+    return sorted({it["plan"]["planner"] for it in report["per_iteration"] if it["stage"] == "Stable" and it["plan"]})
+
+
 def baseline_rounds(rounds: int, steps: int, hidden: int = 128) -> dict:
     from memfit_executor.cli import stable_step_seconds
 
-    args = ("--model", "qwen2", "--iterations", str(steps), "--hidden", str(hidden))
     with tempfile.TemporaryDirectory() as folder:
-        out = Path(folder) / "ac.json"
-        cmd = [sys.executable, "-m", "memfit_executor.baseline", str(out), "ac", str(steps), "cpu-sim", "--"]
-        subprocess.run([*cmd, str(HF_TRAIN), *args], check=True, capture_output=True)
-        ac_peak = json.loads(out.read_text())["peak_device_bytes"]
+        ac_peak = _ac_peak(folder, steps, hidden)
         results = []
         for _ in range(rounds):
-            report_path = Path(folder) / "run.json"
-            memfit_cmd = [
-                sys.executable, "-c", "from memfit.cli.main import main; main()", "run", "--backend", "cpu-sim",
-                "--budget", str(ac_peak), "--capacity", str(2 * ac_peak), "--baseline", "ac",
-                "--baseline-steps", str(min(steps, 10)), "--out", str(report_path), "--",
-                sys.executable, str(HF_TRAIN), *args,
-            ]  # fmt: skip
-            subprocess.run(memfit_cmd, check=True, capture_output=True)
-            report = json.loads(report_path.read_text())
+            report = _memfit_run(
+                folder, ac_peak, _qwen2(steps, hidden), "--baseline", "ac", "--baseline-steps", str(min(steps, 10))
+            )
             ours, theirs = stable_step_seconds(report), report["baseline"]["step_seconds"]
             results.append({
                 "memfit_peak_bytes": report["peak_device_bytes"],
@@ -123,6 +146,7 @@ def baseline_rounds(rounds: int, steps: int, hidden: int = 128) -> dict:
                 "memfit_step_seconds": ours,
                 "ac_step_seconds": theirs,
                 "step_ratio": ours / theirs if ours and theirs else None,
+                "memfit_planners": _chosen_planners(report),
                 "stable": sum(it["stage"] == "Stable" for it in report["per_iteration"]),
             })  # fmt: skip
     ratios = [r["step_ratio"] for r in results if r["step_ratio"]]
@@ -135,9 +159,50 @@ def baseline_rounds(rounds: int, steps: int, hidden: int = 128) -> dict:
     }
 
 
+def recompute_rounds(rounds: int, steps: int, hidden: int = 128) -> dict:
+    """``auto`` against ``--planner swap`` where the recomputation plans keep their margin (module docs)."""
+    import re
+
+    from memfit_executor.cli import stable_step_seconds
+
+    with tempfile.TemporaryDirectory() as folder:
+        measured = subprocess.run(
+            [sys.executable, *_qwen2(3, hidden), "--measure-peak"], check=True, capture_output=True, text=True
+        )
+        plain = json.loads(next(x for x in measured.stdout.splitlines() if x.startswith('{"losses"')))["peak"]
+        probe = _memfit_run(folder, int(0.3 * plain), _qwen2(8, hidden), "--planner", "sac")
+        [note] = [n for n in probe["notes"] if "that recompute are not applied" in n]
+        budget = int(re.search(r"from a budget of (\d+) B", note)[1])
+        results = []
+        for _ in range(rounds):
+            auto = _memfit_run(folder, budget, _qwen2(steps, hidden), "--baseline", "ac", "--baseline-steps", "10")
+            swap = _memfit_run(folder, budget, _qwen2(steps, hidden), "--planner", "swap")
+            ours, swaps, ac = stable_step_seconds(auto), stable_step_seconds(swap), auto["baseline"]["step_seconds"]
+            results.append({
+                "auto_planners": _chosen_planners(auto),
+                "auto_step_seconds": ours,
+                "swap_step_seconds": swaps,
+                "ac_step_seconds": ac,
+                "auto_to_swap": ours / swaps if ours and swaps else None,
+                "auto_to_ac": ours / ac if ours and ac else None,
+                "auto_peak_bytes": auto["peak_device_bytes"],
+                "swap_peak_bytes": swap["peak_device_bytes"],
+                "ac_peak_bytes": auto["baseline"]["peak_device_bytes"],
+            })  # fmt: skip
+    return {
+        "model": f"qwen2 (tests/hf_train.py), hidden {hidden}",
+        "plain_peak_bytes": plain,
+        "budget_bytes": budget,
+        "rounds": results,
+        "median_auto_to_swap": statistics.median(r["auto_to_swap"] for r in results if r["auto_to_swap"]),
+        "median_auto_to_ac": statistics.median(r["auto_to_ac"] for r in results if r["auto_to_ac"]),
+        "within_budget": all(max(r["auto_peak_bytes"], r["swap_peak_bytes"]) <= budget for r in results),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--part", choices=["long", "baseline", "both"], default="both")
+    parser.add_argument("--part", choices=["long", "baseline", "recompute", "both", "all"], default="both")
     parser.add_argument("--steps", type=int, default=1000, help="steps of the long run")
     parser.add_argument("--granularity", type=int, default=64, help="lengths are 64 + k * this, up to 512")
     parser.add_argument("--fraction", type=float, default=0.5, help="budget as a fraction of the plain peak")
@@ -146,10 +211,12 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=128, help="hidden size of the baseline part's Qwen2")
     args = parser.parse_args()
     result = {}
-    if args.part in ("long", "both"):
+    if args.part in ("long", "both", "all"):
         result["long"] = long_run(args.steps, args.granularity, args.fraction)
-    if args.part in ("baseline", "both"):
+    if args.part in ("baseline", "both", "all"):
         result["baseline"] = baseline_rounds(args.rounds, args.baseline_steps, args.hidden)
+    if args.part in ("recompute", "all"):
+        result["recompute"] = recompute_rounds(args.rounds, args.baseline_steps, args.hidden)
     print(json.dumps(result, indent=2))
 
 
