@@ -121,7 +121,7 @@ def timing_trial(args: argparse.Namespace) -> dict:
                 seconds[mode].append(time.perf_counter() - start)
                 cpu[mode].append(time.thread_time() - start_cpu)
         sim.synchronize()
-        exposed = {mode: runs[mode][1].runtime.reset_stats().exposed_seconds / args.steps for mode in MODES}
+        exposed = {mode: runs[mode][1].runtime.reset_stats().wait_seconds / args.steps for mode in MODES}
     sim.close()
     return {
         "step_s": {mode: statistics.median(s) for mode, s in seconds.items()},

@@ -125,7 +125,7 @@ def main() -> None:
                     and all(torch.equal(a, b) for a, b in zip(params, none_params, strict=True)),
                     "peak_bytes": peak,
                     "step_s": statistics.median(seconds[args.warmup :]),
-                    "exposed_transfer_s": offload.runtime.reset_stats().exposed_seconds / args.steps,
+                    "exposed_transfer_s": offload.runtime.reset_stats().wait_seconds / args.steps,
                     "offloaded_values": sum(len(d.chosen) for d in offload.decisions),
                 }
             del run, offload

@@ -22,6 +22,7 @@ PACKAGES = (
 CORE_CLASSES = (
     "memfit.trace.Trace", "memfit.plan.MemoryPlan", "memfit.types.PlanningProblem", "memfit.backends.base.Backend",
     "memfit.workload.LlamaConfig", "memfit.hostbuffers.HostBufferPool",
+    "memfit.transfers.TransferStats",
 )  # fmt: skip
 """Core's data model: not exported from ``memfit`` itself, but what every package builds on."""
 

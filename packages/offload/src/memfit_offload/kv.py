@@ -67,6 +67,7 @@ Example:
 from __future__ import annotations
 
 import collections
+import dataclasses
 import time
 import weakref
 from collections.abc import Iterable
@@ -77,6 +78,7 @@ import torch
 from memfit.errors import MemfitError
 from memfit.hostbuffers import HostBufferPool
 from memfit.models.kvcache import KVCache, KVCacheHooks
+from memfit.transfers import TransferStats
 
 from memfit_offload.ops import copy_stream_after_compute
 
@@ -84,24 +86,18 @@ MIN_SEGMENT_BLOCKS = 8
 """Smallest host segment, in blocks: fewer, larger segments mean fewer copies per prefetch."""
 
 
-@dataclass(frozen=True, slots=True)
-class KVOffloadStats:
-    """What a :class:`KVOffload` has moved and waited for since it was made (or :meth:`KVOffload.reset_stats`)."""
+@dataclass
+class KVOffloadStats(TransferStats):
+    """What a :class:`KVOffload` has moved and waited for since it was made (or :meth:`KVOffload.reset_stats`).
 
-    stored_bytes: int
-    """Bytes copied device to host (each full block once)."""
-    prefetched_bytes: int
-    """Bytes copied host to device (a layer's stored blocks, once per step)."""
-    blocks_stored: int
+    The transfer record (:class:`memfit.transfers.TransferStats`: a store is a layer's full blocks
+    copied at once, each block once; a prefetch is a layer's stored blocks, once per step; a wait is
+    a prefetch not yet complete when its layer's attention needed it), and:
+    """
+
+    blocks_stored: int = 0
     """Blocks stored (a block is a layer's keys and values for ``block_size`` positions)."""
-    prefetches: int
-    """Layer prefetches issued (those with at least one stored block)."""
-    waits: int
-    """Prefetches not yet complete when their layer's attention needed them."""
-    wait_seconds: float
-    """Host seconds spent in those waits: the exposed transfer time on cpu-sim; about zero on an
-    accelerator, where the wait is device-side (use a profiler there)."""
-    host_bytes: int
+    host_bytes: int = 0
     """Host memory held in buffers (in use or kept for reuse)."""
 
 
@@ -224,23 +220,15 @@ class KVOffload(KVCacheHooks):
     # -- counters -----------------------------------------------------------------------------
     def reset_stats(self) -> None:
         """Zero the counters (host buffers are kept)."""
-        self._stored_bytes = 0
-        self._prefetched_bytes = 0
+        self._transfers = TransferStats()
         self._blocks_stored = 0
-        self._prefetches = 0
-        self._waits = 0
-        self._wait_seconds = 0.0
 
     @property
     def stats(self) -> KVOffloadStats:
         """A snapshot of the counters."""
         return KVOffloadStats(
-            stored_bytes=self._stored_bytes,
-            prefetched_bytes=self._prefetched_bytes,
+            **dataclasses.asdict(self._transfers),
             blocks_stored=self._blocks_stored,
-            prefetches=self._prefetches,
-            waits=self._waits,
-            wait_seconds=self._wait_seconds,
             host_bytes=self._pool.allocated_bytes,
         )
 
@@ -275,10 +263,9 @@ class KVOffload(KVCacheHooks):
         if prefetch is None:
             return
         if not prefetch.event.query():
-            self._waits += 1
             began = time.perf_counter()
             self.backend.current_stream().wait_event(prefetch.event)
-            self._wait_seconds += time.perf_counter() - began
+            self._transfers.waited(time.perf_counter() - began)
         buffer = prefetch.buffer
         stored = cache.blocks(layer)[: buffer.shape[0]]  # the tail, never stored, is still on the device
         for block, key, value in zip(stored, buffer.select(1, 0).unbind(0), buffer.select(1, 1).unbind(0), strict=True):
@@ -306,7 +293,7 @@ class KVOffload(KVCacheHooks):
                 reading += (block.key, block.value)
         count = full - layer_state.stored
         self._blocks_stored += count
-        self._stored_bytes += sum(t.numel() * t.element_size() for t in reading)
+        self._transfers.stored(sum(t.numel() * t.element_size() for t in reading))
         self._pending.append((event, reading))
         layer_state.stored = full
 
@@ -368,8 +355,7 @@ class KVOffload(KVCacheHooks):
             span = slice(segment.start, segment.start + count)
             event = self.backend.copy_async(buffer[span], segment.buffer[:count], stream)
         layer.prefetch = _Prefetch(buffer, event)
-        self._prefetches += 1
-        self._prefetched_bytes += buffer.numel() * buffer.element_size()
+        self._transfers.prefetched(buffer.numel() * buffer.element_size())
 
     def _release_stored(self) -> None:
         """Drop the device blocks of every completed store (in order: one copy stream completes in order)."""

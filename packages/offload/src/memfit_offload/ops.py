@@ -53,31 +53,18 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from memfit.errors import MemfitError
 from memfit.hostbuffers import HostBufferPool
+from memfit.transfers import TransferStats
 
-__all__ = ["OffloadRuntime", "ResidencyError", "TransferStats", "runtime"]
+__all__ = ["OffloadRuntime", "ResidencyError", "runtime"]
 
 
 class ResidencyError(MemfitError, RuntimeError):
     """Debug mode found an operator reading a device tensor that was released, or not yet prefetched."""
-
-
-@dataclass
-class TransferStats:
-    """What the cache operators moved and waited for, since the runtime was created or reset."""
-
-    stored_bytes: int = 0
-    prefetched_bytes: int = 0
-    stores: int = 0
-    prefetches: int = 0
-    exposed_seconds: float = 0.0
-    """Host time spent blocked in ``wait`` for prefetches (and in ``drain`` for stores)."""
-    waits: list[float] = field(default_factory=list, repr=False)
 
 
 def _storage_key(t: torch.Tensor) -> int:
@@ -212,8 +199,7 @@ class OffloadRuntime:
         # allocations cost tens of microseconds, and every step stores the same sizes again
         weakref.finalize(returned, self._stored.pop, key, None)
         weakref.finalize(returned, self._recycle, buffer, event)
-        self.stats.stored_bytes += numel * x.element_size()  # the span moved (a view with gaps moves them too)
-        self.stats.stores += 1
+        self.stats.stored(numel * x.element_size())  # the span moved (a view with gaps moves them too)
         return returned
 
     def release(self, x: torch.Tensor, host: torch.Tensor) -> None:
@@ -224,7 +210,7 @@ class OffloadRuntime:
             if event is not None and not event.query():
                 start = time.perf_counter()
                 event.synchronize()
-                self.stats.exposed_seconds += time.perf_counter() - start
+                self.stats.waited(time.perf_counter() - start)
         with self._lock:
             self._prune()
         if self.debug:
@@ -259,8 +245,7 @@ class OffloadRuntime:
         with self._lock:
             self._prefetched[_storage_key(device)] = (host, event)
         device = _alias(device)
-        self.stats.prefetched_bytes += span.numel() * span.element_size()
-        self.stats.prefetches += 1
+        self.stats.prefetched(span.numel() * span.element_size())
         if self.debug:
             self.unwaited.add(_storage_key(device))
         return device
@@ -271,11 +256,11 @@ class OffloadRuntime:
             entry = self._prefetched.pop(key, None)
             self._prune()
         if entry is not None:
+            done = entry[1].query()
             start = time.perf_counter()
             self.backend.current_stream().wait_event(entry[1])
-            waited = time.perf_counter() - start
-            self.stats.exposed_seconds += waited
-            self.stats.waits.append(waited)
+            if not done:
+                self.stats.waited(time.perf_counter() - start)
         if self.debug:
             self.unwaited.discard(key)
 
