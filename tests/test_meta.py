@@ -293,6 +293,32 @@ def test_batch_seq_and_layers_are_one_word_each_on_the_command_line_and_the_earl
     assert parsed(["faulttol", "run"], ["--n-layers", "3"])["n_layers"] == 3
 
 
+def test_every_commands_batch_seq_and_layers_come_from_the_shared_workload_options():
+    """One meaning and one help text per word (``memfit.cli.options``), on every command that takes it."""
+    import click
+    from memfit.cli.main import cli
+    from memfit.cli.options import WORKLOAD_HELP
+
+    def commands(group, path):
+        for name in group.list_commands(click.Context(group)):
+            command = group.get_command(click.Context(group), name)
+            if isinstance(command, click.Group):
+                yield from commands(command, [*path, name])
+            else:
+                yield [*path, name], command
+
+    seen, wrong = set(), []
+    for path, command in commands(cli, []):
+        for param in command.params:
+            for word, meaning in WORKLOAD_HELP.items():
+                if f"--{word}" in getattr(param, "opts", ()):
+                    seen.add(word)
+                    if meaning not in (param.help or ""):
+                        wrong.append(f"memfit {' '.join(path)} --{word}: {param.help!r}")
+    assert not wrong, wrong
+    assert seen == set(WORKLOAD_HELP)  # the walk found the commands
+
+
 def test_every_command_says_out_set_json_and_devices_with_one_meaning_and_the_earlier_names_still_parse():
     """``--out`` for what a command writes, ``--set`` for a KEY=VALUE override, ``--json`` wherever a command reports,
     ``--devices`` as COUNTxDEVICE; ``--report`` and ``--option`` stay second names of ``--out`` and ``--set``."""

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import click
+from memfit.cli.options import workload_option
 from memfit.config import format_size, parse_size
 from memfit.errors import MemfitError
 from rich.console import Console
@@ -149,14 +150,10 @@ def run_demo(
 
 @click.command()
 @click.option("--model", default="tiny", show_default=True, help="Reference model preset.")
-@click.option(
-    "--layers", default=8, show_default=True, type=click.IntRange(1), help="Decoder layers (overrides the preset)."
-)
+@workload_option("layers", default=8)
 @click.option("--steps", default=20, show_default=True, type=click.IntRange(1), help="Training steps.")
-@click.option("--batch", "--batch-size", "batch_size", default=8, show_default=True, type=click.IntRange(1),
-              help="Sequences per step.")  # fmt: skip
-@click.option("--seq", "--seq-len", "seq_len", default=128, show_default=True, type=click.IntRange(2),
-              help="Tokens per sequence.")  # fmt: skip
+@workload_option("batch", "batch_size", default=8, old_name="--batch-size")
+@workload_option("seq", "seq_len", default=128, old_name="--seq-len", minimum=2)
 @click.option(
     "--budget", default=None, help="Device memory to train in, e.g. 16MiB; default: a quarter of the unswapped peak."
 )

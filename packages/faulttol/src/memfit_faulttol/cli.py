@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import click
+from memfit.cli.options import workload_option
 from memfit.errors import MemfitError
 from memfit.workload import PRESETS
 
@@ -36,7 +37,7 @@ def faulttol() -> None:
 )
 @click.option("--model", default="llama2-7b", show_default=True, help=f"A preset: {', '.join(PRESETS)}.")
 @click.option("--device", default=None, help="The device (memfit-simulator's registry)  [default: ascend-910b]")
-@click.option("--seq", type=int, default=4096, show_default=True, help="Tokens per sample (micro-batch of one sample).")
+@workload_option("seq", default=4096)
 @click.option("--micro-batches", type=int, default=64, show_default=True, help="Global batch, in micro-batches.")
 @click.option(
     "--stages", type=int, default=4, show_default=True, help="Pipeline depth of the fault-free plan (0: best)."
@@ -143,10 +144,10 @@ def _parse_kills(values: tuple[str, ...]) -> dict[int, int]:
 @click.option("--nproc", type=int, default=4, show_default=True, help="Worker processes (devices), gloo on the CPU.")
 @click.option("--stages", type=int, default=2, show_default=True, help="Pipeline stages of the fault-free plan.")
 @click.option("--model", default="tiny", show_default=True, help="Reference Llama preset.")
-@click.option("--layers", "--n-layers", "n_layers", type=int, default=4, show_default=True, help="Transformer blocks.")
-@click.option("--batch", type=int, default=8, show_default=True, help="Global batch (sequences per step).")
+@workload_option("layers", "n_layers", default=4, old_name="--n-layers")
+@workload_option("batch", default=8)
 @click.option("--micro-batches", type=int, default=4, show_default=True, help="Micro-batches per global batch.")
-@click.option("--seq", type=int, default=32, show_default=True, help="Tokens per sequence.")
+@workload_option("seq", default=32)
 @click.option("--steps", type=int, default=8, show_default=True, help="Training steps.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--lr", type=float, default=3e-3, show_default=True, help="AdamW learning rate.")

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 from memfit import workload
+from memfit.cli.options import workload_option
 from memfit.errors import MemfitError
 
 from memfit_parallel.launch import run
@@ -30,8 +31,8 @@ def parse_devices(text: str) -> tuple[int, str]:
 @click.option("--model", required=True, help="A model of the registry: tiny, small, medium, llama3-8b, llama3-70b, "
               "llama3-405b, llama2-7b.")  # fmt: skip
 @click.option("--devices", required=True, metavar="COUNTxDEVICE", help="How many of which device: 128xh100, 8xcpu.")
-@click.option("--batch", type=click.IntRange(1), required=True, help="Global batch (sequences per optimizer step).")
-@click.option("--seq", type=click.IntRange(1), required=True, help="Tokens per sequence.")
+@workload_option("batch", required=True)
+@workload_option("seq", required=True)
 @click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default=None,
               help="Compute dtype (FSDP mixed precision); default bfloat16 on GPUs, float32 on cpu.")  # fmt: skip
 @click.option("--top", type=click.IntRange(1), default=5, show_default=True, help="Configurations to show.")

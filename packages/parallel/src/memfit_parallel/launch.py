@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import click
+from memfit.cli.options import workload_option
 from memfit.cli.scripts import check_writable
 from memfit.errors import MemfitError
 
@@ -313,11 +314,9 @@ def planned_peak(plan: dict | None, request: RunRequest, result: dict, entry: di
     "default: FSDP over all ranks.",
 )
 @click.option("--model", default=None, help="Reference Llama preset  [default: the plan's, else tiny]")
-@click.option("--layers", "--n-layers", "n_layers", type=click.IntRange(1), default=None,
-              help="Override the preset's number of blocks.")  # fmt: skip
-@click.option("--batch", type=click.IntRange(1), default=None,
-              help="Global batch (sequences per step)  [default: the plan's, else 8]")  # fmt: skip
-@click.option("--seq", type=click.IntRange(1), default=None, help="Sequence length  [default: the plan's, else 32]")
+@workload_option("layers", "n_layers", old_name="--n-layers")
+@workload_option("batch", default_text="the plan's, else 8")
+@workload_option("seq", default_text="the plan's, else 32")
 @click.option("--steps", type=click.IntRange(1), default=5, show_default=True, help="Training steps.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--lr", type=float, default=3e-3, show_default=True, help="AdamW learning rate.")

@@ -16,6 +16,7 @@ from typing import Any
 
 import click
 import numpy as np
+from memfit.cli.options import workload_option
 from memfit.config import format_size, parse_size
 from memfit.errors import MemfitError
 from memfit.plan import MemoryPlan, Recompute, Store, Swap
@@ -150,8 +151,7 @@ def summary(trace: Trace, plan: MemoryPlan) -> Table:
 @click.option("--bandwidth", default="12GB", show_default=True, help="Host-device bytes per second, e.g. 25GB.")
 @click.option("--margin", default=None, help="swap planner: bytes kept free below the budget (min(2GiB, 10%)).")
 @click.option("--layers-per-phase", type=click.IntRange(1), default=None, help="swap planner: logical layers a phase.")
-@click.option("--layers", "--model-layers", "model_layers", type=click.IntRange(1), default=None,
-              help="swap planner: the model's layer count.")  # fmt: skip
+@workload_option("layers", "model_layers", old_name="--model-layers", prefix="swap planner: ")
 @click.option("--min-tensor", default=None, help="swap planner: smallest tensor to swap (min(20MiB, budget/256)).")
 @click.option(
     "--set",

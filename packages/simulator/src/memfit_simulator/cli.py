@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 import numpy as np
+from memfit.cli.options import workload_option
 from memfit.config import format_size, parse_size
 from memfit.errors import MemfitError
 from memfit.workload import DTYPES, PRESETS
@@ -44,10 +45,10 @@ def simulation_options(function):
             metavar="MODULE:FUNCTION",
             help="step(model, optimizer, batch) running one iteration (default: the model returns its loss).",
         ),
-        click.option("--layers", type=click.IntRange(1), default=None, help="Override the model's layer count."),
+        workload_option("layers"),
         click.option("--device", default="cpu", show_default=True, help="h100, h200, a100, ascend-910b/c, cpu."),
-        click.option("--batch", type=click.IntRange(1), default=8, show_default=True),
-        click.option("--seq", type=click.IntRange(1), default=128, show_default=True),
+        workload_option("batch", default=8),
+        workload_option("seq", default=128),
         click.option("--dtype", type=dtypes, default="float32", show_default=True),
         click.option(
             "--optimizer", type=click.Choice(["adamw", "adam", "sgd", "none"]), default="adamw", show_default=True
