@@ -55,9 +55,9 @@ def record_variants() -> dict[tuple[bool, bool, bool, int], tuple[np.ndarray, np
     seen: list[tuple[np.ndarray, np.ndarray, int | None]] = []
 
     class Recording(StageMachine):
-        def observe(self, tokens, phases=None, saved_bytes=None):  # type: ignore[override]
+        def observe(self, tokens, phases=None, saved_bytes=None, **given):  # type: ignore[override]
             seen.append((np.asarray(tokens).copy(), np.asarray(phases).copy(), saved_bytes))
-            return super().observe(tokens, phases, saved_bytes)
+            return super().observe(tokens, phases, saved_bytes, **given)
 
     config = dataclasses.replace(LlamaConfig.preset("tiny"), n_layers=6)
     variants = {}
