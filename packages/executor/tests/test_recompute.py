@@ -313,6 +313,15 @@ def test_calls_unlike_the_plans_own_iterations_run_unchanged_once_the_session_sa
     assert step(32) == layers and applied.ran_as_planned()
     assert step(64) == 0 and applied.unlike_calls == 2 * layers and not applied.ran_as_planned()  # one unlike call
     applied.remove()
+    # a sequence's next plan (the session seeds each with that sequence's dict) starts from what the last one learnt
+    shapes: dict = {}
+    for length, learnt in ((32, True), (64, False)):
+        applied = apply_recompute(run.model, full_checkpointing(run.model), recompute_context=counting)
+        applied.seed_shapes(shapes)
+        assert step(length) == (layers if learnt else 0) and applied.ran_as_planned() is learnt
+        applied.end_iteration(of_the_plan=learnt)
+        applied.remove()
+    assert shapes and all(len(s) == 1 for s in shapes.values())  # length 32's, learnt in place
 
 
 def test_unknown_module_is_an_error_with_a_suggestion():

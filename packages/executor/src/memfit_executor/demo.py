@@ -150,7 +150,7 @@ def run_demo(
 
 @click.command()
 @click.option("--model", default="tiny", show_default=True, help="Reference model preset.")
-@workload_option("layers", default=8)
+@workload_option("layers", default=8, note="Overrides the preset's.")
 @click.option("--steps", default=20, show_default=True, type=click.IntRange(1), help="Training steps.")
 @workload_option("batch", "batch_size", default=8, old_name="--batch-size")
 @workload_option("seq", "seq_len", default=128, old_name="--seq-len", minimum=2)

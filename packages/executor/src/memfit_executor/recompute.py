@@ -486,7 +486,7 @@ class AppliedRecompute:
         # records at one step) teaches nothing: an empty set would leave every later call unchecked
         self._unlike_now = 0
         if of_the_plan and self._shapes:
-            planned = self._planned_shapes if self._planned_shapes is not None else {}
+            planned = self._planned_shapes if self._planned_shapes is not None else {}  # a seeded dict: in place
             for name, shapes in self._shapes.items():
                 planned.setdefault(name, set()).update(shapes)
             self._planned_shapes = planned
@@ -496,11 +496,21 @@ class AppliedRecompute:
         args, kwargs = inputs
         shapes = _tensor_shapes((*args, *kwargs.values()))
         self._shapes.setdefault(name, set()).add(shapes)
-        if self._planned_shapes is None or shapes in self._planned_shapes.get(name, ()):
+        known = self._planned_shapes.get(name) if self._planned_shapes is not None else None
+        if not known or shapes in known:  # nothing learnt for this module yet: its shapes are the plan's
             return True
         self.unlike_calls += 1
         self._unlike_now += 1
         return False
+
+    def seed_shapes(self, shapes: dict[str, set[tuple]]) -> None:
+        """Start from shapes learnt before (per module), and learn into the same dict.
+
+        The session keeps one dict per sequence, so that each new plan of a sequence (a GenPolicy
+        trial, the chosen plan) compares its calls with the shapes of that sequence's earlier
+        iterations on a recompute plan, not with nothing.
+        """
+        self._planned_shapes = shapes
 
     def ran_as_planned(self) -> bool:
         """Whether the current iteration ran the plan: it called checkpointed modules, each on the plan's shapes.

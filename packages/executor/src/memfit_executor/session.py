@@ -237,6 +237,7 @@ class SwapSession:
         self._log: SaveLog | None = None
         self._applied: list[tuple[int, int | None]] = []  # per binding in place: (sequence, candidate or None)
         self._planners: dict[tuple[int, int | None], str] = {}  # the planner of each plan in place
+        self._recompute_shapes: dict[int, dict[str, set[tuple]]] = {}  # per sequence: its checkpointed calls' shapes
         self._in_place: list[Binding] = []
         self._external: Binding | None = None
         self._models: ModelFinder | None = None
@@ -534,14 +535,14 @@ class SwapSession:
             if applicable:
                 self.plan_changes.append(self.iterations[-1]["iteration"])
             self.runtime.apply([b for _, b in applicable])
-            self._set_recompute(recompute)
+            self._set_recompute(recompute, owner=first[0][0] if first else None)
         self._in_place = [b for _, b in applicable]
         self._applied = [a for a, b in applicable if b.entries]
         self._planners = {a: b.plan.planner for a, b in applicable}
         self._recompute_owner = applicable[0][0] if recompute is not None and self._recompute is not None else None
 
-    def _set_recompute(self, plan: Any) -> None:
-        """Checkpoint the modules ``plan`` recomputes (none: undo), from the next iteration on."""
+    def _set_recompute(self, plan: Any, owner: int | None = None) -> None:
+        """Checkpoint the modules ``plan`` (of sequence ``owner``) recomputes (none: undo), from the next iteration."""
         if plan is self._recompute_plan:
             return
         if self._recompute is not None:
@@ -562,6 +563,8 @@ class SwapSession:
         except MemfitError as exc:  # a plan made from another model (a simulated trace of a look-alike)
             self._note(f"a plan's recomputation does not fit the model in training and is left out: {exc}")
             return
+        if owner is not None:  # the shapes that sequence's earlier plans ran on (recompute.AppliedRecompute)
+            self._recompute.seed_shapes(self._recompute_shapes.setdefault(owner, {}))
         self._recompute_plan = plan
 
     def _recomputed_for(self) -> int | None:

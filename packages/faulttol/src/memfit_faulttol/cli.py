@@ -37,7 +37,7 @@ def faulttol() -> None:
 )
 @click.option("--model", default="llama2-7b", show_default=True, help=f"A preset: {', '.join(PRESETS)}.")
 @click.option("--device", default=None, help="The device (memfit-simulator's registry)  [default: ascend-910b]")
-@workload_option("seq", default=4096)
+@workload_option("seq", default=4096, note="A micro-batch is one sample.")
 @click.option("--micro-batches", type=int, default=64, show_default=True, help="Global batch, in micro-batches.")
 @click.option(
     "--stages", type=int, default=4, show_default=True, help="Pipeline depth of the fault-free plan (0: best)."
@@ -144,7 +144,7 @@ def _parse_kills(values: tuple[str, ...]) -> dict[int, int]:
 @click.option("--nproc", type=int, default=4, show_default=True, help="Worker processes (devices), gloo on the CPU.")
 @click.option("--stages", type=int, default=2, show_default=True, help="Pipeline stages of the fault-free plan.")
 @click.option("--model", default="tiny", show_default=True, help="Reference Llama preset.")
-@workload_option("layers", "n_layers", default=4, old_name="--n-layers")
+@workload_option("layers", "n_layers", default=4, old_name="--n-layers", note="Overrides the preset's.")
 @workload_option("batch", default=8)
 @click.option("--micro-batches", type=int, default=4, show_default=True, help="Micro-batches per global batch.")
 @workload_option("seq", default=32)

@@ -314,7 +314,7 @@ def planned_peak(plan: dict | None, request: RunRequest, result: dict, entry: di
     "default: FSDP over all ranks.",
 )
 @click.option("--model", default=None, help="Reference Llama preset  [default: the plan's, else tiny]")
-@workload_option("layers", "n_layers", old_name="--n-layers")
+@workload_option("layers", "n_layers", old_name="--n-layers", note="Overrides the preset's.")
 @workload_option("batch", default_text="the plan's, else 8")
 @workload_option("seq", default_text="the plan's, else 32")
 @click.option("--steps", type=click.IntRange(1), default=5, show_default=True, help="Training steps.")

@@ -151,7 +151,9 @@ def summary(trace: Trace, plan: MemoryPlan) -> Table:
 @click.option("--bandwidth", default="12GB", show_default=True, help="Host-device bytes per second, e.g. 25GB.")
 @click.option("--margin", default=None, help="swap planner: bytes kept free below the budget (min(2GiB, 10%)).")
 @click.option("--layers-per-phase", type=click.IntRange(1), default=None, help="swap planner: logical layers a phase.")
-@workload_option("layers", "model_layers", old_name="--model-layers", prefix="swap planner: ")
+@workload_option(
+    "layers", "model_layers", old_name="--model-layers", prefix="swap planner: ", note="It places the logical layers."
+)
 @click.option("--min-tensor", default=None, help="swap planner: smallest tensor to swap (min(20MiB, budget/256)).")
 @click.option(
     "--set",

@@ -314,7 +314,7 @@ class OnlineProfiler:
     def set_recomputed_source(self, source: Callable[[], int | None] | None) -> None:
         """Have the change test know which sequence's recomputation plan an iteration ran.
 
-        ``source()`` is called once per drained iteration and returns the id of the known sequence
+        ``source()`` is called once per record (all the passes of a step) and returns the id of the known sequence
         whose recomputation plan ran on the shapes it was planned for, else ``None``. The swap
         executor supplies it; see :mod:`memfit_profiler.stages` for what the test then allows.
         """

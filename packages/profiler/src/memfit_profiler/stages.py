@@ -49,8 +49,11 @@ previous iteration, and joins the closest one that passes the test, or starts a 
   checkpointed transformers layer does not write its KV cache (about 5% fewer forward operators).
   Such an iteration would otherwise start a new sequence, and the plan's trials and Stable
   iterations would not count for the sequence it was made for. The executor vouches only when
-  every checkpointed call had the shapes of the plan's own iterations, so another length is still
-  another sequence.
+  every checkpointed call had the shapes of that sequence's earlier iterations on a recompute
+  plan, so another length is still another sequence; the first such iteration of a sequence has
+  nothing to compare with. With several passes before a step (gradient accumulation) it vouches
+  for all of them or none: one pass of other shapes (a short last micro-batch) takes the
+  allowance from the others.
 * The executor can send a Stable sequence back to GenPolicy (:meth:`StageMachine.replan`) when
   its plan stops holding (passive swaps keep happening, or copies fall behind).
 * **Relatives** (:meth:`StageMachine.is_relative`): a new sequence whose operators pass the test
@@ -381,7 +384,8 @@ class StageMachine:
 
     def is_same(self, sim: Similarity, recomputed: bool = False) -> bool:
         """The two-part test (module docs); ``recomputed``: the iteration ran that sequence's recomputation plan."""
-        tolerance = self.length_tolerance * (RECOMPUTED_TOLERANCE if recomputed else 1)
+        # capped, so that a large length_tolerance never lets every length pass
+        tolerance = min(self.length_tolerance * RECOMPUTED_TOLERANCE, 0.5) if recomputed else self.length_tolerance
         volume_ok = sim.saved_bytes_diff is None or sim.saved_bytes_diff < tolerance
         return sim.length_diff < tolerance and sim.cosine > self.cosine_threshold and volume_ok
 

@@ -45,7 +45,7 @@ def simulation_options(function):
             metavar="MODULE:FUNCTION",
             help="step(model, optimizer, batch) running one iteration (default: the model returns its loss).",
         ),
-        workload_option("layers"),
+        workload_option("layers", note="Overrides the model's."),
         click.option("--device", default="cpu", show_default=True, help="h100, h200, a100, ascend-910b/c, cpu."),
         workload_option("batch", default=8),
         workload_option("seq", default=128),

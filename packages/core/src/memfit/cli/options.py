@@ -29,7 +29,7 @@ __all__ = ["WORKLOAD_HELP", "workload_option"]
 WORKLOAD_HELP = {
     "batch": "Global batch: sequences per optimizer step.",
     "seq": "Tokens per sequence.",
-    "layers": "Transformer blocks (overrides the model's).",
+    "layers": "Transformer blocks of the model.",
 }
 """What each workload word means, on every command."""
 
@@ -44,6 +44,7 @@ def workload_option(
     minimum: int = 1,
     default_text: str | None = None,
     prefix: str = "",
+    note: str = "",
 ) -> Callable[[Any], Any]:
     """The click option ``--<word>`` (``batch``, ``seq`` or ``layers``), an integer of at least ``minimum``.
 
@@ -56,12 +57,14 @@ def workload_option(
         minimum: the smallest value accepted.
         default_text: how the help shows a default the command decides later ("the plan's, else 8").
         prefix: words before the meaning ("swap planner: ").
+        note: words after it ("Overrides the preset's.").
     """
     if word not in WORKLOAD_HELP:
         raise ValueError(f"unknown workload option {word!r}: one of {', '.join(WORKLOAD_HELP)}")
     names = [f"--{word}", *([old_name] if old_name else []), dest or word]
     shown = default is not None and not required
-    help_text = prefix + WORKLOAD_HELP[word] + (f"  [default: {default_text}]" if default_text else "")
+    help_text = prefix + WORKLOAD_HELP[word] + (f" {note}" if note else "")
+    help_text += f"  [default: {default_text}]" if default_text else ""
     return click.option(
         *names, type=click.IntRange(minimum), default=default, required=required, show_default=shown, help=help_text
     )
