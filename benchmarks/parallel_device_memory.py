@@ -124,6 +124,14 @@ def main() -> None:
     hardware = args.hardware or ("h200" if device is not None else "cpu")
     p = predict(Workload(model=model, global_batch=args.batch, seq_len=args.seq), config, hardware)
     predict_s = time.perf_counter() - started
+    if device is None:  # cpu-sim trains in host memory: a GPU row (8B at 8192 tokens) would swap the machine to death
+        free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+        if p.peak_bytes > free // 2:
+            raise SystemExit(
+                f"predicted per-rank peak {p.peak_bytes / 2**30:.1f} GiB; this machine has no accelerator and "
+                f"{free / 2**30:.1f} GiB of free memory, and cpu-sim trains in it: run this layout on a device, "
+                f"or use fewer --layers, a smaller --batch or --seq (predicted in {predict_s:.0f} s)"
+            )
     if args.fake_world > 1:
         from memfit_parallel import trainer
         from memfit_parallel.fakepg import fake_process_group
