@@ -83,6 +83,10 @@ def test_twenty_iterations_under_a_quarter_of_the_peak_are_bit_identical():
     assert sum(it["passive_swaps"] for it in stable) / len(stable) < 0.2 * min(it["passive_swaps"] for it in warmup)
     assert sum(it["passive_swaps"] for it in stable) / len(stable) <= STRAINED_PASSIVE_SWAPS
     assert all(it["plan"] is not None for it in stable)  # swapping or recomputing, whichever won
+    # core's transfer record counts every copy: each block freed was copied out, each swap-in copied back
+    transfers = report["transfers"]
+    assert transfers["stored_bytes"] >= report["swapped_out_bytes"] > 0
+    assert transfers["prefetched_bytes"] == report["swapped_in_bytes"] and transfers["prefetches"] > 0
 
 
 @pytest.mark.gpu

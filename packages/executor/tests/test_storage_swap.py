@@ -36,7 +36,8 @@ def test_round_trip_is_bit_identical_and_frees_the_block(sim, release_mode):
     assert sim.memory_allocated() == before
     assert torch.equal(x.view(torch.uint8), raw)
     assert torch.equal(view, x[10:20])
-    assert swapper.swapped_out_bytes == swapper.swapped_in_bytes == 4 * MiB
+    assert swapper.transfers.stored_bytes == swapper.transfers.prefetched_bytes == 4 * MiB
+    assert swapper.transfers.stores == swapper.transfers.prefetches == 1
 
 
 def test_host_buffers_are_pooled_and_not_device_memory(sim):

@@ -1,10 +1,10 @@
 """The transfer record: what was copied between device and host, and how long the host waited for it.
 
 One record for every part of memfit that moves tensors to the host and back ahead of their use:
-graph offload's cache operators (:mod:`memfit_offload.ops`) and the KV cache
-(:class:`memfit_offload.KVOffload`) keep one each. The swap executor's counters
-(:class:`memfit_executor.stats.RuntimeStats`) count plan events instead (swaps issued, released,
-kept, late, passive), in the report ``memfit run`` writes.
+the swap executor's storage swapper (every copy, planned or passive: ``transfers`` in the report
+``memfit run`` writes), graph offload's cache operators (:mod:`memfit_offload.ops`) and the KV
+cache (:class:`memfit_offload.KVOffload`) keep one each. Beside it the swap executor counts plan
+events (:class:`memfit_executor.stats.RuntimeStats`: swaps issued, released, kept, late, passive).
 """
 
 from __future__ import annotations

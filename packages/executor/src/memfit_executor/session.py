@@ -47,6 +47,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 import json
 import logging
@@ -623,6 +624,8 @@ class SwapSession:
             "ooms_survived": stats.ooms_survived if stats else 0,
             "late_swap_ins": stats.late_swap_ins if stats else 0,
             "copy_waits": stats.copy_waits if stats else 0,
+            # every copy, planned or passive, in core's transfer record (memfit.transfers), as offload keeps it
+            "transfers": dataclasses.asdict(self.runtime.swapper.transfers) if self.runtime is not None else None,
             "kept_by_program": stats.kept if stats else 0,
             "mismatched_swaps": stats.mismatched if stats else 0,
             "misswaps": stats.misswaps if stats and self.oracle is not None else None,

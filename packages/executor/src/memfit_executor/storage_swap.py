@@ -34,6 +34,7 @@ Example:
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +42,7 @@ import torch
 from memfit.errors import MemfitError
 from memfit.hostbuffers import HostBufferPool
 from memfit.tensors import storage_key
+from memfit.transfers import TransferStats
 
 
 class SwapError(MemfitError):
@@ -66,7 +68,7 @@ class SwapIn:
         """Make the compute stream wait for the copy, then return the host buffer to the pool."""
         if self.done:
             return
-        self.swapper.backend.current_stream().wait_event(self.event)
+        _wait(self.swapper, self.event)
         self.swapper.pool.give_back(self.host, after=self.event)  # reused once the copy has read it
         self.done = True
 
@@ -89,7 +91,7 @@ class SwapOut:
     def wait_on_compute(self) -> None:
         """Make the compute stream wait for the copy out (once): a device-side wait, no host synchronisation."""
         if not self._waited:
-            self.swapper.backend.current_stream().wait_event(self.event)
+            _wait(self.swapper, self.event)
             self._waited = True
 
     def release(self, *, stream_ordered: bool | None = None) -> None:
@@ -130,7 +132,7 @@ class SwapOut:
         stream = backend.copy_stream()
         stream.wait_event(backend.current_stream().record_event())
         event = backend.copy_async(device_view, self.host, stream)
-        self.swapper.swapped_in_bytes += self.nbytes
+        self.swapper.transfers.prefetched(self.nbytes)
         return SwapIn(self.storage, event, self.swapper, self.host)
 
 
@@ -151,8 +153,8 @@ class StorageSwapper:
         self.release_mode = release_mode
         self.protected: set[int] = protected if protected is not None else set()
         self.pool = HostBufferPool(backend)
-        self.swapped_out_bytes = 0
-        self.swapped_in_bytes = 0
+        self.transfers = TransferStats()
+        """Every copy out and back, planned or passive, and the waits for copies not yet complete (core's record)."""
         self._pending_release: list[SwapOut] = []
 
     def poll(self) -> int:
@@ -200,5 +202,15 @@ class StorageSwapper:
         if self.release_mode == "record_stream" and isinstance(stream, torch.Stream):
             device_view.record_stream(stream)  # the caching allocator will not reuse the block before
             keepalive.append(device_view)
-        self.swapped_out_bytes += nbytes
+        self.transfers.stored(nbytes)
         return SwapOut(storage, nbytes, host, event, self, _keepalive=keepalive)
+
+
+def _wait(swapper: StorageSwapper, event: Any) -> None:
+    """The compute stream waits for ``event``; a copy not yet complete counts as a wait, with the host's time in it."""
+    if event.query():
+        swapper.backend.current_stream().wait_event(event)
+        return
+    began = time.perf_counter()
+    swapper.backend.current_stream().wait_event(event)
+    swapper.transfers.waited(time.perf_counter() - began)
