@@ -54,7 +54,10 @@ def test_a_script_that_raises_gets_the_summary_and_the_report_then_its_traceback
 def test_json_prints_the_report_that_out_writes_after_the_script(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(TWO_STEPS + "print('trained')\n")
-    out = tmp_path / "run.json"
+    # a path longer than a terminal line, with brackets: printed whole (it once wrapped mid-name), not read as markup
+    folder = tmp_path / ("runs-of-a-long-experiment-name-" * 3 + "[seed 0]")
+    folder.mkdir()
+    out = folder / "run.json"
     args = ["run", "--backend", "cpu-sim", "--out", str(out), "--json", "--", "python", str(script)]
     result = CliRunner().invoke(cli, args)
     assert result.exit_code == 0, result.output

@@ -333,7 +333,7 @@ def _write_report(report: dict[str, Any], path: Path, console: Console) -> None:
             file=sys.stderr,
         )
         return
-    console.print(f"report written to {path}")
+    console.print(f"report written to {path}", soft_wrap=True, markup=False)
 
 
 def summary(report: dict) -> Table:

@@ -37,7 +37,11 @@ def draw_run(
     With ``keep_existing``, an existing ``path`` is kept: the picture goes to the first free ``<stem>-N<suffix>``.
     """
     if importlib.util.find_spec("matplotlib") is None:
-        console.print(f"no picture written to {path}: matplotlib is not installed (pip install matplotlib)")
+        console.print(
+            f"no picture written to {path}: matplotlib is not installed (pip install matplotlib)",
+            soft_wrap=True,  # a path is never broken over lines nor read as markup
+            markup=False,
+        )
         return None
     from matplotlib.ticker import MaxNLocator
     from memfit.plotting import ByteAxis, pyplot
@@ -92,7 +96,7 @@ def draw_run(
         written = path
     plt.close(fig)
     kept = f" ({path} exists and was kept)" if written != path else ""
-    console.print(f"memory timeline written to {written}{kept}")
+    console.print(f"memory timeline written to {written}{kept}", soft_wrap=True, markup=False)
     return written
 
 

@@ -216,7 +216,7 @@ def plan(trace_path, budget, simulate_spec, planners, out, plot, bandwidth, plan
         )
     if out is not None:
         result.save(out)
-        say.print(f"plan written to {out}")
+        say.print(f"plan written to {out}", soft_wrap=True, markup=False)
 
 
 def _parse_options(pairs: tuple[str, ...]) -> dict[str, dict[str, Any]]:

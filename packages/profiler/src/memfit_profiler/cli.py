@@ -171,7 +171,7 @@ def profile(backend, capacity, out, mode, stable_before_genpolicy, stable_before
                 f"({profiler.iteration_count} iterations). Run longer, lower -m, or use --mode detailed."
             )
         profiler.traces[-1].save(out)
-        say.print(f"trace of iteration {profiler.traces[-1].iteration} written to {out}")
+        say.print(f"trace of iteration {profiler.traces[-1].iteration} written to {out}", soft_wrap=True, markup=False)
     if not as_json:
         counts = profiler.stage_counts
         console.print("iterations per stage: " + ", ".join(f"{k.value} {v}" for k, v in counts.items()))

@@ -149,7 +149,7 @@ def simulate(model, overrides, step_spec, layers, device, batch, seq, dtype, opt
         f"{result.step.n_ops} operators captured in {result.step.capture_seconds:.1f} s"
     )
     if out is not None:
-        console.print(f"trace written to {out}")
+        console.print(f"trace written to {out}", soft_wrap=True, markup=False)
 
 
 def _plot(result, path: Path, budget_bytes: int | None = None) -> None:
@@ -210,4 +210,4 @@ def _plot(result, path: Path, budget_bytes: int | None = None) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
-    console.print(f"memory plot written to {path}")
+    console.print(f"memory plot written to {path}", soft_wrap=True, markup=False)
