@@ -10,7 +10,9 @@ events (:class:`memfit_executor.stats.RuntimeStats`: swaps issued, released, kep
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass
+from typing import Any
 
 __all__ = ["TransferStats"]
 
@@ -59,6 +61,19 @@ class TransferStats:
         """Count one wait for a copy, of ``seconds`` on the host."""
         self.waits += 1
         self.wait_seconds += seconds
+
+    def wait_for(self, stream: Any, event: Any) -> None:
+        """Make ``stream`` wait for a copy's ``event``; one not yet complete counts as a wait, with the host's time.
+
+        The stream waits even for a complete event, as the swap executor and graph offload always
+        have (the KV cache skips the wait then, and keeps its own check).
+        """
+        if event.query():
+            stream.wait_event(event)
+            return
+        began = time.perf_counter()
+        stream.wait_event(event)
+        self.waited(time.perf_counter() - began)
 
     def copy(self) -> TransferStats:
         """A snapshot (the record itself keeps counting)."""

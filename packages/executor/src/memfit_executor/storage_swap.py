@@ -34,7 +34,6 @@ Example:
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,7 +67,7 @@ class SwapIn:
         """Make the compute stream wait for the copy, then return the host buffer to the pool."""
         if self.done:
             return
-        _wait(self.swapper, self.event)
+        self.swapper.transfers.wait_for(self.swapper.backend.current_stream(), self.event)
         self.swapper.pool.give_back(self.host, after=self.event)  # reused once the copy has read it
         self.done = True
 
@@ -91,7 +90,7 @@ class SwapOut:
     def wait_on_compute(self) -> None:
         """Make the compute stream wait for the copy out (once): a device-side wait, no host synchronisation."""
         if not self._waited:
-            _wait(self.swapper, self.event)
+            self.swapper.transfers.wait_for(self.swapper.backend.current_stream(), self.event)
             self._waited = True
 
     def release(self, *, stream_ordered: bool | None = None) -> None:
@@ -204,13 +203,3 @@ class StorageSwapper:
             keepalive.append(device_view)
         self.transfers.stored(nbytes)
         return SwapOut(storage, nbytes, host, event, self, _keepalive=keepalive)
-
-
-def _wait(swapper: StorageSwapper, event: Any) -> None:
-    """The compute stream waits for ``event``; a copy not yet complete counts as a wait, with the host's time in it."""
-    if event.query():
-        swapper.backend.current_stream().wait_event(event)
-        return
-    began = time.perf_counter()
-    swapper.backend.current_stream().wait_event(event)
-    swapper.transfers.waited(time.perf_counter() - began)

@@ -256,11 +256,7 @@ class OffloadRuntime:
             entry = self._prefetched.pop(key, None)
             self._prune()
         if entry is not None:
-            done = entry[1].query()
-            start = time.perf_counter()
-            self.backend.current_stream().wait_event(entry[1])
-            if not done:
-                self.stats.waited(time.perf_counter() - start)
+            self.stats.wait_for(self.backend.current_stream(), entry[1])
         if self.debug:
             self.unwaited.discard(key)
 
