@@ -291,3 +291,37 @@ def test_a_module_no_named_modules_reaches_counts_for_each_caller(backend, prefe
     for layer in ("0", "1"):  # each layer's forward operators are one contiguous run
         mine = [int(i) for i in forward if (trace.op_module(int(i)) or "").split(".")[0] == layer]
         assert mine and mine[-1] - mine[0] + 1 == len(mine)
+
+
+def test_one_tensor_hooks_give_the_spans_torchs_multi_grad_hooks_give(backend, monkeypatch):
+    """A module with one tensor to hook takes a plain tensor hook; torch's ``register_multi_grad_hook``
+    for every call, the oracle, gives the same module for every operator and tensor."""
+    from memfit_profiler import modules
+    from torch.autograd.graph import register_multi_grad_hook
+
+    def detailed_trace(run) -> Trace:
+        with OnlineProfiler(backend, mode="detailed") as prof:
+            run.step()
+        return prof.traces[-1]
+
+    multi = []  # the multi-grad hooks the fast path still registers (modules with several tensors to hook)
+    monkeypatch.setattr(
+        modules, "register_multi_grad_hook", lambda *a, **k: multi.append(1) or register_multi_grad_hook(*a, **k)
+    )
+    run = build_training("tiny", batch_size=2, seq_len=16)
+    run.step()
+    fast = detailed_trace(run)
+    calls = len(multi)
+    monkeypatch.setattr(
+        modules, "_when_all_grads", lambda ts, fn: modules.register_multi_grad_hook(ts, lambda _g: fn())
+    )
+    monkeypatch.setattr(
+        modules, "_when_any_grad", lambda ts, fn: modules.register_multi_grad_hook(ts, lambda _g: fn(), mode="any")
+    )
+    oracle = detailed_trace(run)
+    assert calls < (len(multi) - calls) / 4  # most calls took the plain tensor hook
+    assert fast.module_names == oracle.module_names and len(fast.module_names) > 10
+    backward = fast.ops.phase == Phase.BWD
+    assert backward.sum() > 100 and len(set(fast.ops.module[backward].tolist())) > 10  # backward spans do split
+    assert np.array_equal(fast.ops.module, oracle.ops.module)
+    assert np.array_equal(fast.tensors.module, oracle.tensors.module)

@@ -14,7 +14,9 @@ Spans, the way torch's ``ModTracker`` brackets modules:
   the first output gradient arrives (before the module's backward operators run); one in mode
   ``"all"`` on its inputs closes it when every input gradient is complete. A span still open
   when its parent module's backward span closes, or at the end of the backward pass (inputs
-  that need no gradient: an embedding of token ids), closes there. Leaf inputs (a parameter
+  that need no gradient: an embedding of token ids), closes there. With one tensor to hook (most
+  calls: the hidden states) both take a plain tensor hook, which fires at the same moment without
+  the multi-grad hook's bookkeeping, the larger part of the hooks' cost. Leaf inputs (a parameter
   handed to a module) are not hooked: hooking one dispatches a ``view_as``, which would make a
   Detailed iteration's operator sequence differ from a Lightweight one's.
 - **innermost**: the span containing the operator that began last; at equal beginnings the
@@ -89,10 +91,34 @@ def _in_optimized_module() -> bool:
 
 
 def _grad_tensors(tree: Any, *, non_leaf: bool) -> list[torch.Tensor]:
-    leaves, _ = tree_flatten(tree)
+    if isinstance(tree, torch.Tensor):
+        leaves: Any = (tree,)
+    elif type(tree) is tuple and all(isinstance(t, torch.Tensor) for t in tree):  # most calls: no pytree walk
+        leaves = tree
+    else:
+        leaves, _ = tree_flatten(tree)
     return [
         t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad and (not non_leaf or t.grad_fn is not None)
     ]
+
+
+def _when_all_grads(tensors: list[torch.Tensor], fn: Callable[[], None]) -> Any:
+    """``fn()`` once every gradient of ``tensors`` is computed, as ``register_multi_grad_hook`` (mode "all") does.
+
+    One tensor, the common case (a module's hidden states), takes a plain tensor hook: the same
+    moment, without the multi-grad hook's per-call bookkeeping, which was most of a Detailed
+    iteration's module cost on a host-bound step.
+    """
+    if len(tensors) == 1:
+        return tensors[0].register_hook(lambda _grad: fn())
+    return register_multi_grad_hook(tensors, lambda _grads: fn())
+
+
+def _when_any_grad(tensors: list[torch.Tensor], fn: Callable[[], None]) -> Any:
+    """``fn()`` at the first gradient of ``tensors`` in each backward pass, as mode "any" does."""
+    if len(tensors) == 1:  # a tensor's hook runs once per backward pass
+        return tensors[0].register_hook(lambda _grad: fn())
+    return register_multi_grad_hook(tensors, lambda _grad: fn(), mode="any")
 
 
 class _Call:
@@ -172,7 +198,7 @@ class _SpanLog:
         inputs = _grad_tensors(args, non_leaf=True)
         if inputs:
             try:
-                self.hooks.append(register_multi_grad_hook(inputs, lambda _grads: self.backward_ends(call)))
+                self.hooks.append(_when_all_grads(inputs, lambda: self.backward_ends(call)))
             except RuntimeError:  # a tensor autograd cannot hook: its span closes with its parent's
                 pass
 
@@ -190,9 +216,7 @@ class _SpanLog:
         outputs = _grad_tensors(output, non_leaf=False)
         if outputs:
             try:
-                self.hooks.append(
-                    register_multi_grad_hook(outputs, lambda _grad: self.backward_begins(call), mode="any")
-                )
+                self.hooks.append(_when_any_grad(outputs, lambda: self.backward_begins(call)))
             except RuntimeError:
                 pass
 
@@ -304,7 +328,8 @@ class ModuleSpans:
         log.finish()
         self._log = None
         root = self._model if self._model is not None else (log.modules[log.top[0]] if log.top else None)
-        named = {id(m): name for name, m in _named_modules(root)} if root is not None else {}
+        tree = list(_named_modules(root)) if root is not None else []
+        named = {id(m): name for name, m in tree}
         for index in log.top:  # other top-level modules, named from their class as ModTracker does
             top = log.modules[index]
             if id(top) not in named:
@@ -344,7 +369,7 @@ class ModuleSpans:
         forward = ~np.array(log.backward, dtype=bool)
         forward_start = int(start[forward].min()) if forward.any() else 0
 
-        static = self._static_storages(root, log, code, optimizer)
+        static = self._static_storages(tree, log, code, optimizer)
         keys = np.fromiter(static, dtype=np.int64, count=len(static))
         values = np.array(list(static.values()), dtype=np.int64).reshape(-1, 2)
         by_key = np.argsort(keys)
@@ -362,32 +387,36 @@ class ModuleSpans:
 
     def _static_storages(
         self,
-        root: torch.nn.Module | None,
+        tree: list[tuple[str, torch.nn.Module]],
         log: _SpanLog,
         code: Callable[[torch.nn.Module], int],
         optimizer: torch.optim.Optimizer | None,
     ) -> dict[int, tuple[int, int]]:
-        """Storage key -> (category, owner module code), parameters over buffers over gradients over states."""
-        owners: list[torch.nn.Module] = [root] if root is not None else []
-        owners += [log.modules[i] for i in log.top]
+        """Storage key -> (category, owner module code), parameters over buffers over gradients over states.
+
+        ``tree``: the model's ``_named_modules``; other top-level modules are walked here.
+        """
+        modules = [m for _, m in tree]
+        for index in log.top:
+            modules += [m for _, m in _named_modules(log.modules[index])]
         parameter_owner: dict[int, int] = {}  # id(parameter) -> module code
         params: list[tuple[torch.Tensor, int]] = []
         buffers: list[tuple[torch.Tensor, int]] = []
         seen: set[int] = set()
-        for top in owners:
-            for _, module in _named_modules(top):
-                if id(module) in seen:
-                    continue
-                seen.add(id(module))
-                own_params = list(module.parameters(recurse=False))
-                own_buffers = list(module.buffers(recurse=False))
-                if not own_params and not own_buffers:
-                    continue  # a container: not named unless it ran
-                owner = code(module)
-                for p in own_params:
-                    params.append((p, parameter_owner.setdefault(id(p), owner)))
-                buffers += [(b, owner) for b in own_buffers]
-        root_code = 0 if (root is not None or log.modules) else -1
+        for module in modules:
+            if id(module) in seen:
+                continue
+            seen.add(id(module))
+            # the module's own dicts, as parameters(recurse=False) reads them, without its generators
+            own_params = [p for p in module._parameters.values() if p is not None]
+            own_buffers = [b for b in module._buffers.values() if b is not None]
+            if not own_params and not own_buffers:
+                continue  # a container: not named unless it ran
+            owner = code(module)
+            for p in own_params:
+                params.append((p, parameter_owner.setdefault(id(p), owner)))
+            buffers += [(b, owner) for b in own_buffers]
+        root_code = 0 if (tree or log.modules) else -1
         states: list[tuple[torch.Tensor, int]] = []
         if optimizer is not None:
             for group in optimizer.param_groups:
@@ -408,7 +437,7 @@ class ModuleSpans:
 def _named_modules(module: torch.nn.Module) -> Iterable[tuple[str, torch.nn.Module]]:
     """``named_modules()`` without ``torch.compile``'s ``_orig_mod`` in the names."""
     for name, sub in module.named_modules():
-        yield ".".join(part for part in name.split(".") if part != "_orig_mod"), sub
+        yield (".".join(part for part in name.split(".") if part != "_orig_mod") if "_orig_mod" in name else name), sub
 
 
 def annotate(trace: Trace, record: ModuleRecord, detail_base: int) -> Trace:
