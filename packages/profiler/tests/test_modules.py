@@ -313,10 +313,7 @@ def test_one_tensor_hooks_give_the_spans_torchs_multi_grad_hooks_give(backend, m
     fast = detailed_trace(run)
     calls = len(multi)
     monkeypatch.setattr(
-        modules, "_when_all_grads", lambda ts, fn: modules.register_multi_grad_hook(ts, lambda _g: fn())
-    )
-    monkeypatch.setattr(
-        modules, "_when_any_grad", lambda ts, fn: modules.register_multi_grad_hook(ts, lambda _g: fn(), mode="any")
+        modules, "_on_grads", lambda ts, fn, mode: modules.register_multi_grad_hook(ts, lambda _g: fn(), mode=mode)
     )
     oracle = detailed_trace(run)
     assert calls < (len(multi) - calls) / 4  # most calls took the plain tensor hook

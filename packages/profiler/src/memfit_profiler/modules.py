@@ -91,34 +91,23 @@ def _in_optimized_module() -> bool:
 
 
 def _grad_tensors(tree: Any, *, non_leaf: bool) -> list[torch.Tensor]:
-    if isinstance(tree, torch.Tensor):
-        leaves: Any = (tree,)
-    elif type(tree) is tuple and all(isinstance(t, torch.Tensor) for t in tree):  # most calls: no pytree walk
-        leaves = tree
-    else:
-        leaves, _ = tree_flatten(tree)
+    leaves, _ = tree_flatten(tree)
     return [
         t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad and (not non_leaf or t.grad_fn is not None)
     ]
 
 
-def _when_all_grads(tensors: list[torch.Tensor], fn: Callable[[], None]) -> Any:
-    """``fn()`` once every gradient of ``tensors`` is computed, as ``register_multi_grad_hook`` (mode "all") does.
+def _on_grads(tensors: list[torch.Tensor], fn: Callable[[], None], mode: str) -> Any:
+    """``fn()`` when ``register_multi_grad_hook(tensors, mode=mode)`` would call its hook.
 
-    One tensor, the common case (a module's hidden states), takes a plain tensor hook: the same
-    moment, without the multi-grad hook's per-call bookkeeping, which was most of a Detailed
-    iteration's module cost on a host-bound step.
+    One tensor, the common case (a module's hidden states), takes a plain tensor hook: in either
+    mode the same moment (once per backward pass, when that tensor's gradient is computed), without
+    the multi-grad hook's per-call bookkeeping, which was most of a Detailed iteration's module cost
+    on a host-bound step.
     """
     if len(tensors) == 1:
         return tensors[0].register_hook(lambda _grad: fn())
-    return register_multi_grad_hook(tensors, lambda _grads: fn())
-
-
-def _when_any_grad(tensors: list[torch.Tensor], fn: Callable[[], None]) -> Any:
-    """``fn()`` at the first gradient of ``tensors`` in each backward pass, as mode "any" does."""
-    if len(tensors) == 1:  # a tensor's hook runs once per backward pass
-        return tensors[0].register_hook(lambda _grad: fn())
-    return register_multi_grad_hook(tensors, lambda _grad: fn(), mode="any")
+    return register_multi_grad_hook(tensors, lambda _grads: fn(), mode=mode)
 
 
 class _Call:
@@ -198,7 +187,7 @@ class _SpanLog:
         inputs = _grad_tensors(args, non_leaf=True)
         if inputs:
             try:
-                self.hooks.append(_when_all_grads(inputs, lambda: self.backward_ends(call)))
+                self.hooks.append(_on_grads(inputs, lambda: self.backward_ends(call), "all"))
             except RuntimeError:  # a tensor autograd cannot hook: its span closes with its parent's
                 pass
 
@@ -216,7 +205,7 @@ class _SpanLog:
         outputs = _grad_tensors(output, non_leaf=False)
         if outputs:
             try:
-                self.hooks.append(_when_any_grad(outputs, lambda: self.backward_begins(call)))
+                self.hooks.append(_on_grads(outputs, lambda: self.backward_begins(call), "any"))
             except RuntimeError:
                 pass
 
