@@ -32,7 +32,7 @@ TIMED = ("small", 8, 256)
 
 def peaks(backend: CpuSimBackend, model: str, batch: int, seq: int) -> tuple[int, int]:
     with backend.activate():
-        run = build_training(model, batch_size=batch, seq_len=seq)
+        run = build_training(model, batch=batch, seq=seq)
         run.step()  # steady state: optimizer states exist from here on
         backend.reset_peak_memory_stats()
         run.step()
@@ -47,7 +47,7 @@ def peaks(backend: CpuSimBackend, model: str, batch: int, seq: int) -> tuple[int
 
 def step_times(backend: CpuSimBackend, repeats: int) -> dict[str, float]:
     model, batch, seq = TIMED
-    run = build_training(model, batch_size=batch, seq_len=seq)
+    run = build_training(model, batch=batch, seq=seq)
     tracker = MemTracker()
     tracker.track_external(run.model, run.optimizer)
     samples: dict[str, list[float]] = {"baseline": [], "cpu_sim": [], "memtracker": []}

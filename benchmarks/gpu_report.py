@@ -102,7 +102,7 @@ class Bench:
         from memfit.models import build_training
 
         return build_training(
-            self.config, batch_size=self.shape["batch"], seq_len=seq, seed=0, device=self.backend.device,
+            self.config, batch=self.shape["batch"], seq=seq, seed=0, device=self.backend.device,
             dtype=self.dtype,
         )  # fmt: skip
 
@@ -275,7 +275,7 @@ def bandwidth(bench: Bench) -> dict[str, float]:
 def profiler_overhead(bench: Bench, seq: int) -> dict[str, float | None]:
     import profiler_overhead as po
 
-    regime = {"model": bench.config, "batch_size": bench.shape["batch"], "seq_len": seq}
+    regime = {"model": bench.config, "batch": bench.shape["batch"], "seq": seq}
     with bench.device():
         measured = po.measure(regime, bench.backend, rounds=5, steps=2)
     reduction = measured["detailed_reduction_vs_torch_profiler_pct"]

@@ -49,7 +49,7 @@ def train(steps: int, model_hook: Callable[[Any], None] | None = None) -> tuple[
     """Plain training on whatever device is active; ``model_hook(run)`` may compile the model or wrap the optimizer."""
     from memfit.models import build_training
 
-    run = build_training(config(), batch_size=BATCH, seq_len=SEQ, seed=0)
+    run = build_training(config(), batch=BATCH, seq=SEQ, seed=0)
     if model_hook is not None:
         model_hook(run)
     losses = []

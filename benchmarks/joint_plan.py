@@ -83,7 +83,7 @@ def _config():
 def make_run():
     from memfit.models import build_training
 
-    return build_training(_config(), batch_size=SHAPE["batch"], seq_len=SHAPE["seq"])
+    return build_training(_config(), batch=SHAPE["batch"], seq=SHAPE["seq"])
 
 
 class StepMeter:

@@ -59,7 +59,7 @@ def _build(mode: str, args: argparse.Namespace, sim):
     import memfit_offload
     from memfit.models import build_training
 
-    run = build_training(args.model, batch_size=args.batch, seq_len=args.seq, seed=0)
+    run = build_training(args.model, batch=args.batch, seq=args.seq, seed=0)
     offload = memfit_offload.backend(args.budget, device_backend=sim, order=mode, wait_for_stores=args.wait_for_stores)
     run.model.compile(backend=offload)
     if mode != "none":

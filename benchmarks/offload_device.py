@@ -53,7 +53,7 @@ def build(args: argparse.Namespace, device_backend, mode: str | None):
     import memfit_offload
     from memfit.models import build_training
 
-    run = build_training(args.model, batch_size=args.batch, seq_len=args.seq, seed=0, device=device_backend.device)
+    run = build_training(args.model, batch=args.batch, seq=args.seq, seed=0, device=device_backend.device)
     offload = None
     if mode is not None:
         offload = memfit_offload.backend(device_backend=device_backend, order=mode)

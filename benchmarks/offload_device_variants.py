@@ -122,7 +122,7 @@ def run_variant(args, device_backend, name: str | None):
         order, optimizer, drain = "jit", False, False
         probe = name.removeprefix("no_drain").removeprefix("_") or None
     torch._dynamo.reset()
-    run = build_training(args.model, batch_size=args.batch, seq_len=args.seq, seed=0, device=device_backend.device)
+    run = build_training(args.model, batch=args.batch, seq=args.seq, seed=0, device=device_backend.device)
     offload = None
     if order is not None:
         offload = memfit_offload.backend(device_backend=device_backend, order=order)

@@ -37,7 +37,7 @@ def main() -> None:
     from memfit_simulator.hardware import get_spec
 
     spec = get_spec(args.device)
-    workload = Workload(model=args.model, global_batch=2, seq_len=args.seq)
+    workload = Workload(model=args.model, batch=2, seq=args.seq)
     rows = []
     for layout, degrees in LAYOUTS.items():
         base = ParallelConfig(param_dtype=args.dtype, **degrees)

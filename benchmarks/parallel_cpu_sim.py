@@ -89,7 +89,8 @@ def compare(report: dict, n_layers: int) -> list[dict]:
     from memfit_parallel import predict
     from memfit_parallel.config import ParallelConfig, Workload
 
-    workload = Workload(model=register_model(n_layers), global_batch=report["global_batch"], seq_len=report["seq_len"])
+    trained = Workload.model_validate(report["workload"])
+    workload = Workload(model=register_model(n_layers), batch=trained.batch, seq=trained.seq)
     rows = []
     for run in report["runs"]:
         config = ParallelConfig.model_validate(run["config"])
@@ -105,12 +106,13 @@ def compare(report: dict, n_layers: int) -> list[dict]:
 
 
 def measure(nproc: int, configs: list[dict], args: argparse.Namespace) -> dict:
+    from memfit.workload import Workload
     from memfit_parallel.config import ParallelConfig
     from memfit_parallel.launch import RunRequest, launch
 
     request = RunRequest(
-        nproc=nproc, configs=[ParallelConfig(**c) for c in configs], n_layers=args.n_layers, global_batch=args.batch,
-        seq_len=args.seq, steps=args.steps,
+        nproc=nproc, configs=[ParallelConfig(**c) for c in configs],
+        workload=Workload(batch=args.batch, seq=args.seq, layers=args.n_layers), steps=args.steps,
     )  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         return launch(request, Path(tmp) / "report.json")

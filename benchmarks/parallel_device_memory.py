@@ -122,7 +122,7 @@ def main() -> None:
     started = time.perf_counter()
     # the prediction first: it captures under a fake process group of its own
     hardware = args.hardware or ("h200" if device is not None else "cpu")
-    p = predict(Workload(model=model, global_batch=args.batch, seq_len=args.seq), config, hardware)
+    p = predict(Workload(model=model, batch=args.batch, seq=args.seq), config, hardware)
     predict_s = time.perf_counter() - started
     if device is None:  # cpu-sim trains in host memory: a GPU row (8B at 8192 tokens) would swap the machine to death
         free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
@@ -145,12 +145,13 @@ def main() -> None:
         os.environ.setdefault("MASTER_PORT", "29517")
         group = _one_rank_group("nccl" if device is not None and device.type == "cuda" else "gloo")
     with group:
-        report = train_configs([config], model=model, global_batch=args.batch, seq_len=args.seq, steps=args.steps,
-                               capacity=args.capacity, log=lambda m: print(m, flush=True))  # fmt: skip
+        workload = Workload(model=model, batch=args.batch, seq=args.seq)
+        report = train_configs([config], workload=workload, steps=args.steps, capacity=args.capacity,
+                               log=lambda m: print(m, flush=True))  # fmt: skip
     run = report["runs"][0]
     rank = run["ranks"][0]
     out = {
-        "model": model, "global_batch": args.batch, "seq_len": args.seq, "config": p.config.describe(),
+        "model": model, "batch": args.batch, "seq": args.seq, "config": p.config.describe(),
         "fake_world": args.fake_world, "hardware": hardware,
         "mixed_precision": args.mixed_precision, "alloc_conf": os.environ.get("PYTORCH_ALLOC_CONF")
         or os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),

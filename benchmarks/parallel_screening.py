@@ -47,7 +47,7 @@ def main() -> None:
     from memfit_parallel.screening import capture_reference, screen, with_tp
     from memfit_simulator.hardware import get_spec
 
-    workload = Workload(model="llama3-70b", global_batch=512, seq_len=8192)
+    workload = Workload(model="llama3-70b", batch=512, seq=8192)
     spec = get_spec("h100-95gb")
     rows = []
     for ac, fraction in MODES:

@@ -61,7 +61,7 @@ def rows() -> list[dict]:
     out = []
 
     def add(table, label, model, batch, seq, config, tps, gib, missing=()):
-        out.append({"table": table, "label": label, "model": model, "global_batch": batch, "seq_len": seq,
+        out.append({"table": table, "label": label, "model": model, "batch": batch, "seq": seq,
                     "config": config, "measured_tokens_per_s_per_gpu": tps, "measured_gib": gib,
                     "not_modelled": list(missing)})  # fmt: skip
 
@@ -107,7 +107,7 @@ def predict_row(row: dict) -> dict:
     from memfit_parallel import predict
     from memfit_parallel.config import ParallelConfig, Workload
 
-    workload = Workload(model=row["model"], global_batch=row["global_batch"], seq_len=row["seq_len"])
+    workload = Workload(model=row["model"], batch=row["batch"], seq=row["seq"])
     started = time.perf_counter()
     p = predict(workload, ParallelConfig(**row["config"]), HARDWARE)
     return {
@@ -145,14 +145,14 @@ def search_child(index: int) -> dict:
     from memfit_parallel.planning import search
 
     model, devices, batch, seq, thesis = SEARCHES[index]
-    workload = Workload(model=model, global_batch=batch, seq_len=seq)
+    workload = Workload(model=model, batch=batch, seq=seq)
     started = time.perf_counter()
     result = search(workload, devices, HARDWARE, top=3)
     seconds = time.perf_counter() - started
     theirs = predict(workload, ParallelConfig(**thesis), HARDWARE)
     best = result.best
     return {
-        "model": model, "devices": devices, "global_batch": batch, "seq_len": seq,
+        "model": model, "devices": devices, "batch": batch, "seq": seq,
         "chosen": best.config.describe(), "chosen_config": best.config.model_dump(),
         "predicted_tokens_per_s_per_gpu": round(best.tokens_per_s_per_device, 1),
         "predicted_gib": round(best.peak_bytes / GIB, 2), "chosen_fits": best.fits,

@@ -42,8 +42,8 @@ from memfit_profiler import OnlineProfiler
 from memfit_profiler.recorder import CALLBACK_FLOOR, OFF, NativeRecorder
 
 REGIMES = {
-    "host_bound": {"model": "tiny", "batch_size": 2, "seq_len": 16},
-    "compute_bound": {"model": "small", "batch_size": 8, "seq_len": 256},
+    "host_bound": {"model": "tiny", "batch": 2, "seq": 16},
+    "compute_bound": {"model": "small", "batch": 8, "seq": 256},
 }
 # (rounds, steps per variant per round): short steps are timed in blocks; long steps one at a
 # time, interleaved finely, because on a small shared machine drift over a block of 0.4 s steps
@@ -91,9 +91,7 @@ def timed_steps(variant: str, run, backend, steps: int) -> tuple[list[float], li
 
 
 def measure(regime: dict, backend, rounds: int, steps: int) -> dict:
-    run = build_training(
-        regime["model"], batch_size=regime["batch_size"], seq_len=regime["seq_len"], device=backend.device
-    )
+    run = build_training(regime["model"], batch=regime["batch"], seq=regime["seq"], device=backend.device)
     for _ in range(3):
         run.step()  # warm up: optimizer states, allocator, caches
     with OnlineProfiler(backend, mode="lightweight") as counter:

@@ -52,7 +52,7 @@ def long_run(steps: int, granularity: int, fraction: float) -> dict:
     lengths = [rng.randrange(64, 513, granularity) for _ in range(steps)]
 
     def train() -> tuple[list[float], list]:
-        run = build_training(config, batch_size=4, seq_len=max(lengths))
+        run = build_training(config, batch=4, seq=max(lengths))
         losses = []
         for i, length in enumerate(lengths):
             inputs, targets = run.data.batch(i)

@@ -66,7 +66,7 @@ def train(name: str, steps: int) -> None:
     torch.manual_seed(0)
     if name == "llama-tiny":
         config = dataclasses.replace(LlamaConfig.preset("tiny"), n_layers=8)
-        run = build_training(config, batch_size=8, seq_len=128)
+        run = build_training(config, batch=8, seq=128)
         for _ in range(steps):
             run.step()
         return

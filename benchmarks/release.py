@@ -57,7 +57,7 @@ def trial(backend_name: str, layers: int, mode: str, args: argparse.Namespace) -
 
     fraction, bandwidth, steps = args.fraction, args.bandwidth, args.steps
     config = dataclasses.replace(LlamaConfig.preset(args.model), n_layers=layers)
-    shape = {"batch_size": args.batch, "seq_len": args.seq}
+    shape = {"batch": args.batch, "seq": args.seq}
     probe = make_backend(backend_name, bandwidth, "8GiB" if backend_name == "cpu-sim" else None)
     with probe.activate():
         run = build_training(config, **shape, device=probe.device)

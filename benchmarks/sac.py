@@ -136,7 +136,7 @@ def measure(actions: list[Any] | None, steps: int, keep_params: bool = False) ->
     config = LlamaConfig.preset(MODEL["preset"], n_layers=MODEL["n_layers"], max_seq_len=MODEL["max_seq_len"])
     sim = CpuSimBackend(capacity="4GiB")
     with sim.activate():
-        run = build_training(config, batch_size=MODEL["batch"], seq_len=MODEL["seq"])
+        run = build_training(config, batch=MODEL["batch"], seq=MODEL["seq"])
         applied = apply_recompute(run.model, actions) if actions else None
         losses = [run.step()]  # creates the optimizer states
         sim.reset_peak_memory_stats()

@@ -105,7 +105,7 @@ def main() -> None:
     cpu: dict[str, list[float]] = {m: [] for m in modes}
     sim = CpuSimBackend(capacity="4GiB")
     with sim.activate():
-        run = build_training(CONFIG, batch_size=BATCH, seq_len=SEQ)
+        run = build_training(CONFIG, batch=BATCH, seq=SEQ)
         for step in range(args.steps + 2):
             for mode, actions in modes.items():
                 with apply_recompute(run.model, actions):

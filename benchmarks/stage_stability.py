@@ -64,7 +64,7 @@ def record_variants() -> dict[tuple[bool, bool, bool, int], tuple[np.ndarray, np
     backend = CpuSimBackend(capacity="4GiB")
     with backend.activate():
         for length in (64, 96):
-            run = build_training(config, batch_size=8, seq_len=length)
+            run = build_training(config, batch=8, seq=length)
             model, branch = run.model, {"on": False}
 
             def extra(module, args, out, branch=branch):

@@ -28,7 +28,6 @@ Run: python benchmarks/swap_capacity.py [--backend cpu-sim|cuda] [--capacity 24M
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import time
@@ -43,11 +42,11 @@ def trial(
 ) -> dict:
     """One training run in this process; ``{"ok", "step_s"}`` (median of the measured steps)."""
     from memfit.config import parse_size
-    from memfit.models import LlamaConfig, build_training
+    from memfit.models import build_training
     from memfit.plugins import get_hooks
+    from memfit.workload import Workload
 
-    preset = LlamaConfig.preset(model)
-    config = dataclasses.replace(preset, n_layers=layers or preset.n_layers, max_seq_len=max(seq, preset.max_seq_len))
+    config = Workload(model=model, batch=batch, seq=seq, layers=layers or None).llama_config()
     budget = parse_size(capacity)
     times: list[float] = []
     backend = get_hooks().create_backend(backend_name, capacity=budget)
@@ -56,7 +55,7 @@ def trial(
             import memfit
 
             with memfit.swap(budget=budget, backend=backend) as session:
-                run = build_training(config, batch_size=batch, seq_len=seq, device=backend.device)
+                run = build_training(config, batch=batch, seq=seq, device=backend.device)
                 for _ in range(steps):
                     run.step()
             stable = [it["seconds"] for it in session.iterations if it["stage"] == "Stable"]
@@ -65,7 +64,7 @@ def trial(
             times = stable
         else:
             with backend.activate():
-                run = build_training(config, batch_size=batch, seq_len=seq, device=backend.device)
+                run = build_training(config, batch=batch, seq=seq, device=backend.device)
                 if mode == "full_recompute":
                     from torch.utils.checkpoint import checkpoint
 

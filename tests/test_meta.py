@@ -205,12 +205,34 @@ def _package_page(package):
     return page, text
 
 
+def _page_opening(text):
+    """A package page before its first ``## `` section: what the package is for, when to use it, its example."""
+    return re.split(r"^## ", text, maxsplit=1, flags=re.M)[0]
+
+
 @pytest.mark.parametrize("package", sorted(p.name for p in (REPO / "packages").iterdir() if p.is_dir()))
 def test_every_package_has_a_page_the_index_links_with_its_known_limitations(package):
+    """Issue 32: a package page opens with what the package is for, when to use it and one runnable example, before
+    any ``## `` section (its known limitations among them). The example is a recipe the page includes, which
+    tests/test_recipes.py runs, or, where the page includes none (a README on PyPI cannot include a file), its
+    first ```python block, which this test runs as a script: a fragment using a ``model`` of the reader's fails."""
     page, text = _package_page(package)
-    assert re.search(r"^## Known limitations$", text, re.M), f"{page.relative_to(REPO)} needs a '## Known limitations'"
+    name = page.relative_to(REPO)
+    assert re.search(r"^## Known limitations$", text, re.M), f"{name} needs a '## Known limitations'"
     index = (REPO / "docs" / "index.md").read_text()
     assert f"(packages/{package}.md)" in index, f"docs/index.md does not link docs/packages/{package}.md"
+
+    opening = _page_opening(text)
+    assert "**When to use it" in opening, f"{name} needs a '**When to use it.**' paragraph before its first '## '"
+    recipes = [r for r in re.findall(r'^--8<-- "(docs/recipes/[^"]+\.py)"', opening, re.M) if (REPO / r).is_file()]
+    blocks = re.findall(r"^```python\n(.*?)^```", opening, re.M | re.S)
+    assert recipes or blocks, (
+        f"{name} needs a runnable example before its first '## ' section: a recipe included with "
+        f'--8<-- "docs/recipes/<name>.py", or a self-contained ```python block'
+    )
+    if not recipes:
+        result = subprocess.run([sys.executable, "-c", blocks[0]], capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, f"the example at the top of {name} does not run:\n{result.stderr}"
 
 
 def test_presets_and_dtype_names_are_defined_once_in_core():
@@ -231,6 +253,32 @@ def test_presets_and_dtype_names_are_defined_once_in_core():
                 if len(strings & presets) >= 3 or len(strings & dtypes) >= 2:
                     found.append(f"{path.relative_to(REPO)}:{node.lineno}")
     assert not found, f"a second list of presets or dtype names (use memfit.workload): {found}"
+
+
+def test_a_workload_is_described_once_in_core():
+    """What a training step trains (model, batch, sequence) is ``memfit.workload.Workload``: no other class of the
+    packages holds a batch and a sequence length beside each other (six shapes once: ``Workload(global_batch,
+    seq_len)``, ``RunRequest``, ``LiveOptions(batch, seq)``, ...), and no second "preset with room for a sequence"."""
+    import ast
+
+    batch_names, seq_names = {"batch", "global_batch", "batch_size"}, {"seq", "seq_len", "sequence_length"}
+    token_stream = {"packages/core/src/memfit/models/data.py:SyntheticTokens"}  # the tokens a workload trains on
+    shapes, widened = [], []
+    for path in sorted((REPO / "packages").glob("*/src/**/*.py")):
+        name = path.relative_to(REPO).as_posix()
+        if name.endswith("memfit/workload.py"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and f"{name}:{node.name}" not in token_stream:
+                annotated = [s.target for s in node.body if isinstance(s, ast.AnnAssign)]
+                fields = {target.id for target in annotated if isinstance(target, ast.Name)}
+                if fields & batch_names and fields & seq_names:
+                    shapes.append(f"{name}:{node.lineno} class {node.name}")
+            if isinstance(node, ast.Call) and any(k.arg == "max_seq_len" for k in node.keywords):
+                if "max(" in ast.unparse(node):
+                    widened.append(f"{name}:{node.lineno}")
+    assert not shapes, f"a second description of a workload (hold a memfit.workload.Workload instead): {shapes}"
+    assert not widened, f"a preset widened to a sequence outside memfit.workload (use Workload.llama_config): {widened}"
 
 
 def _command_paths():
@@ -331,7 +379,7 @@ def test_every_command_says_out_set_json_and_devices_with_one_meaning_and_the_ea
             found = found.get_command(click.Context(found), name)
         return found
 
-    shows_only = {("demo",)}  # a show: its figures are memfit run's, which --json prints
+    shows_only: set[tuple[str, ...]] = set()  # a command that reports and has no --json: none
     wrong, no_json = [], []
     for path in _command_paths():
         found = command(path)

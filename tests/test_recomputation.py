@@ -26,7 +26,7 @@ CONFIG = dataclasses.replace(LlamaConfig.preset("tiny"), n_layers=6, max_seq_len
 
 
 def train(steps, calls=None):
-    run = build_training(CONFIG, batch_size=8, seq_len=256)
+    run = build_training(CONFIG, batch=8, seq=256)
     if calls is not None:  # the oracle: how often each layer's feed-forward runs, per step
         for i, layer in enumerate(run.model.layers):
             # inside the feed-forward: a checkpointed module's own hooks run once (recomputation calls
@@ -95,7 +95,7 @@ def reference_script(tmp_path, steps):
             from memfit.models import LlamaConfig, build_training
 
             config = dataclasses.replace(LlamaConfig.preset("tiny"), n_layers=4, max_seq_len=256)
-            run = build_training(config, batch_size=8, seq_len=256)
+            run = build_training(config, batch=8, seq=256)
             for _ in range({steps}):
                 run.step()
             print("trained", run.step_index)
@@ -222,7 +222,7 @@ def measured_peak(actions, capacity):
 
     sim = CpuSimBackend(capacity=capacity)
     with sim.activate():
-        run = build_training(SMALL, batch_size=8, seq_len=64)
+        run = build_training(SMALL, batch=8, seq=64)
         with apply_recompute(run.model, actions):
             run.step()  # creates the optimizer states
             sim.reset_peak_memory_stats()

@@ -16,7 +16,7 @@ STEPS = 5
 
 
 def train():
-    run = build_training(CONFIG, batch_size=8, seq_len=128)
+    run = build_training(CONFIG, batch=8, seq=128)
     return [run.step() for _ in range(STEPS)]
 
 
@@ -27,7 +27,7 @@ def measured():
     with sim.activate():
         losses = train()
         with OnlineProfiler(sim, mode="detailed") as profiler:
-            run = build_training(CONFIG, batch_size=8, seq_len=128)
+            run = build_training(CONFIG, batch=8, seq=128)
             run.step()
             run.step()
         trace = profiler.traces[-1]

@@ -56,7 +56,7 @@ def replanned_for_copies(report, sequence=None):
 
 
 def train_reference(steps):
-    run = build_training(EXACT_CONFIG, batch_size=8, seq_len=128)
+    run = build_training(EXACT_CONFIG, batch=8, seq=128)
     losses = [run.step() for _ in range(steps)]
     return losses, params_of(run.model)
 
@@ -103,7 +103,7 @@ def test_exactness_on_a_real_accelerator_under_a_quarter_of_the_peak(determinist
         # 16x the cpu-sim test's tokens: the caching allocator reserves whole segments (20 MiB for a
         # 2 MiB request) and keeps what it cannot release, which the cpu-sim test's budget (tens of MiB
         # above the floor) cannot hold; the swappable part here is hundreds of MiB
-        run = build_training(EXACT_CONFIG, batch_size=128, seq_len=128, device=device)
+        run = build_training(EXACT_CONFIG, batch=128, seq=128, device=device)
         losses = [run.step() for _ in range(steps)]
         floor = backend.memory_allocated()  # between steps: parameters, optimizer states, workspaces
         return losses, [p.detach().cpu().numpy().copy() for p in run.model.parameters()], floor
@@ -129,7 +129,7 @@ SKIPPED_STEPS = (40, 140, 240)
 
 def train_changing(iterations):
     """Loss-scaler-style skipped steps, validation every 50 iterations, and a data-dependent branch."""
-    run = build_training(CHANGING_CONFIG, batch_size=8, seq_len=64)
+    run = build_training(CHANGING_CONFIG, batch=8, seq=64)
     model = run.model
     branch = {"on": False}
 
@@ -216,7 +216,7 @@ def train_lengths(lengths, module_calls=None):
     ``module_calls``: a list to append each step's count of module forward calls to (a module
     recomputed in backward is called twice: the test's own oracle of recomputation).
     """
-    run = build_training(SEQ_CONFIG, batch_size=8, seq_len=max(lengths))
+    run = build_training(SEQ_CONFIG, batch=8, seq=max(lengths))
     calls = [0]
     if module_calls is not None:
         for module in run.model.modules():
@@ -315,12 +315,14 @@ def test_a_copy_stream_that_falls_behind_is_planned_for_again_with_the_measured_
     # (copy waits are measured), each slower measurement plans again (never for a faster link) and its
     # trials take a few iterations: the run goes on until Stable, bounded by a number of steps, not time.
     least, most = 34, 80
+    first_traces = []  # the profiler's first trace, read before the link slows (it keeps the latest 16 only)
 
     def train(steps, backend=None, session=None):
-        run = build_training(config, batch_size=8, seq_len=64)
+        run = build_training(config, batch=8, seq=64)
         losses = []
         for i in range(steps):
             if backend is not None and i == slow_from:
+                first_traces.append(session.profiler.traces[0].iteration)
                 backend.set_copy_bandwidth(bandwidth)
             losses.append(run.step())
             if session is not None and i + 1 >= least and session.report()["per_iteration"][-1]["stage"] == "Stable":
@@ -346,7 +348,7 @@ def test_a_copy_stream_that_falls_behind_is_planned_for_again_with_the_measured_
     assert all(later["bandwidth"] < earlier["bandwidth"] for earlier, later in zip(late, late[1:], strict=False))
     # planned again from the trace the sequence was first planned from (the profiler's own trace
     # numbering is the oracle): the program did not change, only the link
-    first_trace = session.profiler.traces[0].iteration
+    (first_trace,) = first_traces
     replanned = [p for p in report["planned_from"] if p["iteration"] > late[0]["iteration"]]
     assert report["planned_from"][0]["trace"] == first_trace
     assert replanned and all(p["trace"] == first_trace for p in replanned)
@@ -368,7 +370,7 @@ def test_memfit_run_executes_an_unmodified_script_and_writes_the_report(tmp_path
             from memfit.models import LlamaConfig, build_training
 
             config = dataclasses.replace(LlamaConfig.preset("tiny"), n_layers=4)
-            run = build_training(config, batch_size=8, seq_len=64)
+            run = build_training(config, batch=8, seq=64)
             for _ in range(12):
                 run.step()
             print("trained", run.step_index)
@@ -412,7 +414,7 @@ def test_memfit_run_reports_even_when_the_script_exits(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(
         "import sys\nfrom memfit.models import build_training\n"
-        "run = build_training('tiny', batch_size=2, seq_len=16)\nrun.step(); run.step()\nsys.exit(3)\n"
+        "run = build_training('tiny', batch=2, seq=16)\nrun.step(); run.step()\nsys.exit(3)\n"
     )
     result = run_memfit(
         "run", "--backend", "cpu-sim", "--report", str(tmp_path / "r.json"), "--", "python", str(script)
@@ -423,9 +425,7 @@ def test_memfit_run_reports_even_when_the_script_exits(tmp_path):
 
 def test_memfit_run_with_an_impossible_budget_says_why(tmp_path):
     script = tmp_path / "train.py"
-    script.write_text(
-        "from memfit.models import build_training\nbuild_training('tiny', batch_size=8, seq_len=64).step()\n"
-    )
+    script.write_text("from memfit.models import build_training\nbuild_training('tiny', batch=8, seq=64).step()\n")
     result = run_memfit("run", "--backend", "cpu-sim", "--budget", "256KiB", "--", "python", str(script))
     assert result.returncode != 0
     assert "out of memory under memfit's swap executor" in result.stderr and "budget of 256.00 KiB" in result.stderr
@@ -498,7 +498,7 @@ def test_a_long_run_keeps_a_bounded_history_and_whole_run_totals():
     import tracemalloc
 
     history, steps, measured_from = 4, 60, 30
-    run = build_training("tiny", batch_size=2, seq_len=16)
+    run = build_training("tiny", batch=2, seq=16)
     tally: dict[str, int] = {}
     # the session's and the profiler's own files: the training loop churns objects of its own
     memfit_files = [tracemalloc.Filter(True, "*memfit_executor*"), tracemalloc.Filter(True, "*memfit_profiler*")]
@@ -535,7 +535,7 @@ def test_a_loop_without_an_optimizer_step_is_told_at_once_and_planned_for_by_its
     notes_at = {}
 
     def train(steps, session=None):
-        run = build_training(config, batch_size=8, seq_len=64)
+        run = build_training(config, batch=8, seq=64)
         losses = []
         for i in range(steps):
             inputs, targets = run.data.batch(i)
@@ -578,7 +578,7 @@ def test_a_plan_that_goes_above_the_budget_where_passive_swaps_held_is_dropped_a
             state["injected"] += 1
 
     def train(steps):
-        run = build_training(config, batch_size=8, seq_len=64)
+        run = build_training(config, batch=8, seq=64)
         run.model.layers[0].register_forward_pre_hook(inject)
         # let go before the step, where the iteration ends: not into the next iteration's peak
         run.optimizer.register_step_pre_hook(lambda *_: state.update(held=None))

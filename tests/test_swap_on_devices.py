@@ -21,10 +21,10 @@ from memfit_executor.retry import RetryOnOOM, SwapOutOfMemoryError
 CONFIG = dataclasses.replace(LlamaConfig.preset("tiny"), n_layers=4)
 
 
-CPU_WORKLOAD = {"batch_size": 8, "seq_len": 64}
+CPU_WORKLOAD = {"batch": 8, "seq": 64}
 # on a device 16x the tokens: the caching allocator reserves whole segments (20 MiB for a 2 MiB request)
 # and keeps what it cannot release, which a budget tens of MiB above the floor cannot hold
-DEVICE_WORKLOAD = {"batch_size": 64, "seq_len": 128}
+DEVICE_WORKLOAD = {"batch": 64, "seq": 128}
 
 
 def train_reference(steps, device="cpu", workload=CPU_WORKLOAD):
@@ -96,7 +96,7 @@ def test_an_oom_in_stable_is_handled_by_the_armed_retry_and_training_stays_exact
 
 def oom_message(budget, steps=3, config=CONFIG, batch=8, seq=64):
     with pytest.raises(SwapOutOfMemoryError) as info, memfit.swap(budget=budget, backend="cpu-sim") as session:
-        run = build_training(config, batch_size=batch, seq_len=seq)
+        run = build_training(config, batch=batch, seq=seq)
         for _ in range(steps):
             run.step()
     return str(info.value), session

@@ -14,7 +14,7 @@ from memfit_simulator.baselines import measured_peak
 GIB = 2**30
 
 # 1. One configuration: the reference tiny Llama, FSDP 2 × TP 2 (4 ranks), per-rank memory by category.
-tiny = Workload(model="tiny", global_batch=8, seq_len=128)
+tiny = Workload(model="tiny", batch=8, seq=128)
 rank = predict(tiny, ParallelConfig(dp_shard=2, tp=2), "cpu")
 print(f"tiny, FSDP 2 × TP 2: per-rank peak {rank.peak_bytes / 2**20:.2f} MiB")
 for category, nbytes in rank.peak_by_category.items():
@@ -29,7 +29,7 @@ print(f"one device: predicted {single.peak_bytes:,} B, measured on cpu-sim {meas
       f"(prediction off by {abs(single.peak_bytes - measured) / measured:.2%})")  # fmt: skip
 
 # 2. The thesis's Table 3.1 configuration: Llama 3.1 8B on 8 of its 95 GiB H100s, FSDP + selective AC.
-llama = Workload(model="llama3-8b", global_batch=16, seq_len=8192)
+llama = Workload(model="llama3-8b", batch=16, seq=8192)
 fsdp = ParallelConfig(dp_shard=8, activation_checkpoint="sac", sac_memory_fraction=0.5, param_dtype="bfloat16")
 p = predict(llama, fsdp, "h100-95gb")
 print(f"llama3-8b, {fsdp.describe()}: {p.tokens_per_s_per_device:,.0f} tok/s per GPU, "

@@ -28,7 +28,7 @@ def train(budget=None, offload=False):
     torch._dynamo.reset()
     sim = CpuSimBackend(capacity="1GiB")  # far above the budget: a plan that does not hold shows in the peak
     with sim.activate():
-        run = build_training(config, batch_size=8, seq_len=128, seed=0)
+        run = build_training(config, batch=8, seq=128, seed=0)
         backend = None
         loss_of = run.model.loss
         if offload:

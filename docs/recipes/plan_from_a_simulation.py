@@ -36,7 +36,7 @@ print(
 )
 # (capacity: the virtual device could hold twice the budget, so within the budget is the plan's doing)
 with memfit.swap(budget=budget, backend="cpu-sim", capacity=2 * budget, plan=plan, plan_trace=trace) as session:
-    run = build_training(config, batch_size=8, seq_len=128)
+    run = build_training(config, batch=8, seq=128)
     for _ in range(5):
         run.step()
 report = session.report()

@@ -23,7 +23,7 @@ from memfit_profiler import OnlineProfiler
 def main() -> None:
     device = CpuSimBackend(capacity="4GiB")
     with device.activate():
-        run = build_training("small", batch_size=4, seq_len=256, device=device.device)
+        run = build_training("small", batch=4, seq=256, device=device.device)
         run.step()  # the first step creates the optimizer states; profile a steady one
         with OnlineProfiler(device, mode="detailed", model=run.model) as profiler:
             run.step()

@@ -23,7 +23,7 @@ from memfit_profiler import OnlineProfiler
 def main() -> None:
     device = CpuSimBackend(capacity="1GiB")
     with device.activate():
-        run = build_training("tiny", batch_size=4, seq_len=32, device=device.device)
+        run = build_training("tiny", batch=4, seq=32, device=device.device)
         with OnlineProfiler(device, m=2, n=5, model=run.model) as profiler:
             profiler.add_stage_listener(
                 lambda obs: [

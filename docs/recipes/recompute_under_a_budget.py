@@ -28,7 +28,7 @@ STEPS = 16
 
 
 def train():
-    run = build_training(config, batch_size=8, seq_len=256)
+    run = build_training(config, batch=8, seq=256)
     losses = [run.step() for _ in range(STEPS)]
     return losses, [p.detach().numpy().copy() for p in run.model.parameters()]
 

@@ -5,11 +5,13 @@ SIGKILLed during step 2; the survivors detect it, ask the on_fault hook, carry o
 and run step 2 again. Takes about half a minute on 2 cores (each process imports torch).
 """
 
+from memfit.workload import Workload
 from memfit_faulttol.live import LiveOptions
 from memfit_faulttol.runner import check_ledger, launch_live, replay_ledger
 
 # 1. The run: 4 blocks, global batch 8 in 4 micro-batches of 2, rank 1 dies during step 2
-options = LiveOptions(nproc=4, stages=2, n_layers=4, batch=8, micro_batches=4, steps=4, kills={1: 2})
+workload = Workload(model="tiny", batch=8, seq=32, layers=4)
+options = LiveOptions(nproc=4, stages=2, workload=workload, micro_batches=4, steps=4, kills={1: 2})
 result = launch_live(options, timeout_s=300)
 print("exit codes:", result.exit_codes)
 print("fault-free plan:", result.report["initial_plan"])

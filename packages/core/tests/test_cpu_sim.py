@@ -20,7 +20,7 @@ class TestCpuSimContract(BackendContract):
 def tiny_step_peak(capacity="1GiB") -> int:
     backend = CpuSimBackend(capacity=capacity)
     with backend.activate():
-        run = build_training("tiny", batch_size=4, seq_len=64)
+        run = build_training("tiny", batch=4, seq=64)
         backend.reset_peak_memory_stats()
         run.step()
     return backend.max_memory_allocated()

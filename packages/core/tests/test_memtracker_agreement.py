@@ -11,7 +11,7 @@ MemTracker = pytest.importorskip("torch.distributed._tools.mem_tracker").MemTrac
 def test_cpu_sim_peak_agrees_with_memtracker_within_2_percent():
     backend = CpuSimBackend(capacity="1GiB")
     with backend.activate():
-        run = build_training("tiny", batch_size=8, seq_len=128)
+        run = build_training("tiny", batch=8, seq=128)
         run.step()  # the second iteration is the steady state: optimizer states exist
         backend.reset_peak_memory_stats()
         run.step()

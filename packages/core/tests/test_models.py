@@ -50,8 +50,8 @@ def test_synthetic_data_is_deterministic_and_shifted():
 
 
 def test_training_is_reproducible_and_learns():
-    a = build_training("tiny", batch_size=4, seq_len=32, seed=1)
-    b = build_training("tiny", batch_size=4, seq_len=32, seed=1)
+    a = build_training("tiny", batch=4, seq=32, seed=1)
+    b = build_training("tiny", batch=4, seq=32, seed=1)
     losses_a = [a.step() for _ in range(30)]
     losses_b = [b.step() for _ in range(30)]
     assert losses_a == losses_b

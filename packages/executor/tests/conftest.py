@@ -10,7 +10,7 @@ CONFIG = dataclasses.replace(LlamaConfig.preset("tiny"), n_layers=4)
 
 
 def _train(steps):
-    run = build_training(CONFIG, batch_size=8, seq_len=64)
+    run = build_training(CONFIG, batch=8, seq=64)
     losses = [run.step() for _ in range(steps)]
     return losses, [p.detach().clone() for p in run.model.parameters()]
 

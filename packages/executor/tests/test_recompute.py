@@ -14,9 +14,9 @@ import torch
 from memfit.backends.cpu_sim import CpuSimBackend
 from memfit.models import build_training
 from memfit.plan import Recompute
+from memfit_executor.finder import ModelFinder
 from memfit_executor.recompute import (
     AppliedRecompute,
-    ModelFinder,
     RecomputePlanError,
     RecomputePlanWarning,
     apply_recompute,
@@ -30,7 +30,7 @@ IGNORED = {"aten::detach"}  # torch's SAC never shows it to a policy; autograd a
 
 
 def new_run():
-    return build_training("tiny", batch_size=4, seq_len=64, seed=0)
+    return build_training("tiny", batch=4, seq=64, seed=0)
 
 
 class OperatorLog(TorchDispatchMode):

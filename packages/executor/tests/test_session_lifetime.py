@@ -22,7 +22,7 @@ SCRIPT = textwrap.dedent(
     def train():
         session = memfit.swap(budget="2.5MiB", backend=backend, capacity="64MiB")  # planner "auto", the default
         with session:
-            run = build_training("tiny", batch_size=4, seq_len=32, device=backend.device)
+            run = build_training("tiny", batch=4, seq=32, device=backend.device)
             for _ in range(14):
                 run.step()
         profiler = weakref.ref(session.profiler) if session.profiler else None

@@ -37,7 +37,7 @@ def train_llama(steps, *, offload=None, optimizer=False, capacity=None):
     sim = CpuSimBackend(capacity=capacity)
     try:
         with sim.activate():
-            run = build_training(CONFIG, batch_size=BATCH, seq_len=SEQ, seed=0)
+            run = build_training(CONFIG, batch=BATCH, seq=SEQ, seed=0)
             backend = None
             if offload is not None:
                 backend = memfit_offload.backend(device_backend=sim, **offload)

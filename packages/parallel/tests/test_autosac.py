@@ -20,7 +20,7 @@ HAS_AUTO_SAC = all(importlib.util.find_spec(m) is not None for m in ("memfit_pol
 needs_auto_sac = pytest.mark.skipif(
     not HAS_AUTO_SAC, reason="Auto-SAC is planned by memfit-policies, applied by memfit-executor"
 )
-TINY = Workload(model="tiny", global_batch=4, seq_len=64)
+TINY = Workload(model="tiny", batch=4, seq=64)
 PLAN = (BlockRecompute(module="", ops=("aten::mm", "aten::mm"), save=(True, False)),)
 
 
@@ -126,7 +126,7 @@ def test_the_search_does_not_fill_below_a_faster_configuration_of_the_same_layou
     """The tiny Llama on 4 CPUs fits without checkpointing, faster than any Auto-SAC plan of FSDP 4: keeping
     more of a block than the fastest Auto-SAC plan lies between the two, so bisecting towards it only added
     slower rows (Auto-SAC 97, 94 and 88 %, each a capture)."""
-    result = search(Workload(model="tiny", global_batch=8, seq_len=128), 4, "cpu")
+    result = search(Workload(model="tiny", batch=8, seq=128), 4, "cpu")
     assert result.best.config.activation_checkpoint == "none" and not result.best.config.swap
     kept = {p.config.sac_memory_fraction for p in result.ranked if p.config.sac_plan is not None}
     assert kept <= {0.25, 0.5, 0.75}, kept
@@ -144,7 +144,7 @@ def test_the_search_keeps_as_much_as_fits_between_two_auto_sac_budgets(monkeypat
     from memfit_parallel.autosac import auto_sac
     from memfit_parallel.prediction import predict
 
-    small = Workload(model="small", global_batch=8, seq_len=128)
+    small = Workload(model="small", batch=8, seq=128)
     base = ParallelConfig()
     quarter, half = (predict(small, auto_sac(base, small, "cpu", k), "cpu") for k in (0.25, 0.5))
     capacity = half.peak_bytes - 2**20  # half does not fit; a quarter leaves more than the planning margin free

@@ -12,8 +12,7 @@ def test_the_thesis_configurations_are_valid_and_named():
     # Tables 3.3 and 3.4 of the thesis: degrees multiply to the device count, batches split
     table_3_3 = ParallelConfig(dp_shard=32, tp=8, activation_checkpoint="full", param_dtype="bfloat16")
     assert (
-        table_3_3.world_size == 256
-        and table_3_3.local_batch(Workload(model="llama3-70b", global_batch=512, seq_len=8192)) == 16
+        table_3_3.world_size == 256 and table_3_3.local_batch(Workload(model="llama3-70b", batch=512, seq=8192)) == 16
     )
     table_3_4 = ParallelConfig(
         dp_shard=4, tp=8, pp=16, pp_schedule="interleaved_1f1b", stages_per_rank=2, microbatches=32,
@@ -45,7 +44,7 @@ def test_inconsistent_options_are_refused_with_the_reason():
 
 def test_a_configuration_that_cannot_split_the_workload_says_every_reason():
     config = ParallelConfig(dp_shard=3, tp=16)
-    workload = Workload(model="llama3-70b", global_batch=16, seq_len=8200)
+    workload = Workload(model="llama3-70b", batch=16, seq=8200)
     problems = config.problems(workload, LLAMA_70B, world_size=64)
     assert problems == [
         "the degrees multiply to 48 devices, not 64",
@@ -56,10 +55,10 @@ def test_a_configuration_that_cannot_split_the_workload_says_every_reason():
     with pytest.raises(MemfitError, match="'FSDP 3 × TP 16' cannot run: the degrees multiply to 48"):
         config.check(workload, LLAMA_70B, world_size=64)
     assert ParallelConfig(pp=2, microbatches=3, pp_schedule="gpipe").problems(
-        Workload(model="tiny", global_batch=8, seq_len=64)
+        Workload(model="tiny", batch=8, seq=64)
     ) == ["local batch 8 does not split into 3 microbatches"]
     assert ParallelConfig(pp=4, microbatches=4, pp_schedule="interleaved_1f1b", stages_per_rank=3).problems(
-        Workload(model="tiny", global_batch=6, seq_len=64), ModelShape(n_layers=8, n_heads=4, n_kv_heads=4)
+        Workload(model="tiny", batch=6, seq=64), ModelShape(n_layers=8, n_heads=4, n_kv_heads=4)
     ) == [
         "local batch 6 does not split into 4 microbatches",
         "12 pipeline stages for 8 layers: at most one stage per layer",
@@ -95,7 +94,8 @@ def test_a_file_of_another_kind_says_what_it_is_and_where_configurations_come_fr
     said = str(err.value)
     assert said.startswith(f"{tmp_path / 'memory.json'} is a memory plan of `memfit plan` (planner 'sac')"), said
     assert "--sac-plan" in said and "memfit parallel plan ... --out FILE" in said and len(said.splitlines()) == 1
-    (tmp_path / "report.json").write_text(json.dumps({"global_batch": 8, "seq_len": 32, "runs": []}))
+    report = {"workload": {"model": "tiny", "batch": 8, "seq": 32}, "runs": []}
+    (tmp_path / "report.json").write_text(json.dumps(report))
     with pytest.raises(MemfitError, match=r"report.json is the report of a run \(`memfit parallel run --out`\)"):
         ParallelConfig.load_all(tmp_path / "report.json")
     (tmp_path / "noise.json").write_bytes(bytes(range(256)))

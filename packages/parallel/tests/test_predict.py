@@ -9,7 +9,7 @@ from memfit_parallel.prediction import predict
 from memfit_parallel.schedules import in_flight
 from memfit_simulator.hardware import get_spec
 
-TINY = Workload(model="tiny", global_batch=8, seq_len=128)
+TINY = Workload(model="tiny", batch=8, seq=128)
 
 
 def test_a_single_rank_prediction_is_the_simulators():
@@ -24,7 +24,7 @@ def test_a_single_rank_prediction_is_the_simulators():
 
 def test_the_step_time_splits_into_its_parts():
     config = ParallelConfig(dp_shard=2, tp=2, pp=2, microbatches=4, activation_checkpoint="full")
-    p = predict(Workload(model="tiny", global_batch=16, seq_len=128), config, "h100")
+    p = predict(Workload(model="tiny", batch=16, seq=128), config, "h100")
     assert p.step_s == pytest.approx(p.compute_s + p.exposed_comm_s + p.bubble_s + p.recompute_s)
     assert p.bubble_s > 0 and p.recompute_s > 0 and p.exposed_comm_s > 0
     assert sum(p.peak_by_category.values()) == p.peak_bytes
@@ -33,7 +33,7 @@ def test_the_step_time_splits_into_its_parts():
 
 
 def test_extrapolating_from_two_and_three_blocks_agrees_with_capturing_every_block():
-    workload = Workload(model="medium", global_batch=4, seq_len=128)  # 8 blocks; 4 per pipeline stage
+    workload = Workload(model="medium", batch=4, seq=128)  # 8 blocks; 4 per pipeline stage
     for config in (
         ParallelConfig(dp_shard=2, tp=2, activation_checkpoint="sac", sac_memory_fraction=0.5),
         ParallelConfig(dp_replicate=2, activation_checkpoint="full", param_dtype="bfloat16"),
@@ -57,7 +57,7 @@ def test_microbatches_in_flight_follow_the_schedule():
 
 
 def test_more_microbatches_in_flight_cost_memory_and_interleaving_shrinks_the_bubble():
-    workload = Workload(model="small", global_batch=16, seq_len=256)
+    workload = Workload(model="small", batch=16, seq=256)
     one_f_one_b = predict(workload, ParallelConfig(pp=2, microbatches=8, param_dtype="bfloat16"), "h100")
     gpipe = predict(workload, ParallelConfig(pp=2, microbatches=8, pp_schedule="gpipe", param_dtype="bfloat16"), "h100")
     interleaved = predict(
@@ -69,7 +69,7 @@ def test_more_microbatches_in_flight_cost_memory_and_interleaving_shrinks_the_bu
     assert interleaved.bubble_s < one_f_one_b.bubble_s
 
 
-SMALL = Workload(model="small", global_batch=8, seq_len=128)  # 4 blocks: two may leave the device
+SMALL = Workload(model="small", batch=8, seq=128)  # 4 blocks: two may leave the device
 
 
 def cpu_with(capacity: int, **update):
@@ -109,7 +109,7 @@ def test_a_configuration_that_cannot_run_is_refused_with_the_reason():
     with pytest.raises(MemfitError, match="does not divide the model's 4 heads"):
         predict(TINY, ParallelConfig(tp=8), "h100")
     with pytest.raises(MemfitError, match="unknown model"):
-        predict(Workload(model="gpt-5", global_batch=8, seq_len=128), ParallelConfig(), "h100")
+        predict(Workload(model="gpt-5", batch=8, seq=128), ParallelConfig(), "h100")
 
 
 def test_the_thesis_h100_is_in_the_registry_with_its_source():
@@ -148,7 +148,7 @@ def test_a_checkpointed_single_rank_is_what_a_real_cpu_sim_run_measures():
     sim = CpuSimBackend(capacity="1GiB")
     with sim.activate():
         torch.manual_seed(0)
-        run = build_training(LlamaConfig.preset("tiny"), batch_size=8, seq_len=128)
+        run = build_training(LlamaConfig.preset("tiny"), batch=8, seq=128)
         apply_ac(run.model, ParallelConfig(activation_checkpoint="full"))
         run.step()
         sim.reset_peak_memory_stats()
@@ -289,7 +289,7 @@ MULTI_ROUND_MEASURED = [
 def test_a_multi_round_interleaved_rank_is_predicted_as_measured(tiny_blocks, batch, config, first, last):
     from memfit_parallel.stages import stage_profile
 
-    workload = Workload(model=tiny_blocks(4), global_batch=batch, seq_len=32)
+    workload = Workload(model=tiny_blocks(4), batch=batch, seq=32)
     predicted = predict(workload, config, "cpu")
     assert predicted.peak_bytes_by_rank[0] == pytest.approx(first, rel=0.005)
     assert predicted.peak_bytes_by_rank[1] == pytest.approx(last, rel=0.005)
@@ -317,13 +317,13 @@ ONE_F_ONE_B_MEASURED = [
     ("config", "measured"), ONE_F_ONE_B_MEASURED, ids=["fsdp2-pp2-m2", "fsdp2-pp2-m4", "fsdp2-pp2-m8", "pp4-m8"]
 )
 def test_a_1f1b_rank_in_its_steady_state_is_predicted_as_measured(tiny_blocks, config, measured):
-    workload = Workload(model=tiny_blocks(4), global_batch=16, seq_len=32)
+    workload = Workload(model=tiny_blocks(4), batch=16, seq=32)
     assert predict(workload, config, "cpu").peak_bytes == pytest.approx(measured, rel=0.015)
 
 
 @pytest.mark.slow
 def test_a_multi_round_interleaved_rank_extrapolates_in_depth_as_captured_whole(tiny_blocks):
-    workload = Workload(model=tiny_blocks(16), global_batch=8, seq_len=32)  # 4 blocks a stage, 8 a rank
+    workload = Workload(model=tiny_blocks(16), batch=8, seq=32)  # 4 blocks a stage, 8 a rank
     config = ParallelConfig(dp_shard=2, pp=2, pp_schedule="interleaved_1f1b", stages_per_rank=2, microbatches=4)
     whole = predict(workload, config, "cpu", exact_layers=8)
     scaled = predict(workload, config, "cpu")
@@ -344,7 +344,7 @@ def test_fsdp_copies_under_a_pipeline_are_paid_once_a_step():
     from memfit_parallel.stages import capture_stage
 
     spec = get_spec("h100-95gb")
-    workload = Workload(model="tiny", global_batch=16, seq_len=64)
+    workload = Workload(model="tiny", batch=16, seq=64)
     shapes = (
         {"pp_schedule": "1f1b", "microbatches": 8},
         {"pp_schedule": "interleaved_1f1b", "stages_per_rank": 2, "microbatches": 2},
@@ -390,7 +390,7 @@ def test_fsdp_gradients_accumulated_under_a_pipeline_count_as_gradients(monkeypa
     captures = []
     capture_rank = stages._capture_rank
     monkeypatch.setattr(stages, "_capture_rank", lambda *a: captures.append(capture_rank(*a)) or captures[-1])
-    workload = Workload(model="tiny", global_batch=16, seq_len=64)
+    workload = Workload(model="tiny", batch=16, seq=64)
     config = ParallelConfig(dp_shard=2, pp=2, microbatches=4, activation_checkpoint="full", param_dtype=param_dtype)
     stages.capture_stage(workload, config, get_spec("h100-95gb"), 2, "first")
     (captured,) = captures

@@ -23,6 +23,7 @@ from memfit.cli.main import cli
 from memfit.errors import MemfitError
 from memfit.models import Llama, LlamaConfig, SyntheticTokens, build_training
 from memfit.plan import MemoryPlan, PlanPrediction, PlanSource, Recompute
+from memfit.workload import Workload
 from memfit_parallel.apply import parallelize, split_blocks, unapplied
 from memfit_parallel.config import ParallelConfig
 from memfit_parallel.launch import RunRequest, _kill_group, check_request, launch, trainer_command
@@ -127,14 +128,14 @@ def sac_plan(path: Path) -> Path:
 
 def request(nproc: int, configs: dict[str, ParallelConfig], sac: Path | None = None) -> RunRequest:
     return RunRequest(
-        nproc=nproc, configs=list(configs.values()), n_layers=N_LAYERS, global_batch=BATCH, seq_len=SEQ,
+        nproc=nproc, configs=list(configs.values()), workload=Workload(batch=BATCH, seq=SEQ, layers=N_LAYERS),
         steps=STEPS, seed=SEED, lr=LR, sac_plan=sac,
     )  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def reference_losses() -> list[float]:
-    run = build_training(MODEL, batch_size=BATCH, seq_len=SEQ, seed=SEED, lr=LR)
+    run = build_training(MODEL, batch=BATCH, seq=SEQ, seed=SEED, lr=LR)
     return [run.step() for _ in range(STEPS)]
 
 
@@ -179,7 +180,7 @@ def four_rank_configs() -> dict[str, ParallelConfig]:
         from memfit_parallel.autosac import auto_sac
         from memfit_parallel.config import Workload
 
-        workload = Workload(model="tiny", global_batch=BATCH, seq_len=SEQ)
+        workload = Workload(model="tiny", batch=BATCH, seq=SEQ)
         configs |= {name: auto_sac(FOUR_RANKS[planned], workload, "cpu", 0.5) for name, planned in AUTO_SAC.items()}
     return configs
 
@@ -269,11 +270,11 @@ def test_two_ranks_swapping_to_fit_a_smaller_device_train_as_one_process(two_ran
     plain = two_rank_runs["fsdp"]
     assert min(r["peak_bytes"] for r in plain["ranks"]) > capacity  # without swapping it would not fit
     run_request = RunRequest(
-        nproc=2, configs=[ParallelConfig(dp_shard=2, swap=True)], n_layers=N_LAYERS, global_batch=BATCH,
-        seq_len=SEQ, steps=steps, seed=SEED, lr=LR, capacity=str(capacity),
+        nproc=2, configs=[ParallelConfig(dp_shard=2, swap=True)],
+        workload=Workload(batch=BATCH, seq=SEQ, layers=N_LAYERS), steps=steps, seed=SEED, lr=LR, capacity=str(capacity),
     )  # fmt: skip
     (run,) = launch_with_a_restart(run_request, tmp_path / "report.json", restarted_launches)["runs"]
-    reference = build_training(MODEL, batch_size=BATCH, seq_len=SEQ, seed=SEED, lr=LR)
+    reference = build_training(MODEL, batch=BATCH, seq=SEQ, seed=SEED, lr=LR)
     for step, got in enumerate(run["losses"]):
         want = reference.step()
         assert math.isclose(got, want, rel_tol=REL_TOL), f"step {step}: {got} vs {want}"
@@ -523,14 +524,18 @@ def test_bad_requests_fail_before_anything_launches(tmp_path):
     with pytest.raises(MemfitError, match="multiply to 2 devices, not 4"):
         check_request(RunRequest(nproc=4, configs=[ParallelConfig(tp=2)]))
     with pytest.raises(MemfitError, match="global batch 7 does not split over 2"):
-        check_request(RunRequest(nproc=2, global_batch=7))
+        check_request(RunRequest(nproc=2, workload=Workload(batch=7, seq=32)))
     with pytest.raises(MemfitError, match="tp=4 does not divide the model's 4 heads and 2 KV heads"):
         check_request(RunRequest(nproc=4, configs=[ParallelConfig(tp=4)]))
     with pytest.raises(MemfitError, match="4 pipeline stages for 2 layers"):
         check_request(RunRequest(nproc=4, configs=[ParallelConfig(pp=4, microbatches=4)]))
-    check_request(RunRequest(nproc=2, seq_len=4096))  # beyond tiny's max_seq_len: widened, as the prediction does
-    with pytest.raises(MemfitError, match="unknown model preset"):
-        check_request(RunRequest(nproc=2, model="huge"))
+    check_request(
+        RunRequest(nproc=2, workload=Workload(seq=4096))
+    )  # beyond tiny's max_seq_len: widened, as the prediction does
+    with pytest.raises(MemfitError, match="unknown model 'huge'"):
+        check_request(RunRequest(nproc=2, workload=Workload(model="huge")))
+    with pytest.raises(MemfitError, match="the overrides dim would not be applied"):
+        check_request(RunRequest(nproc=2, workload=Workload(overrides={"dim": 128})))
     with pytest.raises(MemfitError, match="cannot read parallel configuration"):
         load_configs(tmp_path / "missing.json")
     (tmp_path / "bad.json").write_text(json.dumps([{"dp_shard": 2}, {"tp": 0}]))
@@ -548,7 +553,8 @@ def test_bad_requests_fail_before_anything_launches(tmp_path):
 
 
 def test_the_launch_command_is_torchrun_standalone_with_the_trainer(tmp_path):
-    command = trainer_command(RunRequest(nproc=3, n_layers=6), tmp_path / "c.json", tmp_path / "r.json")
+    request = RunRequest(nproc=3, workload=Workload(seq=32, layers=6))
+    command = trainer_command(request, tmp_path / "c.json", tmp_path / "r.json")
     assert command[1:8] == [
         "-m",
         "torch.distributed.run",
@@ -558,7 +564,7 @@ def test_the_launch_command_is_torchrun_standalone_with_the_trainer(tmp_path):
         "--max-restarts",
         "0",
     ]
-    assert command[8:10] == ["-m", "memfit_parallel.trainer"] and command[-2:] == ["--n-layers", "6"]
+    assert command[8:10] == ["-m", "memfit_parallel.trainer"] and command[-2:] == ["--layers", "6"]
 
 
 def test_the_cli_reports_bad_input_without_launching(tmp_path, monkeypatch):
@@ -618,16 +624,16 @@ def test_a_plan_file_gives_the_run_its_workload_and_its_prediction_is_printed_be
     runner = CliRunner()
     result = runner.invoke(cli, ["parallel", "run", "--nproc", "2", "--config", str(plan)], terminal_width=200)
     assert result.exit_code == 0, result.output
-    assert (launched[-1].model, launched[-1].global_batch, launched[-1].seq_len) == ("tiny", 4, 64)
+    assert (launched[-1].workload.model, launched[-1].workload.batch, launched[-1].workload.seq) == ("tiny", 4, 64)
     compared = "the plan predicted 1.05 MiB on its fullest rank, measured steady peak 1.00 MiB: the prediction is +5.0%"
     assert compared in result.output
     result = runner.invoke(cli, ["parallel", "run", "--nproc", "2", "--config", str(plan), "--batch", "8"])
     assert result.exit_code == 0, result.output
-    assert launched[-1].global_batch == 8 and "note: training --batch 8, not the plan's 4" in result.output
+    assert launched[-1].workload.batch == 8 and "note: training --batch 8, not the plan's 4" in result.output
     assert "the plan predicted" not in result.output  # another workload than the plan's: nothing to compare
     assert "not compared with the plan's prediction: another model, batch or sequence" in result.output
     result = runner.invoke(cli, ["parallel", "run", "--nproc", "2", "--config", str(plan), "--n-layers", "3"])
-    assert "note: training 3 blocks" in result.output and "--n-layers changed the model" in result.output
+    assert "note: training 3 blocks" in result.output and "--layers changed the model" in result.output
 
 
 def test_a_run_past_its_timeout_is_stopped_with_a_clear_error():
@@ -694,7 +700,7 @@ def assert_predicted_peak(run: dict, model: str, recompute: list[Recompute] | No
     from memfit_parallel.config import Workload
 
     config = ParallelConfig.model_validate(run["config"])
-    workload = Workload(model=model, global_batch=BATCH, seq_len=SEQ)
+    workload = Workload(model=model, batch=BATCH, seq=SEQ)
     predicted = predict(workload, config, "cpu", recompute=recompute).peak_bytes
     measured = {r["rank"]: r["steady_peak_bytes"] for r in run["ranks"]}
     # Pipeline ranks differ (predict reports the most loaded). Every other rank runs the same program,

@@ -15,7 +15,7 @@ from memfit_parallel.planning import candidates, search
 from memfit_parallel.prediction import predict
 from memfit_simulator.hardware import get_spec
 
-TINY = Workload(model="tiny", global_batch=8, seq_len=128)
+TINY = Workload(model="tiny", batch=8, seq=128)
 
 
 def test_candidates_multiply_to_the_devices_with_tp_inside_a_node_and_dividing_the_heads():
@@ -44,7 +44,7 @@ def test_the_search_swaps_a_configuration_that_fits_only_with_swapping(monkeypat
     # what is tested is the confirmation (a candidate that does not fit, predicted again swapping), not
     # the screening: let every candidate through to it (this one screens over 1.15 × the capacity)
     monkeypatch.setattr(planning, "SCREEN_MARGIN", 10.0)
-    small = Workload(model="small", global_batch=8, seq_len=128)
+    small = Workload(model="small", batch=8, seq=128)
     roomy = search(small, 1, "cpu", top=3)  # one device: checkpointing none, SAC or full
     assert not any(p.config.swap for p in roomy.ranked)  # with room, nothing is swapped
     fastest = roomy.best
@@ -59,7 +59,7 @@ def test_the_search_swaps_a_configuration_that_fits_only_with_swapping(monkeypat
     assert (fastest.config.describe(), fastest.peak_bytes) in tight.rejected  # confirmed, then swapped
 
 
-ONE_DEVICE = Workload(model="tiny", global_batch=8, seq_len=128)
+ONE_DEVICE = Workload(model="tiny", batch=8, seq=128)
 """The smallest search: one device, so only the checkpointing modes (6 candidates with Auto-SAC)."""
 
 
@@ -155,9 +155,9 @@ def test_bad_bounds_say_what_to_give():
 
 def test_nothing_that_fits_and_nothing_that_divides_are_explained():
     with pytest.raises(MemfitError, match="nothing fits.*more devices"):
-        search(Workload(model="llama3-405b", global_batch=8, seq_len=8192), 8, "h100")
+        search(Workload(model="llama3-405b", batch=8, seq=8192), 8, "h100")
     with pytest.raises(MemfitError, match="global batch must divide"):
-        search(Workload(model="tiny", global_batch=3, seq_len=128), 8, "h100")
+        search(Workload(model="tiny", batch=3, seq=128), 8, "h100")
     with pytest.raises(MemfitError, match="not whole nodes of 8"):
         search(TINY, 12, "h100")
 
@@ -204,7 +204,7 @@ def test_the_screening_costs_context_parallel_attention_as_the_capture_does():
     from memfit_parallel.screening import capture_reference, screen
 
     spec = get_spec("h100")
-    workload = Workload(model="llama3-8b", global_batch=16, seq_len=8192)
+    workload = Workload(model="llama3-8b", batch=16, seq=8192)
     ratios = {}
     for cp, ac in ((1, "sac"), (2, "sac"), (4, "full")):
         config = ParallelConfig(
@@ -229,7 +229,7 @@ def test_the_screening_counts_the_activations_tp_keeps_whole():
     from memfit_parallel.screening import capture_reference, screen, with_tp
 
     spec = get_spec("h100")
-    workload = Workload(model="llama3-8b", global_batch=16, seq_len=4096)
+    workload = Workload(model="llama3-8b", batch=16, seq=4096)
     for ac, fraction in (("none", None), ("sac", 0.5)):
         mode = (ac, fraction, None)
         plain = capture_reference(workload, spec, mode, "bfloat16")
@@ -281,7 +281,7 @@ def test_the_screening_times_steps_as_their_captures():
     from memfit_parallel.screening import capture_reference, screen, with_tp
 
     spec = get_spec("h100-95gb")
-    workload = Workload(model="llama3-8b", global_batch=128, seq_len=8192)
+    workload = Workload(model="llama3-8b", batch=128, seq=8192)
     shapes = {
         "fsdp": {"dp_shard": 64},
         "pipeline": {"dp_shard": 16, "tp": 2, "pp": 2, "microbatches": 8},

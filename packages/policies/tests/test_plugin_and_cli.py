@@ -190,3 +190,30 @@ def test_memfit_plan_explains_failures(trace, tmp_path):
     (tmp_path / "bad.npz").write_text("nope")
     result = CliRunner().invoke(cli, ["plan", str(tmp_path / "bad.npz"), "--budget", "1GiB"])
     assert result.exit_code != 0 and "bad.npz is not a memfit trace: it is a text file" in result.output
+
+
+HAS_SIMULATOR = importlib.util.find_spec("memfit_simulator") is not None
+
+
+@pytest.mark.skipif(not HAS_SIMULATOR, reason="--simulate needs memfit-policies[simulate] (the extra.policies env)")
+@pytest.mark.parametrize("spec", ["tiny:2x16", "tiny:2x16:bf16:sgd:1", "tiny:2x16:float32:1"])
+def test_memfit_plan_simulate_plans_the_workload_it_names(spec, tmp_path, monkeypatch):
+    monkeypatch.setenv("MEMFIT_CALIBRATE", "0")  # the roofline: no minutes-long calibration of this machine
+    out = tmp_path / "plan.json"
+    result = CliRunner().invoke(cli, ["plan", "--simulate", spec, "--budget", "1GiB", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    plan = MemoryPlan.load(out)
+    assert plan.is_feasible() and plan.budget_bytes == GiB
+
+
+@pytest.mark.skipif(HAS_SIMULATOR, reason="shows the message a user without memfit-simulator gets")
+def test_memfit_plan_simulate_without_the_simulator_says_which_extra_to_install():
+    result = CliRunner().invoke(cli, ["plan", "--simulate", "tiny:2x16", "--budget", "1GiB"])
+    assert result.exit_code != 0 and "memfit-policies[simulate]" in result.output
+
+
+@pytest.mark.parametrize("spec", ["tiny", "tiny:0x16", "tiny:2x16:fp8", "tiny:2x16:bf16:sgd:two"])
+def test_memfit_plan_simulate_refuses_what_is_not_a_workload(spec):
+    result = CliRunner().invoke(cli, ["plan", "--simulate", spec, "--budget", "1GiB"])
+    assert result.exit_code == 2 or result.exit_code == 1, result.output
+    assert "MODEL:BATCHxSEQ" in result.output

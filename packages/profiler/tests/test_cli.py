@@ -9,7 +9,7 @@ SCRIPT = textwrap.dedent("""
     from memfit.models import build_training
 
     steps = int(sys.argv[1])
-    run = build_training("tiny", batch_size=2, seq_len=16)
+    run = build_training("tiny", batch=2, seq=16)
     for _ in range(steps):
         run.step()
     print(f"trained {steps} steps")

@@ -23,7 +23,7 @@ def test_a_dispatch_mode_changes_neither_the_sequence_nor_the_iterations():
     sim = CpuSimBackend(capacity="1GiB")
     records = []
     with sim.activate():
-        run = build_training(dataclasses.replace(LlamaConfig.preset("tiny"), n_layers=1), batch_size=2, seq_len=8)
+        run = build_training(dataclasses.replace(LlamaConfig.preset("tiny"), n_layers=1), batch=2, seq=8)
         run.step()  # optimizer states exist from here on: every later iteration is alike
         profiler = OnlineProfiler(sim, m=1, n=1, mode="lightweight")
         profiler.add_iteration_listener(records.append)

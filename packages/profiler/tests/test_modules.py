@@ -48,7 +48,7 @@ def parameter_owners(model: torch.nn.Module) -> dict[int, str]:
 
 
 def test_forward_matmuls_belong_to_the_linear_that_ran_them(backend, prefer_native):
-    run = build_training("tiny", batch_size=2, seq_len=16)
+    run = build_training("tiny", batch=2, seq=16)
     run.step()
     names = {m: n for n, m in run.model.named_modules()}
     linear_calls: list[str] = []
@@ -69,7 +69,7 @@ def test_forward_matmuls_belong_to_the_linear_that_ran_them(backend, prefer_nati
 
 
 def test_each_gradient_is_made_in_the_backward_of_the_module_owning_its_parameter(backend, prefer_native):
-    run = build_training("tiny", batch_size=2, seq_len=16)
+    run = build_training("tiny", batch=2, seq=16)
     run.step()
     owners = parameter_owners(run.model)
     grads: dict[int, str] = {}  # gradient storage key -> owner of its parameter
@@ -97,7 +97,7 @@ def test_each_gradient_is_made_in_the_backward_of_the_module_owning_its_paramete
 
 
 def test_optimizer_operators_belong_to_the_module_owning_the_parameter(backend, prefer_native):
-    run = build_training("tiny", batch_size=2, seq_len=16)
+    run = build_training("tiny", batch=2, seq=16)
     run.step()
     owners = parameter_owners(run.model)
     with OnlineProfiler(backend, mode="detailed", prefer_native=prefer_native) as prof:
@@ -116,7 +116,7 @@ def test_optimizer_operators_belong_to_the_module_owning_the_parameter(backend, 
 
 
 def test_categories(backend, prefer_native):
-    run = build_training("tiny", batch_size=2, seq_len=16)
+    run = build_training("tiny", batch=2, seq=16)
     run.step()
     saved: list[torch.Tensor] = []  # kept alive: no later storage takes their keys
     batch: list[torch.Tensor] = []
@@ -162,7 +162,7 @@ def test_categories(backend, prefer_native):
 
 
 def test_module_columns_survive_a_round_trip(backend, tmp_path):
-    run = build_training("tiny", batch_size=2, seq_len=16)
+    run = build_training("tiny", batch=2, seq=16)
     with OnlineProfiler(backend, mode="detailed") as prof:
         run.step()
     trace = prof.traces[-1]
@@ -177,7 +177,7 @@ def global_module_hooks() -> tuple[int, int]:
 
 
 def test_only_detailed_iterations_install_module_hooks_and_they_add_no_operators(backend):
-    run = build_training("tiny", batch_size=2, seq_len=16)
+    run = build_training("tiny", batch=2, seq=16)
     run.step()  # optimizer states exist from here on: every later iteration is alike
     before = global_module_hooks()
     seen: list[tuple[bool, tuple[int, int]]] = []
@@ -308,7 +308,7 @@ def test_one_tensor_hooks_give_the_spans_torchs_multi_grad_hooks_give(backend, m
     monkeypatch.setattr(
         modules, "register_multi_grad_hook", lambda *a, **k: multi.append(1) or register_multi_grad_hook(*a, **k)
     )
-    run = build_training("tiny", batch_size=2, seq_len=16)
+    run = build_training("tiny", batch=2, seq=16)
     run.step()
     fast = detailed_trace(run)
     calls = len(multi)

@@ -14,7 +14,7 @@ from torch.autograd.graph import saved_tensors_hooks
 
 def test_stages_follow_a_stable_run_and_genpolicy_iterations_are_traced(backend):
     changes = []
-    run = build_training("tiny", batch_size=2, seq_len=16)
+    run = build_training("tiny", batch=2, seq=16)
     with OnlineProfiler(backend, m=2, n=5) as prof:
         prof.add_stage_listener(changes.append)
         for _ in range(12):
@@ -34,7 +34,7 @@ def test_stages_follow_a_stable_run_and_genpolicy_iterations_are_traced(backend)
 
 
 def test_a_skipped_optimizer_step_is_its_own_iteration_and_keeps_the_stage(backend):
-    run = build_training("tiny", batch_size=2, seq_len=16)
+    run = build_training("tiny", batch=2, seq=16)
     with OnlineProfiler(backend, m=1, n=1) as prof:
         for _ in range(6):
             run.step()
@@ -54,7 +54,7 @@ def test_a_skipped_optimizer_step_is_its_own_iteration_and_keeps_the_stage(backe
 def test_logging_the_loss_between_backward_and_the_step_stays_in_the_step(backend):
     """``loss.item()`` (and any forward operator without a backward pass after it) before the optimizer step is
     part of the iteration: once it began an iteration of its own, and no Detailed trace was ever kept."""
-    run = build_training("tiny", batch_size=2, seq_len=16)
+    run = build_training("tiny", batch=2, seq=16)
     with OnlineProfiler(backend, m=1, n=1) as prof:
         for i in range(6):
             inputs, targets = run.data.batch(i)
@@ -74,7 +74,7 @@ def test_a_step_of_two_optimizers_is_one_iteration_ended_by_the_last(backend):
     """The embeddings with one optimizer and the rest with another, each stepped after one backward pass: one
     iteration a step (the first step ends at the first optimizer: the second's operators are left out), and
     every later step's trace holds both optimizers' operators."""
-    run = build_training("tiny", batch_size=2, seq_len=16)
+    run = build_training("tiny", batch=2, seq=16)
     params = list(run.model.parameters())
     first = torch.optim.SGD(params[:1], lr=0.1, momentum=0.9)
     second = torch.optim.AdamW(params[1:], lr=1e-3)
@@ -103,7 +103,7 @@ def test_a_step_of_two_optimizers_is_one_iteration_ended_by_the_last(backend):
 
 
 def test_gradient_accumulation_is_a_step_of_several_iterations_whose_first_is_the_trace(backend):
-    run = build_training("tiny", batch_size=2, seq_len=16)
+    run = build_training("tiny", batch=2, seq=16)
     saved: list[int] = []
 
     def pack(t):
@@ -137,7 +137,7 @@ def test_gradient_accumulation_is_a_step_of_several_iterations_whose_first_is_th
 
 
 def test_a_validation_pass_is_a_one_off_that_keeps_the_stage(backend):
-    run = build_training("tiny", batch_size=2, seq_len=16)
+    run = build_training("tiny", batch=2, seq=16)
     with OnlineProfiler(backend, m=1, n=1) as prof:
         for _ in range(6):
             run.step()
@@ -155,7 +155,7 @@ def test_a_validation_pass_is_a_one_off_that_keeps_the_stage(backend):
 
 
 def test_every_saved_activation_appears_in_the_detailed_trace_with_its_size(backend):
-    run = build_training("tiny", batch_size=2, seq_len=16)
+    run = build_training("tiny", batch=2, seq=16)
     run.step()
     saved: dict[int, int] = {}
 
@@ -184,7 +184,7 @@ def test_every_saved_activation_appears_in_the_detailed_trace_with_its_size(back
 
 
 def test_trace_memory_curve_agrees_with_the_backend(backend):
-    run = build_training("tiny", batch_size=4, seq_len=32)
+    run = build_training("tiny", batch=4, seq=32)
     run.step()
     with OnlineProfiler(backend, mode="detailed") as prof:
         run.step()
@@ -202,7 +202,7 @@ def test_trace_memory_curve_agrees_with_the_backend(backend):
 
 
 def test_trace_round_trips_and_carries_the_step(backend, tmp_path):
-    run = build_training("tiny", batch_size=2, seq_len=16)
+    run = build_training("tiny", batch=2, seq=16)
     with OnlineProfiler(backend, mode="detailed") as prof:
         run.step()
     trace = prof.traces[-1]
@@ -216,7 +216,7 @@ def test_trace_round_trips_and_carries_the_step(backend, tmp_path):
 
 
 def test_recorded_swaps_land_in_the_trace(backend):
-    run = build_training("tiny", batch_size=2, seq_len=16)
+    run = build_training("tiny", batch=2, seq=16)
     with OnlineProfiler(backend, mode="detailed") as prof:
         x = torch.ones(1024)
         y = x * 2
@@ -250,7 +250,7 @@ def test_on_op_dispatch_plugins_see_every_detailed_operator(backend, hooks, regi
             seen.append((event.op_index, event.name, event.phase))
 
     register_plugin(Counter(), "counter")
-    run = build_training("tiny", batch_size=2, seq_len=16)
+    run = build_training("tiny", batch=2, seq=16)
     with OnlineProfiler(backend, mode="detailed", hooks=hooks) as prof:
         run.step()
     trace = prof.traces[-1]
@@ -260,7 +260,7 @@ def test_on_op_dispatch_plugins_see_every_detailed_operator(backend, hooks, regi
 
 
 def test_python_fallback_records_the_same_shape_of_data(backend):
-    run = build_training("tiny", batch_size=2, seq_len=16)
+    run = build_training("tiny", batch=2, seq=16)
     run.step()
     with OnlineProfiler(backend, mode="detailed", prefer_native=False) as prof:
         run.step()
@@ -329,7 +329,7 @@ def test_history_keeps_the_latest_records_and_counts_the_whole_run(backend):
     """The oracle: an unbounded profiler on the same deterministic run (stages follow operator counts)."""
     runs = {}
     for history in (3, 1000):
-        run = build_training("tiny", batch_size=2, seq_len=16)
+        run = build_training("tiny", batch=2, seq=16)
         with OnlineProfiler(backend, m=2, n=5, history=history) as prof:
             for _ in range(12):
                 run.step()

@@ -77,7 +77,7 @@ def test_time_model_categories_and_roofline():
 def test_measure_ops_times_every_operator_of_a_real_step():
     from memfit.models import build_training
 
-    run = build_training("tiny", batch_size=4, seq_len=64)
+    run = build_training("tiny", batch=4, seq=64)
     inputs, targets = run.data.batch(0)
 
     def step():  # the step alone, as captured: no data generation

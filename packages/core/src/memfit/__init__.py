@@ -2,17 +2,26 @@
 
 Core holds the plugin system (:mod:`memfit.hookspecs`, :mod:`memfit.plugins`), the data model
 shared by every package (:mod:`memfit.trace`, :mod:`memfit.plan`, :mod:`memfit.config`), the
-device backends (:mod:`memfit.backends`) and the reference models (:mod:`memfit.models`).
+device backends (:mod:`memfit.backends`), the reference models (:mod:`memfit.models`) and the one
+description of a training step every package takes (:class:`memfit.workload.Workload`).
 torch is imported only where a model runs.
 """
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from memfit.__about__ import __version__
-from memfit.errors import MemfitError
-from memfit.plugins import hookimpl
+from memfit.exports import lazy_exports
 
-__all__ = ["MemfitError", "__version__", "hookimpl", "swap"]
+if TYPE_CHECKING:
+    from memfit.errors import MemfitError
+    from memfit.plugins import hookimpl
+    from memfit.workload import Workload
+
+__all__, __getattr__, __dir__ = lazy_exports(
+    __name__,
+    {"MemfitError": "memfit.errors", "Workload": "memfit.workload", "hookimpl": "memfit.plugins"},
+)
+__all__ += ["swap"]  # defined here: a module memfit/swap.py would shadow the function
 
 
 def swap(budget: int | str | None = None, backend: Any = None, **options: Any) -> Any:
@@ -26,6 +35,7 @@ def swap(budget: int | str | None = None, backend: Any = None, **options: Any) -
         MemfitError: no installed plugin provides a swap session (install memfit-executor), or the
             session refuses the budget or an option.
     """
+    from memfit.errors import MemfitError
     from memfit.plugins import get_hooks
     from memfit.types import SwapRequest
 

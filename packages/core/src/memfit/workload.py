@@ -7,6 +7,10 @@ Torch-free, so that a command's ``--help`` and a planner without torch can name 
   (simulation on fake tensors only);
 * :data:`DTYPES`: every dtype name a command or an option accepts, with the canonical torch name
   and the bytes of one element (:func:`dtype_name`, :func:`dtype_bytes`);
+* :class:`Workload`: what one training step trains — a model (a preset, ``hf:<model_type>`` or
+  ``package.module:function``), the global batch, the sequence length, the dtype, the layers and
+  field overrides — the one shape that the simulator, the planners, memfit-parallel and
+  memfit-faulttol take, written ``MODEL:BATCHxSEQ[:DTYPE[:LAYERS]]`` on a command line;
 * :func:`parse_devices`: ``--devices``, one grammar for every command (``128xh100``).
 
 Example:
@@ -24,7 +28,11 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass
+from typing import Any, Literal
 
+from pydantic import AliasChoices, Field, field_validator
+
+from memfit.config import MemfitModel
 from memfit.errors import MemfitError
 
 
@@ -75,6 +83,14 @@ class LlamaConfig:
         per_layer = attn + mlp + 2 * self.dim
         head = 0 if self.tie_embeddings else self.vocab_size * self.dim
         return self.vocab_size * self.dim + self.n_layers * per_layer + self.dim + head
+
+    def with_room_for(self, seq: int) -> LlamaConfig:
+        """This config with ``max_seq_len`` widened to ``seq`` where it is shorter.
+
+        The rotary positions are computed for any length, so a longer sequence trains, simulates and
+        plans as the same model; every package widens a preset this one way.
+        """
+        return self if seq <= self.max_seq_len else dataclasses.replace(self, max_seq_len=seq)
 
     @classmethod
     def preset(cls, name: str, **overrides) -> LlamaConfig:
@@ -158,3 +174,128 @@ def parse_devices(text: str, default_device: str | None = None) -> tuple[int, st
         f"--devices {text!r} is not COUNTxDEVICE: write e.g. 128xh100, 8xh100-95gb or 4xcpu, a positive count "
         f"times a device of the simulator's registry{bare}"
     )
+
+
+class Workload(MemfitModel):
+    """What one training step trains: the model, the global batch, the sequence length and the dtype.
+
+    The one description of a step that every package takes: the simulator builds it
+    (``memfit_simulator.models.model_source``), the planners simulate it (``memfit plan --simulate``),
+    memfit-parallel splits it over ranks and memfit-faulttol trains it live. On a command line it is
+    ``--model/--batch/--seq/--dtype/--layers`` or one string, ``MODEL:BATCHxSEQ[:DTYPE[:LAYERS]]``
+    (:meth:`parse`). Plan files written before it named the batch ``global_batch`` and the sequence
+    ``seq_len``: those names still load.
+
+    Example:
+        ```python
+        from memfit.workload import Workload
+
+        workload = Workload.parse("tiny:8x512:bf16:4")
+        workload.batch, workload.seq, workload.dtype, workload.layers   # (8, 512, 'bfloat16', 4)
+        workload.kind                                                   # 'preset'
+        workload.llama_config().max_seq_len                             # 512: the preset's 128 widened
+        Workload(model="hf:qwen2", batch=2, seq=64).kind                # 'hf'
+        str(Workload(model="llama3-8b", batch=64, seq=8192))            # 'llama3-8b:64x8192'
+        ```
+    """
+
+    model: str = "tiny"
+    """A reference Llama preset (:data:`PRESETS`), ``hf:<model_type>`` (a transformers model built from its
+    config) or ``package.module:function`` (a function returning ``(model, optimizer, batch)``)."""
+    batch: int = Field(8, ge=1, validation_alias=AliasChoices("batch", "global_batch"))
+    """Global batch: sequences per optimizer step, over all data-parallel ranks."""
+    seq: int = Field(128, ge=1, validation_alias=AliasChoices("seq", "seq_len"))
+    """Tokens per sequence."""
+    dtype: str = "float32"
+    """The training dtype: any name of :data:`DTYPES` (``bf16``), kept as torch names it (``bfloat16``)."""
+    layers: int | None = Field(None, ge=1)
+    """Transformer blocks, where the model's own number is not wanted (``None``: the model's)."""
+    overrides: dict[str, Any] = Field(default_factory=dict)
+    """Fields of the model's config replaced (``dim``, ``n_heads`` ...; a preset's or a transformers config's)."""
+
+    @field_validator("model")
+    @classmethod
+    def _model_named(cls, value: str) -> str:
+        if not value or not value.strip():
+            raise ValueError("give a model: a preset, hf:<model_type> or package.module:function")
+        return value
+
+    @field_validator("dtype")
+    @classmethod
+    def _known_dtype(cls, value: str) -> str:
+        if value not in DTYPES:
+            raise ValueError(f"unknown dtype {value!r}; use one of {', '.join(DTYPES)}")
+        return DTYPES[value][0]
+
+    @property
+    def kind(self) -> Literal["preset", "hf", "function"]:
+        """How :attr:`model` names the model: a ``preset``, a transformers model (``hf``) or a user's ``function``."""
+        if self.model.startswith("hf:"):
+            return "hf"
+        return "function" if ":" in self.model else "preset"
+
+    def llama_config(self) -> LlamaConfig:
+        """The preset with :attr:`layers` and :attr:`overrides`, and room for :attr:`seq` tokens.
+
+        The rotary positions are computed for any length, so a preset whose ``max_seq_len`` is shorter than
+        :attr:`seq` is widened to it (what simulating, planning and training a longer sequence all need).
+
+        Raises:
+            MemfitError: the model is not a preset, or an override names a field the config has not.
+        """
+        if self.kind != "preset":
+            raise MemfitError(f"{self.model!r} is not a reference Llama preset ({', '.join(PRESETS)})")
+        fields = {f.name for f in dataclasses.fields(LlamaConfig)}
+        unknown = sorted(set(self.overrides) - fields)
+        if unknown:
+            known = ", ".join(sorted(fields))
+            raise MemfitError(f"{self.model} has no field {', '.join(unknown)}; its fields: {known}")
+        if self.layers and "n_layers" in self.overrides:
+            raise MemfitError("give the layers once: layers (--layers) or the override n_layers (--set), not both")
+        changes = {**self.overrides, **({"n_layers": self.layers} if self.layers else {})}
+        return LlamaConfig.preset(self.model, **changes).with_room_for(self.seq)
+
+    @classmethod
+    def parse(cls, text: str) -> Workload:
+        """``MODEL:BATCHxSEQ[:DTYPE[:LAYERS]]`` (``tiny:8x128``, ``llama3-8b:1x8192:bf16:2``).
+
+        A ``package.module:function`` model keeps its colon: the shape is the first part that reads
+        ``BATCHxSEQ``.
+
+        Raises:
+            MemfitError: the text does not read so, or a value is out of range (the message says which).
+        """
+        parts = text.split(":")
+        at = next((i for i, part in enumerate(parts) if i and re.fullmatch(r"\d+[xX]\d+", part.strip())), None)
+        if at is None or len(parts) > at + 3:
+            raise MemfitError(
+                f"{text!r} is not MODEL:BATCHxSEQ[:DTYPE[:LAYERS]]: write e.g. tiny:8x128 or llama3-8b:1x8192:bf16"
+            )
+        batch, seq = (int(x) for x in parts[at].lower().split("x"))
+        extra: dict[str, Any] = {}
+        if len(parts) > at + 1:
+            extra["dtype"] = parts[at + 1]
+        if len(parts) > at + 2:
+            if not parts[at + 2].isdigit():
+                raise MemfitError(f"{text!r}: LAYERS must be a whole number, got {parts[at + 2]!r}")
+            extra["layers"] = int(parts[at + 2])
+        return cls.checked(model=":".join(parts[:at]), batch=batch, seq=seq, **extra)
+
+    @classmethod
+    def checked(cls, **fields: Any) -> Workload:
+        """A workload from ``fields``, or a :class:`MemfitError` saying what is wrong (rather than pydantic's)."""
+        from pydantic import ValidationError
+
+        from memfit.config import describe_validation_error
+
+        try:
+            return cls(**fields)
+        except ValidationError as exc:
+            problems = "; ".join(line.strip() for line in describe_validation_error(exc).splitlines() if line.strip())
+            raise MemfitError(f"not a workload: {problems}") from None
+
+    def __str__(self) -> str:
+        text = f"{self.model}:{self.batch}x{self.seq}"
+        if self.dtype != "float32" or self.layers:
+            text += f":{self.dtype}"
+        return text + (f":{self.layers}" if self.layers else "")

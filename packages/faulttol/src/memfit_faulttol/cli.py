@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 from memfit.cli.options import workload_option
 from memfit.errors import MemfitError
-from memfit.workload import PRESETS
+from memfit.workload import PRESETS, Workload
 
 
 @click.group()
@@ -35,7 +35,7 @@ def faulttol() -> None:
 @click.option(
     "--seeds", type=int, default=5, show_default=True, help="Failure traces (seeds 0..n-1); results are means."
 )
-@click.option("--model", default="llama2-7b", show_default=True, help=f"A preset: {', '.join(PRESETS)}.")
+@workload_option("model", default="llama2-7b")
 @click.option("--device", default=None, help="The device (memfit-simulator's registry)  [default: ascend-910b]")
 @workload_option("seq", default=4096, note="A micro-batch is one sample.")
 @click.option("--micro-batches", type=int, default=64, show_default=True, help="Global batch, in micro-batches.")
@@ -143,7 +143,7 @@ def _parse_kills(values: tuple[str, ...]) -> dict[int, int]:
 @faulttol.command("run")
 @click.option("--nproc", type=int, default=4, show_default=True, help="Worker processes (devices), gloo on the CPU.")
 @click.option("--stages", type=int, default=2, show_default=True, help="Pipeline stages of the fault-free plan.")
-@click.option("--model", default="tiny", show_default=True, help="Reference Llama preset.")
+@workload_option("model", default="tiny")
 @workload_option("layers", "n_layers", default=4, old_name="--n-layers", note="Overrides the preset's.")
 @workload_option("batch", default=8)
 @click.option("--micro-batches", type=int, default=4, show_default=True, help="Micro-batches per global batch.")
@@ -201,9 +201,13 @@ def run(
     from memfit_faulttol.live import LiveOptions
     from memfit_faulttol.runner import check_ledger, launch_live, ledger_summary, replay_ledger, run_dir_problems
 
+    try:
+        workload = Workload.checked(model=model, batch=batch, seq=seq, layers=n_layers)
+    except MemfitError as exc:
+        raise click.UsageError(str(exc)) from exc
     options = LiveOptions(
-        nproc=nproc, stages=stages, model=model, n_layers=n_layers, batch=batch, micro_batches=micro_batches,
-        seq=seq, steps=steps, seed=seed, lr=lr, kills=_parse_kills(kills), pg_timeout_s=pg_timeout,
+        nproc=nproc, stages=stages, workload=workload, micro_batches=micro_batches,
+        steps=steps, seed=seed, lr=lr, kills=_parse_kills(kills), pg_timeout_s=pg_timeout,
         heartbeat_s=heartbeat, stale_s=stale, failure_rate=failure_rate,
         plugins=[str(Path(p).resolve()) if p.endswith(".py") else p for p in plugins],
     )  # fmt: skip

@@ -50,7 +50,7 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -60,6 +60,7 @@ import torch.nn.functional as F
 from memfit.errors import MemfitError
 from memfit.models import LlamaConfig, SyntheticTokens
 from memfit.models.llama import Block, RMSNorm, rotary_tables
+from memfit.workload import Workload
 from torch import nn
 
 from memfit_faulttol.model import ClusterState, Strategy
@@ -69,15 +70,27 @@ _FORWARD_TAG, _BACKWARD_TAG, _SYNC_TAG, _MOVE_TAG = 0, 1 << 20, 2 << 20, 3 << 20
 
 @dataclass
 class LiveOptions:
-    """What a live run trains and how it detects faults (the same on every worker)."""
+    """What a live run trains and how it detects faults (the same on every worker).
+
+    Example:
+        ```python
+        from memfit.workload import Workload
+        from memfit_faulttol.live import LiveOptions
+
+        workload = Workload(model="tiny", batch=8, seq=32, layers=4)
+        options = LiveOptions(nproc=4, stages=2, workload=workload, kills={1: 2})   # rank 1 dies in step 2
+        options.micro_batch_size, options.model_config().n_layers   # (2, 4): 4 micro-batches of 2, 4 blocks
+        options.problems()                                          # []: it can run
+        LiveOptions(nproc=4, stages=3).problems()   # ['--stages 3 must divide --nproc 4']
+        LiveOptions.from_json(options.to_json()) == options          # True: what every worker reads
+        ```
+    """
 
     nproc: int = 4
     stages: int = 2
-    model: str = "tiny"
-    n_layers: int = 4
-    batch: int = 8
+    workload: Workload = field(default_factory=lambda: Workload(model="tiny", batch=8, seq=32, layers=4))
+    """What is trained: a reference Llama preset (its blocks split over the stages), the global batch, the sequence."""
     micro_batches: int = 4
-    seq: int = 32
     steps: int = 8
     seed: int = 0
     lr: float = 3e-3
@@ -93,20 +106,33 @@ class LiveOptions:
     """Extra plugins (module names or .py files) registered after the installed ones (their ``on_fault`` goes first)."""
 
     @property
+    def batch(self) -> int:
+        """The global batch (:attr:`workload`'s)."""
+        return self.workload.batch
+
+    @property
+    def seq(self) -> int:
+        """Tokens per sequence (:attr:`workload`'s)."""
+        return self.workload.seq
+
+    @property
     def micro_batch_size(self) -> int:
         return self.batch // self.micro_batches
 
     def model_config(self) -> LlamaConfig:
-        return LlamaConfig.preset(self.model, n_layers=self.n_layers)
+        """The workload's Llama config (its preset with the layers asked for)."""
+        return self.workload.llama_config()
 
     def to_json(self) -> dict:
-        out = asdict(self)
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["workload"] = self.workload.model_dump()
         out["kills"] = {str(k): v for k, v in self.kills.items()}
         return out
 
     @classmethod
     def from_json(cls, data: dict) -> LiveOptions:
         data = dict(data)
+        data["workload"] = Workload.model_validate(data["workload"])
         data["kills"] = {int(k): int(v) for k, v in data.get("kills", {}).items()}
         return cls(**data)
 
@@ -117,8 +143,6 @@ class LiveOptions:
             out.append(f"--nproc must be at least 2 (got {self.nproc})")
         if self.stages < 1 or self.nproc % max(self.stages, 1):
             out.append(f"--stages {self.stages} must divide --nproc {self.nproc}")
-        elif self.stages > self.n_layers:
-            out.append(f"--stages {self.stages} exceeds the model's {self.n_layers} blocks")
         if self.micro_batches < 1 or self.batch % max(self.micro_batches, 1):
             out.append(f"--micro-batches {self.micro_batches} must divide --batch {self.batch}")
         elif self.stages >= 1 and self.micro_batches < self.nproc // self.stages:
@@ -134,10 +158,15 @@ class LiveOptions:
             out.append("--kill names every rank: nobody would be left to recover")
         if self.pg_timeout_s <= 0 or self.heartbeat_s <= 0 or self.stale_s <= 2 * self.heartbeat_s:
             out.append("timeouts must be positive and --stale-s more than twice --heartbeat-s")
+        if self.workload.kind != "preset":
+            out.append(f"--model {self.workload.model}: the live trainer trains a reference Llama preset")
+            return out
+        if self.workload.dtype != "float32" or self.workload.overrides:
+            out.append("the live trainer trains a preset as it is, in float32: give no dtype and no overrides")
         try:
-            config = self.model_config()
-            if self.seq > config.max_seq_len:
-                out.append(f"--seq {self.seq} exceeds the model's max_seq_len {config.max_seq_len}")
+            blocks = self.model_config().n_layers
+            if self.stages >= 1 and self.stages > blocks:
+                out.append(f"--stages {self.stages} exceeds the model's {blocks} blocks")
         except MemfitError as exc:
             out.append(str(exc))
         return out
@@ -291,7 +320,25 @@ class StepFailed(Exception):
 
 
 class Worker:
-    """One device of a live run: its modules, their AdamW states, the shared state and the process group."""
+    """One device of a live run: its modules, their AdamW states, the shared state and the process group.
+
+    Example:
+        ```python
+        import tempfile
+        from pathlib import Path
+        from memfit_faulttol.live import LiveOptions, Worker
+
+        options = LiveOptions(nproc=4, stages=2)   # 4 devices: dp=2 × pp=2 over the tiny Llama's 4 blocks
+        with tempfile.TemporaryDirectory() as run_dir:
+            worker = Worker(uid=1, options=options, run_dir=Path(run_dir))   # device 1: pipeline 0's last stage
+            print(worker.initial_plan)        # dp=2 pp=[2, 2] [2+2×2mb | 2+2×2mb]
+            print(sorted(worker.modules))     # ['head', 'layer2', 'layer3']: its blocks, the final norm and LM head
+            print(worker.members, worker.rank_of(1))   # [0, 1, 2, 3] 1: the process group it will join
+            worker.ledger.close()
+        # worker.run() would join the other workers' gloo process group and train, recovering from faults:
+        # `python -m memfit_faulttol.live` runs one per device; memfit_faulttol.runner.launch_live starts them all
+        ```
+    """
 
     def __init__(self, uid: int, options: LiveOptions, run_dir: Path) -> None:
         from memfit.plugins import get_hooks

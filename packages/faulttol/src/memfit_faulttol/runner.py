@@ -41,7 +41,32 @@ from memfit_faulttol.live import LiveOptions
 
 @dataclass
 class LiveResult:
-    """What a live run left behind."""
+    """What a live run left behind.
+
+    Example:
+        ```python
+        from memfit.workload import Workload
+        from memfit_faulttol.live import LiveOptions
+        from memfit_faulttol.runner import LiveResult, check_ledger, ledger_summary
+
+        # what launch_live collects from a run's folder, here by hand: 4 workers (dp=2 × pp=2), one step of two
+        # micro-batches; worker 3 (pipeline 1's last stage) was killed in it, and pipeline 1's micro-batch then
+        # went through worker 1, the live replica of that stage (ledger lines trimmed to what the checks read)
+        workload = Workload(model="tiny", batch=4, seq=32, layers=4)
+        options = LiveOptions(nproc=4, stages=2, workload=workload, micro_batches=2, steps=1, kills={3: 0})
+        ledger = [
+            {"step": 0, "samples": [0, 2], "device": 1, "route": [0, 1], "committed": False},   # the failed try
+            {"step": 0, "samples": [0, 2], "device": 1, "route": [0, 1], "committed": True},
+            {"step": 0, "samples": [2, 4], "device": 1, "route": [2, 1], "committed": True},    # rerouted
+        ]
+        report = {"losses": [5.5], "recoveries": [{"step": 0, "failed": [3], "strategy": "reroute"}]}
+        result = LiveResult(options, exit_codes={0: 0, 1: 0, 2: 0, 3: -9}, reports=dict.fromkeys((0, 1, 2), report),
+                            ledger=ledger)
+        print(result.survivors, result.losses, result.recoveries[0]["strategy"])   # [0, 1, 2] [5.5] reroute
+        print(check_ledger(result.ledger, result.options))   # []: every sample of step 0 trained exactly once
+        print(ledger_summary(result.ledger))   # {0: {'committed': 2, 'discarded': 1, 'samples': 4}}
+        ```
+    """
 
     options: LiveOptions
     exit_codes: dict[int, int]

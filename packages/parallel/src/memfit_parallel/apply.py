@@ -111,7 +111,32 @@ def split_blocks(n_blocks: int, n_stages: int) -> list[range]:
 
 @dataclass
 class ParallelModel:
-    """This rank's share of a parallelised model: its stage modules, pipeline schedule and mesh coordinates."""
+    """This rank's share of a parallelised model: its stage modules, pipeline schedule and mesh coordinates.
+
+    Example:
+        ```python
+        import torch
+        from memfit_parallel.apply import parallelize
+        from memfit_parallel.config import ParallelConfig
+        from memfit_parallel.fakepg import fake_process_group
+        from memfit_parallel.recipe import llama_recipe
+
+        recipe = llama_recipe("tiny")
+        with fake_process_group(world_size=4):  # this process is rank 0 of a 4-rank job (under torchrun: a real one)
+            model = parallelize(recipe, ParallelConfig(dp_shard=2, tp=2))  # a ParallelModel; weights still on meta
+            wq = model.parts[0].layers["0"].attention.wq.weight  # a DTensor: split by TP, then by FSDP
+            print(tuple(wq.shape), tuple(wq.to_local().shape))  # (64, 64) (16, 64)
+            print(model.dp_rank, model.dp_slice(8))  # 0 slice(0, 4, None): its rows of a global batch of 8
+        with fake_process_group(world_size=1):  # one rank: load the weights and train a step
+            model = parallelize(recipe, ParallelConfig())
+            model.load_weights(recipe.full_state_dict(seed=0))  # rank 0's full state dict
+            optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+            tokens = torch.randint(0, 256, (4, 65))
+            loss = model.train_step(tokens[:, :-1], tokens[:, 1:])  # forward and backward: about ln 256 = 5.5
+            optimizer.step()
+            print(model.global_loss(loss))
+        ```
+    """
 
     config: ParallelConfig
     recipe: ModelRecipe

@@ -43,7 +43,7 @@ Example:
     from memfit_parallel.autosac import auto_sac
     from memfit_parallel.config import ParallelConfig, Workload
 
-    workload = Workload(model="llama3-8b", global_batch=16, seq_len=8192)
+    workload = Workload(model="llama3-8b", batch=16, seq=8192)
     config = auto_sac(ParallelConfig(dp_shard=8, param_dtype="bfloat16"), workload, "h100", keep=0.5)
     config.describe()     # 'FSDP 8, Auto-SAC 50%, bfloat16'
     ```
@@ -146,7 +146,7 @@ def auto_sac(
     Raises:
         MemfitError: as :func:`block_sac_plan`.
     """
-    plan = block_sac_plan(workload.model, workload.seq_len, config.param_dtype, hardware, keep, local=local)
+    plan = block_sac_plan(workload.model, workload.seq, config.param_dtype, hardware, keep, local=local)
     return ParallelConfig.model_validate(
         {**config.model_dump(), "activation_checkpoint": "sac", "sac_memory_fraction": keep, "sac_plan": plan}
     )

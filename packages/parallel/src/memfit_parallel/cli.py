@@ -13,6 +13,9 @@ from memfit.errors import MemfitError
 
 from memfit_parallel.launch import run
 
+PARAM_DTYPES = ("bfloat16", "float32")
+"""The compute dtypes FSDP's mixed precision takes here (``ParallelConfig.param_dtype``), under any of their names."""
+
 
 @click.group()
 def parallel():
@@ -28,13 +31,12 @@ def parse_devices(text: str) -> tuple[int, str]:
 
 
 @parallel.command()
-@click.option("--model", required=True, help="A model of the registry: tiny, small, medium, llama3-8b, llama3-70b, "
-              "llama3-405b, llama2-7b.")  # fmt: skip
+@workload_option("model", required=True)
 @click.option("--devices", required=True, metavar="COUNTxDEVICE", help="How many of which device: 128xh100, 8xcpu.")
 @workload_option("batch", required=True)
 @workload_option("seq", required=True)
-@click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default=None,
-              help="Compute dtype (FSDP mixed precision); default bfloat16 on GPUs, float32 on cpu.")  # fmt: skip
+@workload_option("dtype", dtypes=PARAM_DTYPES, note="FSDP's mixed precision computes in it.",
+                 default_text="bfloat16 on GPUs, float32 on cpu")  # fmt: skip
 @click.option("--top", type=click.IntRange(1), default=5, show_default=True, help="Configurations to show.")
 @click.option("--max-confirmed", type=click.IntRange(1), default=None, metavar="N",
               help="Once one configuration fits, confirm (capture) at most N candidates in all: the search's bound, "
@@ -52,14 +54,14 @@ def plan(model, devices, batch, seq, dtype, top, max_confirmed, time_limit, as_j
     One of two plans: this one chooses how to split a model over many devices; `memfit plan`
     plans one device's memory (what to swap, recompute or offload).
     """
-    from memfit_parallel.config import Workload
     from memfit_parallel.planning import MAX_CONFIRMED, search
 
     try:
         count, hardware = parse_devices(devices)
-        workload = Workload(model=model, global_batch=batch, seq_len=seq)
+        dtype = workload.dtype_name(dtype) if dtype else None
+        trained = workload.Workload.checked(model=model, batch=batch, seq=seq)
         result = search(
-            workload, count, hardware, dtype=dtype, top=top, max_confirmed=max_confirmed or MAX_CONFIRMED,
+            trained, count, hardware, dtype=dtype, top=top, max_confirmed=max_confirmed or MAX_CONFIRMED,
             time_limit_s=time_limit,
         )  # fmt: skip
     except MemfitError as exc:
@@ -92,9 +94,7 @@ def _table(result) -> None:
     from memfit_parallel.planning import time_unit, why
 
     w = result.workload
-    table = Table(
-        title=f"{w.model}, global batch {w.global_batch} × {w.seq_len} tokens on {result.devices} × {result.hardware}"
-    )
+    table = Table(title=f"{w.model}, global batch {w.batch} × {w.seq} tokens on {result.devices} × {result.hardware}")
     # one unit per column, from its largest value, so the rows compare at a glance
     t_unit, t_scale = time_unit(max(p.step_s for p in result.ranked))
     m_unit, m_scale = size_unit(max(p.peak_bytes for p in result.ranked))

@@ -18,7 +18,7 @@ Example:
     config = ParallelConfig(dp_shard=32, tp=8, activation_checkpoint="full")
     config.world_size                  # 256
     config.describe()                  # 'FSDP 32 × TP 8, full AC'
-    workload = Workload(model="llama3-70b", global_batch=512, seq_len=8192)
+    workload = Workload(model="llama3-70b", batch=512, seq=8192)
     config.local_batch(workload)       # 16
     ```
 """
@@ -34,6 +34,7 @@ from typing import Any, Literal
 from memfit.config import MemfitModel, describe_validation_error
 from memfit.errors import MemfitError
 from memfit.plan import Recompute
+from memfit.workload import Workload  # what is trained: memfit-parallel splits it over ranks
 from pydantic import Field, ValidationError, model_validator
 
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
@@ -42,32 +43,6 @@ ParamDtype = Literal["float32", "bfloat16"]
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 """Mesh dimension names, outer to inner (TP innermost, CP next: TorchTitan's order)."""
-
-
-class Workload(MemfitModel):
-    """What is trained: a reference Llama preset, the global batch and sequence length.
-
-    Example:
-        ```python
-        from memfit_parallel import ParallelConfig, Workload
-
-        workload = Workload(model="llama3-70b", global_batch=512, seq_len=8192)
-        ParallelConfig(dp_shard=32, tp=8).local_batch(workload)   # 16 sequences a data-parallel rank
-        ParallelConfig(dp_shard=6).problems(workload)   # ['global batch 512 does not split over 6 data-parallel ranks']
-        ParallelConfig(tp=8, cp=3).problems(workload)   # ['sequence length 8192 is not divisible by 2 × cp = 6']
-        ```
-    """
-
-    model: str
-    """A reference Llama preset (``llama3-8b``, ``tiny``, ...): what ``predict`` and the search capture.
-
-    A user's own model is parallelised with :func:`memfit_parallel.apply.parallelize` and a
-    ``ModelRecipe``; predicting it needs a capture of its forward, which the search does not take yet.
-    """
-    global_batch: int = Field(ge=1)
-    """Sequences per optimizer step over all data-parallel ranks."""
-    seq_len: int = Field(ge=1)
-    """Tokens per sequence."""
 
 
 class ModelShape(MemfitModel):
@@ -80,7 +55,7 @@ class ModelShape(MemfitModel):
 
         shape = ModelShape(n_layers=32, n_heads=32, n_kv_heads=8)
         shape == model_shape("llama3-8b")                         # True: the preset's
-        workload = Workload(model="llama3-8b", global_batch=64, seq_len=4096)
+        workload = Workload(model="llama3-8b", batch=64, seq=4096)
         ParallelConfig(tp=8, dp_shard=8).problems(workload, shape)   # []
         ParallelConfig(tp=16).problems(workload, shape)  # ["tp=16 does not divide the model's 32 heads and 8 KV heads"]
         ```
@@ -96,7 +71,22 @@ class BlockRecompute(MemfitModel):
 
     As :class:`memfit.plan.Recompute`, with the module named relative to the block (``""``: the block
     itself, ``"attention"``: its attention), so the plan applies to every block of any model whose
-    recipe names its blocks (:func:`memfit_parallel.apply.parallelize`).
+    recipe names its blocks (:func:`memfit_parallel.apply.parallelize`). Auto-SAC makes them
+    (:func:`memfit_parallel.autosac.auto_sac`); a plan may be given by hand too.
+
+    Example:
+        ```python
+        from memfit_parallel import ParallelConfig, Workload, predict
+        from memfit_parallel.config import BlockRecompute
+
+        attention = BlockRecompute(module="attention")  # every block's attention, all its operators recomputed
+        config = ParallelConfig(dp_shard=2, activation_checkpoint="sac", sac_plan=(attention,))
+        print(config.describe())  # FSDP 2, SAC plan
+        print([action.module for action in config.block_recompute(["0", "1"])])  # what parallelize applies:
+        # ['layers.0.attention', 'layers.1.attention']
+        prediction = predict(Workload(model="tiny", batch=8, seq=128), config, "h100")
+        print(prediction.recompute_s > 0, prediction.notes[0])  # True SAC: a memfit plan (1 checkpointed module(s) ...
+        ```
     """
 
     module: str = ""
@@ -248,7 +238,7 @@ class ParallelConfig(MemfitModel):
     def local_batch(self, workload: Workload) -> int:
         """Sequences each data-parallel rank trains per step (raises if the global batch does not split)."""
         self._raise(self.problems(workload))
-        return workload.global_batch // self.dp
+        return workload.batch // self.dp
 
     def describe(self) -> str:
         """A short human name, e.g. ``'FSDP 4 × TP 8 × PP 16 (interleaved_1f1b, 32 mb), full AC'``."""
@@ -283,17 +273,17 @@ class ParallelConfig(MemfitModel):
         found = []
         if world_size is not None and self.world_size != world_size:
             found.append(f"the degrees multiply to {self.world_size} devices, not {world_size}")
-        if workload.global_batch % self.dp:
-            found.append(f"global batch {workload.global_batch} does not split over {self.dp} data-parallel ranks")
-        elif self.pp > 1 and (workload.global_batch // self.dp) % self.microbatches:
+        if workload.batch % self.dp:
+            found.append(f"global batch {workload.batch} does not split over {self.dp} data-parallel ranks")
+        elif self.pp > 1 and (workload.batch // self.dp) % self.microbatches:
             found.append(
-                f"local batch {workload.global_batch // self.dp} does not split into {self.microbatches} microbatches"
+                f"local batch {workload.batch // self.dp} does not split into {self.microbatches} microbatches"
             )
-        if workload.seq_len % (2 * self.cp) and self.cp > 1:
+        if workload.seq % (2 * self.cp) and self.cp > 1:
             # the zig-zag load balance cuts the sequence into 2 × cp chunks (memfit_parallel.context)
-            found.append(f"sequence length {workload.seq_len} is not divisible by 2 × cp = {2 * self.cp}")
-        if self.tp > 1 and workload.seq_len % self.tp:
-            found.append(f"sequence length {workload.seq_len} is not divisible by tp={self.tp} (sequence parallelism)")
+            found.append(f"sequence length {workload.seq} is not divisible by 2 × cp = {2 * self.cp}")
+        if self.tp > 1 and workload.seq % self.tp:
+            found.append(f"sequence length {workload.seq} is not divisible by tp={self.tp} (sequence parallelism)")
         if shape is not None:
             if shape.n_heads % self.tp or shape.n_kv_heads % self.tp:
                 found.append(
@@ -397,28 +387,48 @@ def _another_memfit_file(item: object) -> str | None:
         kinds = {a.get("kind") for a in item.get("actions", ()) if isinstance(a, dict)}
         goes = " (its recompute actions go to `memfit parallel run --sac-plan`)" if "recompute" in kinds else ""
         return f"a memory plan of `memfit plan` (planner {item['planner']!r}){goes}"
-    if isinstance(item.get("runs"), list) and "global_batch" in item:
+    if isinstance(item.get("runs"), list) and ("workload" in item or "global_batch" in item):  # or written before
         return "the report of a run (`memfit parallel run --out`)"
     return None
 
 
 # -- the models memfit-parallel plans --------------------------------------------------------------
-def model_config(name: str, seq_len: int) -> Any:
-    """The reference Llama config of a registry name, with room for ``seq_len`` tokens (the simulator's preset)."""
+def model_config(name: str, seq: int) -> Any:
+    """The reference Llama config of a preset name, with room for ``seq`` tokens (:meth:`Workload.llama_config`)."""
     from memfit.workload import PRESETS
-    from memfit_simulator.models import model_config as preset_with_room
 
     if name not in PRESETS:
         raise MemfitError(
             f"unknown model {name!r}: memfit-parallel plans the reference Llama's presets: {', '.join(PRESETS)}"
         )
-    return preset_with_room(name, seq_len)
+    return Workload(model=name, seq=seq).llama_config()
 
 
-def model_shape(name: str) -> ModelShape:
-    """Layers and heads of a registry model (what decides which degrees split it)."""
+def workload_config(workload: Workload) -> Any:
+    """The reference Llama config ``workload`` trains (its preset and layers, room for its sequence).
+
+    memfit-parallel computes in the configuration's ``param_dtype``; the workload's ``dtype`` records it.
+
+    Raises:
+        MemfitError: an unknown preset, or config overrides (memfit-parallel trains the presets as they are).
+    """
+    model_config(workload.model, workload.seq)  # an unknown model: say what memfit-parallel plans
+    if workload.overrides:
+        raise MemfitError(
+            f"memfit-parallel trains the reference Llama presets as they are: the overrides "
+            f"{', '.join(sorted(workload.overrides))} would not be applied. Give layers, or add a preset of your own "
+            "to memfit.workload.PRESETS"
+        )
+    return workload.llama_config()
+
+
+def model_shape(name: str | Workload) -> ModelShape:
+    """Layers and heads of a registry model or a workload's (what decides which degrees split it)."""
     from memfit.models import LlamaConfig
 
-    config = model_config(name, 1) if isinstance(name, str) else name
+    if isinstance(name, Workload):
+        config = workload_config(name)
+    else:
+        config = model_config(name, 1) if isinstance(name, str) else name
     assert isinstance(config, LlamaConfig)
     return ModelShape(n_layers=config.n_layers, n_heads=config.n_heads, n_kv_heads=config.n_kv_heads)

@@ -82,7 +82,27 @@ def _all_gather_autograd(x: torch.Tensor, dim: int, group) -> torch.Tensor:
 
 @dataclass
 class ContextParallel:
-    """One rank's place in its CP group: what a Llama stage and its attention layers need (module docs)."""
+    """One rank's place in its CP group: what a Llama stage and its attention layers need (module docs).
+
+    :func:`apply_context_parallel` makes one for a stage from its CP mesh, as here.
+
+    Example:
+        ```python
+        import torch
+        from memfit_parallel.context import ContextParallel
+        from memfit_parallel.fakepg import fake_process_group
+        from torch.distributed.device_mesh import init_device_mesh
+
+        with fake_process_group(world_size=2):  # this process is rank 0 of a 2-rank CP group
+            mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
+            context = ContextParallel(group=mesh.get_group(), size=mesh.size(), rank=mesh.get_local_rank())
+            print(context.positions(8).tolist())  # [0, 1, 6, 7]: chunks 0 and 3 of a sequence of 8 tokens
+            k = v = torch.randn(1, 2, 4, 16)  # (batch, KV heads, the rank's 4 tokens, head_dim)
+            keys, values, mask = context.gather_context(k, v)  # what each attention layer calls
+            print(tuple(keys.shape), tuple(mask.shape))  # (1, 2, 8, 16) (4, 8): every rank's keys; local × all
+            print(mask.sum(1).tolist())  # [1, 2, 7, 8]: the keys each of its queries sees (causal, global positions)
+        ```
+    """
 
     group: object
     """The CP process group (``mesh["cp"].get_group()``)."""

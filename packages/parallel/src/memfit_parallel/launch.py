@@ -30,20 +30,35 @@ import click
 from memfit.cli.options import workload_option
 from memfit.cli.scripts import check_writable
 from memfit.errors import MemfitError
+from memfit.workload import Workload
 
 DEFAULT_TIMEOUT_S = 1800
 
 
 @dataclass
 class RunRequest:
-    """What ``memfit parallel run`` trains: the checked inputs of one launch."""
+    """What ``memfit parallel run`` trains: the checked inputs of one launch.
+
+    Example:
+        ```python
+        from memfit.errors import MemfitError
+        from memfit.workload import Workload
+        from memfit_parallel import ParallelConfig
+        from memfit_parallel.launch import RunRequest, check_request
+
+        request = RunRequest(nproc=2, configs=[ParallelConfig(dp_shard=2)], workload=Workload(batch=8, seq=32))
+        check_request(request)                     # nothing wrong: launch(request) would train it under torchrun
+        try:
+            check_request(RunRequest(nproc=2, workload=Workload(batch=7, seq=32)))
+        except MemfitError as exc:
+            print(exc)   # cannot run 'FSDP 2': global batch 7 does not split over 2 data-parallel ranks
+        ```
+    """
 
     nproc: int
     configs: list = field(default_factory=list)
-    model: str = "tiny"
-    n_layers: int | None = None
-    global_batch: int = 8
-    seq_len: int = 32
+    workload: Workload = field(default_factory=lambda: Workload(model="tiny", batch=8, seq=32))
+    """What is trained: a reference Llama preset (``layers`` replaces its blocks), the global batch, the sequence."""
     steps: int = 5
     seed: int = 0
     lr: float = 3e-3
@@ -62,9 +77,9 @@ def check_request(request: RunRequest) -> None:
     from memfit.config import parse_size
 
     from memfit_parallel.apply import unapplied
-    from memfit_parallel.config import ParallelConfig, Workload
+    from memfit_parallel.config import ParallelConfig, workload_config
     from memfit_parallel.recipe import llama_recipe
-    from memfit_parallel.trainer import load_recompute, with_room_for
+    from memfit_parallel.trainer import load_recompute
 
     if request.nproc < 1:
         raise MemfitError(f"--nproc must be at least 1, got {request.nproc}")
@@ -73,16 +88,11 @@ def check_request(request: RunRequest) -> None:
     if request.max_restarts < 0:
         raise MemfitError(f"--max-restarts must be 0 or more, got {request.max_restarts}")
     parse_size(request.capacity, what="cpu-sim capacity")
-    if request.n_layers is not None and request.n_layers < 1:
-        raise MemfitError(f"--n-layers must be at least 1, got {request.n_layers}")
-    if request.global_batch < 1 or request.seq_len < 1:
-        raise MemfitError(f"--batch and --seq must be at least 1, got {request.global_batch} and {request.seq_len}")
-    overrides = with_room_for(
-        request.seq_len, request.model, {"n_layers": request.n_layers} if request.n_layers else {}
-    )
+    workload = request.workload
+    config = workload_config(workload)  # an unknown preset, overrides: says what it takes
     if not request.configs:
         request.configs = [ParallelConfig(dp_shard=request.nproc)]
-    recipe = llama_recipe(request.model, **overrides)
+    recipe = llama_recipe(workload.model, n_layers=config.n_layers, max_seq_len=config.max_seq_len)
     recompute = None
     if request.sac_plan is not None:
         import torch
@@ -93,7 +103,6 @@ def check_request(request: RunRequest) -> None:
         unknown = sorted({a.module for a in recompute} - names)
         if unknown:
             raise MemfitError(f"{request.sac_plan} names modules the model does not have: {', '.join(unknown[:5])}")
-    workload = Workload(model=request.model, global_batch=request.global_batch, seq_len=request.seq_len)
     problems = []
     for config in request.configs:
         found = config.problems(workload, recipe.shape, world_size=request.nproc)
@@ -110,12 +119,12 @@ def trainer_command(request: RunRequest, config_path: Path, report_path: Path) -
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(request.nproc),
         "--max-restarts", str(request.max_restarts),
         "-m", "memfit_parallel.trainer", "--config", str(config_path), "--report", str(report_path),
-        "--model", request.model, "--batch", str(request.global_batch), "--seq", str(request.seq_len),
+        "--model", request.workload.model, "--batch", str(request.workload.batch), "--seq", str(request.workload.seq),
         "--steps", str(request.steps), "--seed", str(request.seed), "--lr", repr(request.lr),
         "--capacity", str(request.capacity),
     ]  # fmt: skip
-    if request.n_layers:
-        command += ["--n-layers", str(request.n_layers)]
+    if request.workload.layers:
+        command += ["--layers", str(request.workload.layers)]
     if request.sac_plan is not None:
         command += ["--sac-plan", str(Path(request.sac_plan).resolve())]
     return command
@@ -270,8 +279,23 @@ def _kill_group(process: subprocess.Popen) -> None:
             continue
 
 
-RUN_DEFAULTS = {"model": "tiny", "global_batch": 8, "seq_len": 32}
-_OPTION = {"model": "--model", "global_batch": "--batch", "seq_len": "--seq"}
+RUN_DEFAULTS = Workload(model="tiny", batch=8, seq=32)
+"""What ``memfit parallel run`` trains where neither a plan file nor an option says."""
+
+
+def planned_workload(plan: dict | None) -> Workload:
+    """The workload a plan file names (``memfit parallel plan --out``), what it leaves out from :data:`RUN_DEFAULTS`.
+
+    Raises:
+        MemfitError: a workload that is not one (a field out of range, one a workload has not).
+    """
+    if plan is None:
+        return RUN_DEFAULTS
+    given = dict(plan["workload"])
+    for old, new in (("global_batch", "batch"), ("seq_len", "seq")):  # the names plan files had before
+        if old in given:
+            given.setdefault(new, given.pop(old))
+    return Workload.checked(**{**RUN_DEFAULTS.model_dump(), **given})
 
 
 def read_plan(path: str | Path) -> dict | None:
@@ -286,12 +310,14 @@ def planned_peak(plan: dict | None, request: RunRequest, result: dict, entry: di
     """The plan's predicted per-rank peak where this run trained what it predicted, else ``None`` and why not."""
     if plan is None:
         return None, ""
-    workload = plan["workload"]
-    planned = (workload.get("model"), workload.get("global_batch"), workload.get("seq_len"))
+    planned, trained = planned_workload(plan), request.workload
     on_cpu_sim = result.get("device") == "cpu-sim"
     reasons = [
-        (planned != (request.model, request.global_batch, request.seq_len), "another model, batch or sequence"),
-        (request.n_layers is not None, "--n-layers changed the model"),
+        (
+            (planned.model, planned.batch, planned.seq) != (trained.model, trained.batch, trained.seq),
+            "another model, batch or sequence",
+        ),
+        (trained.layers is not None, "--layers changed the model"),
         (request.sac_plan is not None, "--sac-plan changed the checkpointing"),
         (request.steps < 2, "one step: its peak includes creating the optimizer's states"),
         (bool(entry.get("swap_session")), "memfit.swap held the peak to its budget"),
@@ -313,7 +339,7 @@ def planned_peak(plan: dict | None, request: RunRequest, result: dict, entry: di
     "and sequence are trained unless given here, and its prediction is printed beside the measurement); "
     "default: FSDP over all ranks.",
 )
-@click.option("--model", default=None, help="Reference Llama preset  [default: the plan's, else tiny]")
+@workload_option("model", default_text="the plan's, else tiny")
 @workload_option("layers", "n_layers", old_name="--n-layers", note="Overrides the preset's.")
 @workload_option("batch", default_text="the plan's, else 8")
 @workload_option("seq", default_text="the plan's, else 32")
@@ -364,25 +390,26 @@ def run(
         raise click.BadParameter(str(exc), param_hint="'--config'") from exc
     try:
         plan = read_plan(config_path) if config_path else None
-        given = {"model": model, "global_batch": batch, "seq_len": seq}
-        workload = {**RUN_DEFAULTS, **(plan or {}).get("workload", {})}
-        for key, value in given.items():
+        fields = planned_workload(plan).model_dump()
+        for key, value in {"model": model, "batch": batch, "seq": seq}.items():
             if value is not None:
-                if plan and value != workload[key]:
-                    say(f"note: training {_OPTION[key]} {value}, not the plan's {workload[key]}")
-                workload[key] = value
-        if plan and n_layers is not None:
-            say(f"note: training {n_layers} blocks, not the plan's {workload['model']} preset's")
+                if plan and value != fields[key]:
+                    say(f"note: training --{key} {value}, not the plan's {fields[key]}")
+                fields[key] = value
+        if n_layers is not None:
+            if plan:
+                say(f"note: training {n_layers} blocks, not the plan's {fields['model']} preset's")
+            fields["layers"] = n_layers
         request = RunRequest(
-            nproc=nproc, configs=configs, model=workload["model"], n_layers=n_layers,
-            global_batch=workload["global_batch"], seq_len=workload["seq_len"], steps=steps, seed=seed, lr=lr,
+            nproc=nproc, configs=configs, workload=Workload.checked(**fields), steps=steps, seed=seed, lr=lr,
             capacity=capacity, sac_plan=sac_plan, max_restarts=max_restarts,
         )  # fmt: skip
         check_request(request)
         if report is not None:
             check_writable(report)
+        w = request.workload
         say(
-            f"launching {nproc} processes, {request.model}, global batch {request.global_batch} x {request.seq_len}: "
+            f"launching {nproc} processes, {w.model}, global batch {w.batch} x {w.seq}: "
             + ", ".join(c.describe() for c in request.configs)
         )
         result = launch(request, report, timeout_s=timeout_s)

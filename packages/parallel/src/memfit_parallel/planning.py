@@ -96,7 +96,37 @@ the forward recomputed; 50 %: 53 %, 27 %; 75 %: 78 %, 19 %)."""
 
 @dataclass
 class SearchResult:
-    """Confirmed predictions, fastest first, and what the search did."""
+    """Confirmed predictions, fastest first, and what the search did.
+
+    :func:`search` returns one; ``memfit parallel plan --out`` writes its :meth:`to_json`, the plan file
+    ``--config`` and :meth:`ParallelConfig.load` read.
+
+    Example:
+        ```python
+        import json
+        import os
+        import tempfile
+
+        from memfit_parallel import ParallelConfig, Workload, predict
+        from memfit_parallel.planning import SearchResult
+
+        # search(workload, 2, "h100") screens every candidate first (seconds to minutes); here two of its
+        # confirmed predictions, ranked as it ranks them
+        workload = Workload(model="tiny", batch=8, seq=128)
+        configs = [ParallelConfig(dp_shard=2, activation_checkpoint=ac) for ac in ("full", "none")]
+        ranked = sorted((predict(workload, config, "h100") for config in configs), key=lambda p: p.step_s)
+        result = SearchResult(
+            workload, "h100", devices=2, ranked=ranked, candidates=2, screened_fitting=2, confirmed=2, seconds=0.0
+        )
+        print(result.best.config.describe())  # FSDP 2: no checkpointing is faster, and it fits
+        print([entry["why"] for entry in result.to_json()["ranked"]])  # the second: '... slower, most in recompute ...'
+        with tempfile.TemporaryDirectory() as folder:
+            path = os.path.join(folder, "plan.json")
+            with open(path, "w") as file:
+                json.dump(result.to_json(), file)  # the plan file of `memfit parallel plan --out`
+            print(ParallelConfig.load(path) == result.best.config)  # True: what `--config` runs
+        ```
+    """
 
     workload: Workload
     hardware: str
@@ -165,7 +195,7 @@ def auto_sac_plans(
     absent = missing()
     if absent:
         return {}, "Auto-SAC not searched: it needs " + ", ".join(absent)
-    return {keep: block_sac_plan(workload.model, workload.seq_len, dtype, spec, keep) for keep in AUTO_SAC_KEEP}, ""
+    return {keep: block_sac_plan(workload.model, workload.seq, dtype, spec, keep) for keep in AUTO_SAC_KEEP}, ""
 
 
 def candidates(
@@ -179,22 +209,22 @@ def candidates(
 
     ``sac_plans``: Auto-SAC block plans by the fraction they keep (:func:`auto_sac_plans`); none by default.
     """
-    shape = model_shape(workload.model)
+    shape = model_shape(workload)
     modes = checkpointing_modes(sac_plans)
     found = []
     tps = [t for t in _divisors(min(devices, spec.devices_per_node)) if shape.n_kv_heads % t == 0]
     for tp in tps:
         for cp in _divisors(devices // tp):
-            if cp > 1 and (workload.seq_len // cp < MIN_CP_TOKENS or workload.seq_len % (2 * cp)):
+            if cp > 1 and (workload.seq // cp < MIN_CP_TOKENS or workload.seq % (2 * cp)):
                 continue
             rest = devices // (tp * cp)
             for pp in _divisors(rest):
                 if pp > shape.n_layers or pp > 64:
                     continue
                 dp = rest // pp
-                if workload.global_batch % dp:
+                if workload.batch % dp:
                     continue
-                local = workload.global_batch // dp
+                local = workload.batch // dp
                 flavours = {(1, dp)}  # FSDP
                 flavours |= {(dp // s, s) for s in (8, 16, 32, 64) if s < dp and dp % s == 0}  # HSDP
                 if dp > 1:
@@ -255,6 +285,7 @@ def search(
         raise MemfitError(f"the time limit must be a positive number of seconds (or none), got {time_limit_s!r}")
     spec = hardware if isinstance(hardware, HardwareSpec) else get_spec(hardware)
     dtype = dtype or ("float32" if spec.name == "cpu" else "bfloat16")
+    workload = workload.model_copy(update={"dtype": dtype})  # what the plan file says it was planned in
     if devices < 1:
         raise MemfitError(f"the device count must be positive, got {devices}")
     if devices > spec.devices_per_node and devices % spec.devices_per_node:
@@ -266,10 +297,10 @@ def search(
     pool = candidates(workload, devices, spec, dtype, sac_plans)
     if not pool:
         raise MemfitError(
-            f"no configuration splits {workload.model} (global batch {workload.global_batch}, sequence "
-            f"{workload.seq_len}) over {devices} devices: the global batch must divide over the data-parallel "
+            f"no configuration splits {workload.model} (global batch {workload.batch}, sequence "
+            f"{workload.seq}) over {devices} devices: the global batch must divide over the data-parallel "
             f"ranks (what TP, PP and CP leave of the devices, which the model's heads and layers bound). Use a "
-            f"global batch that is a multiple of {devices} (e.g. {math.lcm(workload.global_batch, devices)}), or "
+            f"global batch that is a multiple of {devices} (e.g. {math.lcm(workload.batch, devices)}), or "
             "another device count"
         )
     capacity = spec.capacity_bytes

@@ -71,14 +71,29 @@ from memfit.errors import MemfitError
 from memfit.plan import Recompute, default_margin
 from memfit_simulator.hardware import HardwareSpec, get_spec
 
-from memfit_parallel.config import ParallelConfig, Workload, model_config, model_shape
+from memfit_parallel.config import ParallelConfig, Workload, model_shape, workload_config
 from memfit_parallel.schedules import in_flight, m_total, multi_round, receive_buffers, schedule_config, schedule_held
 from memfit_parallel.stages import EXACT_LAYERS, StageProfile, block_plan, stage_profile
 
 
 @dataclass
 class Prediction:
-    """A configuration's predicted step on one kind of device (per rank: the most loaded one)."""
+    """A configuration's predicted step on one kind of device (per rank: the most loaded one).
+
+    Example:
+        ```python
+        from memfit_parallel import ParallelConfig, Workload, predict
+
+        workload = Workload(model="tiny", batch=8, seq=128)
+        prediction = predict(workload, ParallelConfig(dp_shard=2), "h100")  # rank 0's step, captured and timed
+        print(prediction.fits, prediction.peak_bytes <= prediction.capacity_bytes)  # True True
+        print(prediction.peak_by_category["optimizer_state"])  # AdamW's two float32 states of half the weights, bytes
+        parts = prediction.compute_s + prediction.exposed_comm_s + prediction.bubble_s + prediction.recompute_s
+        print(f"{prediction.step_s * 1e3:.2f} ms a step, {parts * 1e3:.2f} ms in its parts")  # the same sum
+        print([(c["kind"], c["count"]) for c in prediction.collectives])  # [('all_gather', 5), ('reduce_scatter', 3)]
+        print(prediction.to_json()["describe"])  # FSDP 2: what `memfit parallel plan --json` prints
+        ```
+    """
 
     workload: Workload
     config: ParallelConfig
@@ -116,7 +131,7 @@ class Prediction:
 
     @property
     def tokens_per_s_per_device(self) -> float:
-        tokens = self.workload.global_batch * self.workload.seq_len
+        tokens = self.workload.batch * self.workload.seq
         return tokens / self.step_s / self.config.world_size
 
     def to_json(self) -> dict[str, Any]:
@@ -189,7 +204,7 @@ def predict(
             (the message says why, as :meth:`ParallelConfig.check`), or a SAC plan it cannot apply.
     """
     spec = hardware if isinstance(hardware, HardwareSpec) else get_spec(hardware)
-    shape = model_shape(workload.model)
+    shape = model_shape(workload)
     config.check(workload, shape)
     notes: list[str] = []
     if recompute:
@@ -238,7 +253,7 @@ def assemble(
     search's screening) instead of the recurrence.
     """
     notes = list(notes or [])
-    llama = model_config(workload.model, workload.seq_len)
+    llama = workload_config(workload)
     if config.cp > 1:
         notes.append(
             "context parallelism captured as applied: K/V all-gathered per block, attention over local queries × "
@@ -251,7 +266,7 @@ def assemble(
     buffer_bytes = 0
     if config.pp > 1:  # one microbatch of the activations between stages (sequence shards under TP)
         itemsize = torch.empty(0, dtype=getattr(torch, config.param_dtype)).element_size()
-        local_seq = workload.seq_len // config.cp // config.tp
+        local_seq = workload.seq // config.cp // config.tp
         buffer_bytes = (config.local_batch(workload) // m_total(config)) * local_seq * llama.dim * itemsize
     # FSDP's parameter copies under a pipeline are paid once a step (ZeRO-2: the stage is gathered before its
     # first microbatch and reduced after its last), not once a microbatch: the capture's share of them is
@@ -296,7 +311,7 @@ def assemble(
         if swapping is not None:
             swap_s = swapping.forward_s + swapping.backward_s
     else:
-        hidden = (config.local_batch(workload) // m) * (workload.seq_len // config.cp) * llama.dim * 2 // config.tp
+        hidden = (config.local_batch(workload) // m) * (workload.seq // config.cp) * llama.dim * 2 // config.tp
         p2p = 0.0
         if spec.inter_node is not None:
             from memfit_simulator.comm import send_recv_seconds
@@ -340,7 +355,25 @@ differentiating and the next, whose swap-in must have landed before backward rea
 
 @dataclass(frozen=True)
 class Swapping:
-    """What ``swap=True`` does to the rank (:func:`swap_activations`; no pipeline)."""
+    """What ``swap=True`` does to the rank (:func:`swap_activations`; no pipeline).
+
+    Example:
+        ```python
+        from memfit_parallel.config import ParallelConfig, Workload
+        from memfit_parallel.prediction import swap_activations
+        from memfit_parallel.stages import stage_profile
+        from memfit_simulator.hardware import get_spec
+
+        h100 = get_spec("h100")
+        workload = Workload(model="small", batch=2, seq=128)  # 4 blocks: 2 may leave the device
+        profile = stage_profile(workload, ParallelConfig(swap=True), h100, "whole")  # the rank's step: a 74 MiB peak
+        device = h100.model_copy(update={"capacity_bytes": 80 * 2**20})  # 80 MiB: 72 MiB once the margin is kept
+        cats = dict(profile.peak_by_category)
+        swapping = swap_activations(cats, profile, device, profile.forward_s, profile.backward_s)  # a Swapping
+        print(swapping.peak_bytes > 0, swapping.over_bytes)  # True 0.0: what is over the budget leaves; it fits
+        print(swapping.describe(device))  # swap (modelled, not captured): 1.77 MiB of activations in host memory ...
+        ```
+    """
 
     peak_bytes: float
     """Activation bytes held in host memory at the rank's peak (taken off its device peak)."""

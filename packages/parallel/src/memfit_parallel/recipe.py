@@ -66,6 +66,38 @@ class ModelRecipe:
         context_parallel: ``context_parallel(stage, cp_mesh)`` makes a stage attend over the whole
             sequence while holding a CP rank's part of it (:mod:`memfit_parallel.context`: global
             rotary positions, K/V all-gathered); ``None``: the model cannot be context-parallel.
+
+    Example:
+        ```python
+        import torch
+        import torch.nn.functional as F
+        from memfit_parallel.apply import parallelize, unapplied
+        from memfit_parallel.config import ParallelConfig
+        from memfit_parallel.fakepg import fake_process_group
+        from memfit_parallel.recipe import ModelRecipe
+        from torch import nn
+
+        class Net(nn.Module):  # your own model: its repeated blocks in an nn.ModuleList
+            def __init__(self):
+                super().__init__()
+                self.embed, self.head = nn.Linear(16, 32), nn.Linear(32, 4)
+                self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(32), nn.Linear(32, 32)) for _ in range(4))
+
+            def forward(self, x):
+                x = self.embed(x)
+                for block in self.blocks:
+                    x = x + block(x)
+                return self.head(x)
+
+        recipe = ModelRecipe(build=Net, blocks="blocks", loss_fn=F.mse_loss)
+        print(unapplied(ParallelConfig(pp=2, microbatches=2), recipe))  # a pipeline needs a `stage` function:
+        # ['pp > 1 needs a `stage` function in the model recipe']
+        with fake_process_group(world_size=1):  # one rank (under torchrun: dist.init_process_group)
+            model = parallelize(recipe, ParallelConfig(activation_checkpoint="full"))
+            model.load_weights(recipe.full_state_dict(seed=0))
+            print(type(model.parts[0].blocks[0]).__name__)  # CheckpointWrapper: every block recomputed in backward
+            loss = model.train_step(torch.randn(8, 16), torch.randn(8, 4))  # forward and backward
+        ```
     """
 
     build: Callable[[], nn.Module]
@@ -107,6 +139,29 @@ class LlamaStage(nn.Module):
 
     With all parts it computes exactly what ``Llama.forward`` computes. Parameter names are the
     whole model's (``layers`` is a ``ModuleDict`` keyed by the original block index).
+
+    Example:
+        ```python
+        import copy
+
+        import torch
+        from memfit.models import Llama, LlamaConfig
+        from memfit_parallel.recipe import LlamaStage
+        from torch import nn
+
+        model = Llama(LlamaConfig.preset("tiny", n_layers=4))
+
+        def stage(blocks, first, last):  # as parallelize cuts a pipeline stage: the model with some of its blocks
+            part = copy.deepcopy(model)
+            part.layers = nn.ModuleDict({str(i): part.layers[i] for i in blocks})
+            return LlamaStage(part, first, last)
+
+        first, last = stage(range(0, 2), True, False), stage(range(2, 4), False, True)
+        tokens = torch.randint(0, 256, (2, 16))
+        hidden = first(tokens)  # what the first stage sends the next
+        print(tuple(hidden.shape), torch.equal(last(hidden), model(tokens)))  # (2, 16, 64) True: the whole model's
+        print(sorted(last.state_dict())[0])  # layers.2.attention.wk.weight: the whole model's parameter names
+        ```
     """
 
     def __init__(self, model: nn.Module, first: bool, last: bool) -> None:

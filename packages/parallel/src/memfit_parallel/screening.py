@@ -15,7 +15,7 @@ from typing import Any
 
 from memfit_simulator.hardware import HardwareSpec
 
-from memfit_parallel.config import BlockRecompute, ParallelConfig, Workload, model_config
+from memfit_parallel.config import BlockRecompute, ParallelConfig, Workload, workload_config
 from memfit_parallel.prediction import Prediction, assemble
 from memfit_parallel.schedules import multi_round, stage_layers
 from memfit_parallel.stages import CATEGORIES, PHASE_TIMES, StageProfile, capture_stage, collective_seconds
@@ -66,6 +66,22 @@ class Reference:
     (:attr:`StageProfile.param_copy_s`) at FSDP degrees 2 and 4, without TP: they copy the local shard
     and the whole gathered parameters, so they fit as ``B/degree + C`` (:meth:`seconds`); and DDP's
     (degree 1, FSDP2's ``replicate``: no gather, only the reduction's copy).
+
+    Example:
+        ```python
+        from memfit_parallel import ParallelConfig, Workload, predict
+        from memfit_parallel.screening import capture_reference, screen
+        from memfit_simulator.hardware import get_spec
+
+        workload, h100 = Workload(model="tiny", batch=64, seq=128), get_spec("h100")
+        mode = ("none", None, None)  # no activation checkpointing
+        reference = capture_reference(workload, h100, mode, "bfloat16")  # a Reference: six small captures
+        print(reference.memory(tp=1))  # a block's and the rest's activations and temporaries, bytes a sequence
+        print(sorted(reference.copies_by_shard))  # [1, 2, 4]: FSDP's copies under DDP, FSDP 2 and FSDP 4
+        config = ParallelConfig(dp_shard=8, param_dtype="bfloat16")
+        screened = screen(workload, config, h100, reference)  # no capture of its own: a Prediction at once
+        print(screened.peak_bytes, f"{screened.step_s * 1e3:.2f} ms")  # what the search ranks it by, before any capture
+        ```
     """
 
     block: StageProfile
@@ -134,7 +150,7 @@ def _difference(a: StageProfile, b: StageProfile) -> dict[str, Any]:
 
 def _block_and_rest(workload: Workload, spec: HardwareSpec, base: ParallelConfig) -> tuple[StageProfile, StageProfile]:
     """A block's profile and the remainder's, from captures of ``base`` with one and two blocks, one sequence."""
-    one_seq = Workload(model=workload.model, global_batch=base.dp, seq_len=workload.seq_len)
+    one_seq = workload.model_copy(update={"batch": base.dp})  # its layers too
     one = capture_stage(one_seq, base, spec, 1, "whole")
     two = capture_stage(one_seq, base, spec, 2, "whole")
     block = one.combine(two, 1.0, 1)  # two, as a profile
@@ -211,7 +227,7 @@ def _accumulation_s(
 
 def _param_counts(workload: Workload) -> tuple[int, int, int]:
     """Parameters of a block, of the embedding, and of the norm and output head."""
-    c = model_config(workload.model, workload.seq_len)
+    c = workload_config(workload)
     kv = c.n_kv_heads * c.head_dim
     block = 2 * c.dim * c.dim + 2 * c.dim * kv + 3 * c.dim * c.ffn_dim + 2 * c.dim
     return block, c.vocab_size * c.dim, c.dim + c.vocab_size * c.dim
@@ -219,7 +235,7 @@ def _param_counts(workload: Workload) -> tuple[int, int, int]:
 
 def screen(workload: Workload, config: ParallelConfig, spec: HardwareSpec, ref: Reference) -> Prediction:
     """The screening prediction of ``config`` from the reference captures (module docs)."""
-    c = model_config(workload.model, workload.seq_len)
+    c = workload_config(workload)
     block_params, embed_params, head_params = _param_counts(workload)
     mb = config.local_batch(workload) // config.microbatches
     tp, cp, shard = config.tp, config.cp, config.dp_shard * config.cp
@@ -227,7 +243,7 @@ def screen(workload: Workload, config: ParallelConfig, spec: HardwareSpec, ref: 
     fsdp = config.dp > 1 or cp > 1
     low = 2 if config.param_dtype == "bfloat16" else 4
     n = stage_layers(c.n_layers, config)
-    token_bytes = mb * (workload.seq_len // cp) * c.dim * 2
+    token_bytes = mb * (workload.seq // cp) * c.dim * 2
     profiles = {}
     for rank, first, last in ((0, True, config.pp == 1), (config.pp - 1, config.pp == 1, True)):
         if rank in profiles:
@@ -287,7 +303,7 @@ def screen(workload: Workload, config: ParallelConfig, spec: HardwareSpec, ref: 
             one = collective_seconds("all_gather", token_bytes, tp, "tp", config, spec)
             blocking = n * passes * one + (2 * one if last else 0)
         if cp > 1:  # all-gather CP (memfit_parallel.context): K and V gathered per block, their gradients scattered
-            kv = mb * workload.seq_len * (c.n_kv_heads * c.head_dim // tp) * low
+            kv = mb * workload.seq * (c.n_kv_heads * c.head_dim // tp) * low
             kv_gathers = 2 if config.activation_checkpoint == "none" else 4  # again in recomputation
             blocking += n * (
                 kv_gathers * collective_seconds("all_gather", kv, cp, "cp", config, spec)

@@ -23,7 +23,7 @@ from memfit.errors import MemfitError
 from memfit.plan import Recompute
 from memfit_simulator.hardware import HardwareSpec
 
-from memfit_parallel.config import BlockRecompute, ParallelConfig, Workload, model_config
+from memfit_parallel.config import BlockRecompute, ParallelConfig, Workload, workload_config
 from memfit_parallel.schedules import (
     SCHEDULE_MICROBATCHES,
     capture_config,
@@ -53,7 +53,23 @@ EXACT_LAYERS = 4
 
 @dataclass
 class StageProfile:
-    """One pipeline stage on one rank, for ONE microbatch (one step without a pipeline)."""
+    """One pipeline stage on one rank, for ONE microbatch (one step without a pipeline).
+
+    Example:
+        ```python
+        from memfit_parallel.config import ParallelConfig, Workload
+        from memfit_parallel.stages import stage_profile
+        from memfit_simulator.hardware import get_spec
+
+        workload = Workload(model="tiny", batch=8, seq=128)
+        config = ParallelConfig(dp_shard=2, pp=2, microbatches=2)  # the tiny Llama's 2 blocks: one a stage
+        first = stage_profile(workload, config, get_spec("h100"), "first")  # pipeline rank 0's stage, captured
+        print(first.blocks, first.captured_microbatches)  # 1 2: one block, two microbatches in the schedule's order
+        print(f"{first.forward_s * 1e3:.3f} ms forward, {first.backward_s * 1e3:.3f} ms backward a microbatch")
+        print(first.peak_bytes, first.activation_bytes)  # its peak, and what each further microbatch in flight adds
+        print([(c["kind"], c["count"]) for c in first.collectives])  # [('all_gather', 2), ('reduce_scatter', 2)]
+        ```
+    """
 
     peak_by_category: dict[str, float]
     activation_bytes: float
@@ -185,7 +201,7 @@ def block_plan(actions: Sequence[Recompute], n_layers: int) -> tuple[BlockRecomp
 
 def _profile_key(workload: Workload, config: ParallelConfig, spec: HardwareSpec, blocks: int, kind: str) -> tuple:
     return (
-        config.sac_plan, workload.model, workload.seq_len, config.local_batch(workload) // max(config.microbatches, 1),
+        config.sac_plan, workload.model, workload.seq, config.local_batch(workload) // max(config.microbatches, 1),
         config.dp_replicate, config.dp_shard, config.cp, config.tp, config.pp > 1, config.activation_checkpoint,
         config.sac_memory_fraction, config.param_dtype, _spec_key(spec), blocks, kind, capture_order(config, kind),
         capture_groups(config), multi_round(config),
@@ -219,10 +235,10 @@ def capture_stage(
     from memfit_parallel.recipe import llama_recipe
 
     applied = capture_config(config)
-    llama = model_config(workload.model, workload.seq_len)
+    llama = workload_config(workload)
     recipe = llama_recipe(workload.model, n_layers=blocks * applied.stages, max_seq_len=llama.max_seq_len)
     micro = config.local_batch(workload) // config.microbatches
-    seq = workload.seq_len // config.cp
+    seq = workload.seq // config.cp
     act_dtype = getattr(torch, config.param_dtype)
     stage_ids = None if kind == "whole" else [0 if kind == "first" else applied.stages - 1]
     k, warmup = capture_order(config, kind)
@@ -395,10 +411,10 @@ def _capture_schedule_stage(
     per_stage = blocks // v
     rank = 0 if kind == "first" else applied.pp - 1
     stage_ids = [rank + i * applied.pp for i in range(v)]
-    llama = model_config(workload.model, workload.seq_len)
+    llama = workload_config(workload)
     recipe = llama_recipe(workload.model, n_layers=per_stage * applied.stages, max_seq_len=llama.max_seq_len)
     micro = config.local_batch(workload) // config.microbatches
-    seq = workload.seq_len // config.cp
+    seq = workload.seq // config.cp
     local_seq = seq // config.tp if config.tp > 1 else seq
     act_dtype = getattr(torch, config.param_dtype)
     k = SCHEDULE_MICROBATCHES
@@ -678,7 +694,7 @@ def stage_profile(
     A rank whose stages' backwards are captured one after the other (:func:`capture_groups`) is captured
     with 2 and 3 blocks in each of its stages.
     """
-    n_layers = model_config(workload.model, workload.seq_len).n_layers
+    n_layers = workload_config(workload).n_layers
     blocks = n_layers if kind == "whole" else stage_layers(n_layers, config)
     # the rank's stages run their backwards one after the other (capture_groups): blocks of each, in step
     groups = capture_groups(config) if kind != "whole" else 1

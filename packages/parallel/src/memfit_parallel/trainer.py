@@ -54,6 +54,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import NoReturn
 
+from memfit.workload import Workload
+
 DEFAULT_CAPACITY = "4GiB"
 SESSION_SUMMARY = (
     "budget_bytes", "peak_device_bytes", "iterations_per_stage", "plans_generated", "plan_feasible",
@@ -71,20 +73,6 @@ def load_recompute(path: str | Path) -> list:
     if not actions:
         raise MemfitError(f"{path} holds no recompute action: make a SAC plan with `memfit plan --planner sac`")
     return actions
-
-
-def with_room_for(seq_len: int, model: str, overrides: dict | None = None) -> dict:
-    """``overrides`` of the ``model`` preset, with ``max_seq_len`` widened to ``seq_len`` where the preset's is shorter.
-
-    The rotary positions are computed for any length, so a longer sequence trains as planned (the prediction
-    widens ``max_seq_len`` the same way, :func:`memfit_parallel.config.model_config`).
-    """
-    from memfit.models import LlamaConfig
-
-    overrides = dict(overrides or {})
-    if seq_len > LlamaConfig.preset(model, **overrides).max_seq_len:
-        overrides["max_seq_len"] = seq_len
-    return overrides
 
 
 def load_configs(path: str | Path):
@@ -115,10 +103,7 @@ def _device_and_memory(capacity: str):
 def train_configs(
     configs,
     *,
-    model: str = "tiny",
-    overrides: dict | None = None,
-    global_batch: int = 8,
-    seq_len: int = 32,
+    workload: Workload | None = None,
     steps: int = 5,
     seed: int = 0,
     lr: float = 3e-3,
@@ -126,29 +111,30 @@ def train_configs(
     recompute=None,
     log=print,
 ) -> dict:
-    """Train each configuration in turn on this rank (collective); returns the report (complete on rank 0)."""
+    """Train each configuration in turn on this rank (collective); returns the report (complete on rank 0).
+
+    ``workload`` is a reference Llama preset (its ``layers``), the global batch and the sequence; by default
+    the tiny preset at 8 sequences of 32 tokens.
+    """
     import torch
     import torch.distributed as dist
-    from memfit.models import LlamaConfig, SyntheticTokens
+    from memfit.models import SyntheticTokens
 
     from memfit_parallel.apply import parallelize
-    from memfit_parallel.config import Workload
+    from memfit_parallel.config import workload_config
     from memfit_parallel.recipe import llama_recipe
 
-    overrides = with_room_for(seq_len, model, overrides)
+    workload = workload or Workload(model="tiny", batch=8, seq=32)
+    global_batch, seq_len = workload.batch, workload.seq
+    model_config = workload_config(workload)
     device, memory, counting = _device_and_memory(capacity)
     rank, world = dist.get_rank(), dist.get_world_size()
-    recipe = llama_recipe(model, **overrides)
-    workload = Workload(model=model, global_batch=global_batch, seq_len=seq_len)
+    recipe = llama_recipe(workload.model, n_layers=model_config.n_layers, max_seq_len=model_config.max_seq_len)
     for config in configs:
         config.check(workload, recipe.shape, world_size=world)
-    model_config = LlamaConfig.preset(model, **overrides)
     data = SyntheticTokens(model_config.vocab_size, seq_len, global_batch, seed)
     report = {
-        "model": model,
-        "model_overrides": overrides,
-        "global_batch": global_batch,
-        "seq_len": seq_len,
+        "workload": workload.model_dump(),
         "steps": steps,
         "seed": seed,
         "lr": lr,
@@ -318,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m memfit_parallel.trainer", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", help="configuration JSON: one, a plan file or a list (default: FSDP on all ranks)")
     parser.add_argument("--model", default="tiny", help="reference Llama preset (memfit.models.PRESETS)")
-    parser.add_argument("--n-layers", type=int, default=None, help="override the preset's number of blocks")
+    parser.add_argument("--layers", "--n-layers", type=int, default=None, help="override the preset's blocks")
     parser.add_argument("--batch", type=int, default=8, help="global batch (sequences per step over all ranks)")
     parser.add_argument("--seq", type=int, default=32, help="sequence length")
     parser.add_argument("--steps", type=int, default=5)
@@ -350,13 +336,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         world = dist.get_world_size()
         configs = load_configs(args.config) if args.config else [ParallelConfig(dp_shard=world)]
-        overrides = {"n_layers": args.n_layers} if args.n_layers else {}
+        workload = Workload(model=args.model, batch=args.batch, seq=args.seq, layers=args.layers)
         report = train_configs(
             configs,
-            model=args.model,
-            overrides=overrides,
-            global_batch=args.batch,
-            seq_len=args.seq,
+            workload=workload,
             steps=args.steps,
             seed=args.seed,
             lr=args.lr,

@@ -10,6 +10,8 @@ do are said, and exit status 1). ``--plot`` is drawn in every case, to show why.
 from __future__ import annotations
 
 import json
+import os
+import re
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -192,6 +194,8 @@ def plan(trace_path, budget, simulate_spec, planners, out, plot, bandwidth, plan
             options=options,
         )
         result = get_hooks().choose_plan(problem, planners or None, require_feasible=False)
+        if out is not None and trace_path is not None and not simulate_spec:
+            result = _with_trace_file(result, trace_path, out)  # what --json prints is what --out writes
         if as_json:
             click.echo(result.to_json())
         else:
@@ -219,6 +223,15 @@ def plan(trace_path, budget, simulate_spec, planners, out, plot, bandwidth, plan
         say.print(f"plan written to {out}", soft_wrap=True, markup=False)
 
 
+def _with_trace_file(plan: MemoryPlan, trace_path: Path, out: Path) -> MemoryPlan:
+    """``plan`` naming the trace it was made from, relative to ``out``'s folder (so the two can move together)."""
+    try:
+        trace_file = os.path.relpath(trace_path.resolve(), out.resolve().parent)
+    except ValueError:  # on another drive (Windows): no relative path, the whole one
+        trace_file = str(trace_path.resolve())
+    return plan.model_copy(update={"source": plan.source.model_copy(update={"trace_file": trace_file})})
+
+
 def _parse_options(pairs: tuple[str, ...]) -> dict[str, dict[str, Any]]:
     """``("offload.min_bytes=16KiB", ...)`` as ``{"offload": {"min_bytes": "16KiB"}}`` (checked later, per planner)."""
     options: dict[str, dict[str, Any]] = {}
@@ -244,21 +257,26 @@ def _load(trace_path: Path | None) -> Trace:
 
 
 def _simulated_trace(spec: str) -> Trace:
-    """``MODEL:BATCHxSEQ[:DTYPE[:OPTIMIZER[:LAYERS]]]`` simulated on the host CPU's spec."""
+    """``MODEL:BATCHxSEQ[:DTYPE[:OPTIMIZER[:LAYERS]]]`` simulated on the host CPU's spec.
+
+    The workload's grammar (:meth:`memfit.workload.Workload.parse`) with the optimizer that the
+    simulated step runs (``adamw`` unless named) after the dtype.
+    """
+    from memfit.workload import Workload
+
     parts = spec.split(":")
+    shape = next((i for i, part in enumerate(parts) if i and re.fullmatch(r"\d+[xX]\d+", part.strip())), len(parts))
+    optimizer = "adamw"
+    if len(parts) > shape + 2 and not parts[shape + 2].isdigit():  # DTYPE:OPTIMIZER[:LAYERS]
+        optimizer = parts.pop(shape + 2)
     try:
-        model, shape = parts[0], parts[1]
-        batch, seq = (int(x) for x in shape.lower().split("x"))
-        dtype = parts[2] if len(parts) > 2 else "float32"
-        optimizer = parts[3] if len(parts) > 3 else "adamw"
-        layers = int(parts[4]) if len(parts) > 4 else None
-    except (IndexError, ValueError) as exc:
+        workload = Workload.parse(":".join(parts))
+    except MemfitError as exc:
         raise MemfitError(
-            f"--simulate {spec!r}: expected MODEL:BATCHxSEQ[:DTYPE[:OPTIMIZER[:LAYERS]]], e.g. tiny:8x128"
-        ) from exc
+            f"--simulate {spec!r}: expected MODEL:BATCHxSEQ[:DTYPE[:OPTIMIZER[:LAYERS]]], e.g. tiny:8x128 ({exc})"
+        ) from None
     try:
         from memfit_simulator import simulate_training
     except ModuleNotFoundError as exc:
         raise MemfitError("--simulate needs the simulator: pip install 'memfit-policies[simulate]'") from exc
-    result = simulate_training(model, batch=batch, seq=seq, dtype=dtype, optimizer=optimizer, layers=layers)
-    return result.trace()
+    return simulate_training(workload, optimizer=optimizer).trace()

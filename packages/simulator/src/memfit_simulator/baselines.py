@@ -63,7 +63,7 @@ def measured_peak(
     backend = CpuSimBackend(capacity="64GiB")
     try:
         with backend.activate():
-            run = build_training(config, batch_size=batch, seq_len=seq, dtype=DTYPES[dtype])
+            run = build_training(config, batch=batch, seq=seq, dtype=DTYPES[dtype])
             run.optimizer = make_optimizer(optimizer, list(run.model.parameters()))
             run.step()
             backend.reset_peak_memory_stats()

@@ -10,7 +10,7 @@ import numpy as np
 from memfit.cli.options import workload_option
 from memfit.config import format_size, parse_size
 from memfit.errors import MemfitError
-from memfit.workload import DTYPES, PRESETS
+from memfit.workload import Workload
 from rich.console import Console
 from rich.table import Table
 
@@ -22,14 +22,12 @@ _SHAPING = ("layers", "batch", "seq", "dtype", "optimizer")
 
 def simulation_options(function):
     """The options that describe a step."""
-    dtypes = click.Choice(list(DTYPES))
     options = [
-        click.option(
-            "--model",
+        workload_option(
+            "model",
             default="tiny",
-            show_default=True,
-            help=f"A preset ({', '.join(PRESETS)}), hf:<model_type> (a transformers architecture built from its "
-            "config, no download: hf:gpt2, hf:llama) or package.module:function returning (model, optimizer, batch).",
+            note="Or hf:<model_type> (a transformers architecture built from its config, no download: hf:gpt2, "
+            "hf:llama) or package.module:function returning (model, optimizer, batch).",
         ),
         click.option(
             "--set",
@@ -49,7 +47,7 @@ def simulation_options(function):
         click.option("--device", default="cpu", show_default=True, help="h100, h200, a100, ascend-910b/c, cpu."),
         workload_option("batch", default=8),
         workload_option("seq", default=128),
-        click.option("--dtype", type=dtypes, default="float32", show_default=True),
+        workload_option("dtype", default="float32"),
         click.option(
             "--optimizer", type=click.Choice(["adamw", "adam", "sgd", "none"]), default="adamw", show_default=True
         ),
@@ -66,8 +64,6 @@ def run_simulation(model, overrides, step_spec, layers, device, batch, seq, dtyp
 
     try:
         fields = parse_overrides(overrides)
-        if layers is not None:
-            fields.setdefault("n_layers" if model in PRESETS else "num_hidden_layers", layers)
         if ":" in model and not model.startswith("hf:"):
             context = click.get_current_context(silent=True)
             ignored = [
@@ -77,10 +73,9 @@ def run_simulation(model, overrides, step_spec, layers, device, batch, seq, dtyp
             ]
             if ignored:
                 console.print(f"note: {', '.join(ignored)} ignored: {model} builds its own model, batch and optimizer")
-            fields.pop("num_hidden_layers", None)
-        source = model_source(
-            model, batch=batch, seq=seq, dtype=dtype, optimizer=optimizer, overrides=fields, step=step_spec
-        )
+            layers = None
+        workload = Workload.checked(model=model, batch=batch, seq=seq, dtype=dtype, layers=layers, overrides=fields)
+        source = model_source(workload, optimizer=optimizer, step=step_spec)
         return simulate(source.build, source.step, device=device, settings=source.settings)
     except MemfitError as exc:
         raise click.ClickException(str(exc)) from exc
@@ -88,7 +83,12 @@ def run_simulation(model, overrides, step_spec, layers, device, batch, seq, dtyp
 
 @click.command()
 @simulation_options
-@click.option("--budget", default=None, help="A memory budget (e.g. 12GiB): say whether the step fits it, and draw it.")
+@click.option(
+    "--budget",
+    default=None,
+    help="The budget you would train under with memfit (e.g. 12GiB), as memfit run's --budget: say whether the step "
+    "fits it unswapped, and draw it.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Memory by category (PNG).")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write the trace (.npz).")

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from memfit.errors import MemfitError
 from memfit.workload import DTYPES as WORKLOAD_DTYPES
-from memfit.workload import PRESETS
+from memfit.workload import PRESETS, Workload
 
 DTYPES = {name: getattr(torch, torch_name) for name, (torch_name, _) in WORKLOAD_DTYPES.items()}
 """Every dtype name memfit accepts (:data:`memfit.workload.DTYPES`) → its torch dtype."""
@@ -54,7 +54,32 @@ Step = Callable[[torch.nn.Module, "torch.optim.Optimizer | None", Any], Any]
 
 @dataclass(frozen=True)
 class ModelSource:
-    """A model and its step, ready for :func:`memfit_simulator.simulation.simulate`."""
+    """A model and its step, ready for :func:`memfit_simulator.simulation.simulate`.
+
+    Example:
+        ```python
+        import torch
+        from memfit_simulator.models import ModelSource, model_source
+        from memfit_simulator.simulation import simulate
+
+        preset = model_source("tiny", batch=2, seq=16, overrides={"n_layers": 1})
+        print(preset.settings)   # {'model': 'tiny', 'layers': 1, 'batch': 2, 'seq': 16, 'dtype': 'float32', ...}
+
+        def build():   # a model of your own: (model, optimizer, batch), built under fake tensors
+            model = torch.nn.Sequential(torch.nn.Linear(512, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 512))
+            return model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(32, 512)
+
+        def step(model, optimizer, batch):
+            model(batch).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+        mine = ModelSource(build, step, {"model": "mlp", "batch": 32})
+        for source in (preset, mine):
+            result = simulate(source.build, source.step, device="h100", settings=source.settings)
+            print(result.settings["model"], result.memory.peak_bytes)   # tiny 1410560, then mlp 17126400
+        ```
+    """
 
     build: Build
     step: Step
@@ -63,48 +88,82 @@ class ModelSource:
 
 
 def model_source(
-    source: str,
+    source: str | Workload,
     *,
-    batch: int = 8,
-    seq: int = 128,
-    dtype: str = "float32",
+    batch: int | None = None,
+    seq: int | None = None,
+    dtype: str | None = None,
     optimizer: str = "adamw",
     overrides: dict[str, Any] | None = None,
     step: str | Step | None = None,
 ) -> ModelSource:
-    """Resolve a model source (module docs) to ``build`` and ``step``.
+    """Resolve a model source (module docs) or a :class:`memfit.workload.Workload` to ``build`` and ``step``.
 
-    ``batch``, ``seq``, ``dtype`` and ``optimizer`` shape the presets' and transformers models'
-    steps; a user's function builds its own batch and optimizer, so they do not apply to it.
-    ``step`` is a function or a ``package.module:function`` string (default: :func:`default_step`).
+    ``batch``, ``seq``, ``dtype`` and ``overrides`` are the workload's fields (:func:`as_workload`);
+    they and ``optimizer`` shape the presets' and transformers models' steps; a user's function builds
+    its own batch and optimizer, so they do not apply to it. ``step`` is a function or a
+    ``package.module:function`` string (default: :func:`default_step`).
 
     Raises:
         MemfitError: an unknown preset, architecture, dtype, optimizer or config field; a function
             that cannot be imported; a non-positive size.
     """
-    check_shape(batch, seq, dtype, optimizer)
-    overrides = dict(overrides or {})
+    workload = as_workload(source, batch=batch, seq=seq, dtype=dtype, overrides=overrides)
+    check_shape(workload.batch, workload.seq, workload.dtype, optimizer)
+    batch, seq, model = workload.batch, workload.seq, workload.model
+    overrides = dict(workload.overrides)
     step_fn = import_function(step, "step") if isinstance(step, str) else step
-    common = {"batch": batch, "seq": seq, "dtype": str(DTYPES[dtype]).removeprefix("torch."), "optimizer": optimizer}
-    if source.startswith("hf:"):
-        build = _transformers_build(source[3:], batch, seq, DTYPES[dtype], optimizer, overrides)
-        return ModelSource(build, step_fn or default_step, {"model": source, **common, **overrides})
-    if ":" in source:
-        if overrides:
-            raise MemfitError(f"--set does not apply to {source}: the function builds its own model")
-        build = import_function(source, "build")
-        _takes_no_arguments(build, source)
-        return ModelSource(build, step_fn or default_step, {"model": source})
-    if source not in PRESETS:
+    common = {"batch": batch, "seq": seq, "dtype": workload.dtype, "optimizer": optimizer}
+    if workload.kind == "hf":
+        if workload.layers:  # transformers' configs map it to their own name (n_layer for gpt2)
+            named = sorted({"num_hidden_layers", "n_layer", "n_layers", "num_layers"} & set(overrides))
+            if named:
+                raise MemfitError(f"give the layers once: --layers or --set {named[0]}, not both")
+            overrides["num_hidden_layers"] = workload.layers
+        build = _transformers_build(model[3:], batch, seq, DTYPES[workload.dtype], optimizer, overrides)
+        return ModelSource(build, step_fn or default_step, {"model": model, **common, **overrides})
+    if workload.kind == "function":
+        if overrides or workload.layers:
+            raise MemfitError(f"--set and --layers do not apply to {model}: the function builds its own model")
+        build = import_function(model, "build")
+        _takes_no_arguments(build, model)
+        return ModelSource(build, step_fn or default_step, {"model": model})
+    if model not in PRESETS:
         raise MemfitError(
-            f"unknown model {source!r}: use a preset ({', '.join(PRESETS)}), hf:<model_type> (hf:gpt2, hf:llama) "
+            f"unknown model {model!r}: use a preset ({', '.join(PRESETS)}), hf:<model_type> (hf:gpt2, hf:llama) "
             "or package.module:function returning (model, optimizer, batch)"
         )
-    config = _replace_fields(model_config(source, seq), overrides, source)
-    build, preset_step = reference_step(config, batch, seq, DTYPES[dtype], optimizer)
+    config = workload.llama_config()
+    build, preset_step = reference_step(config, batch, seq, DTYPES[workload.dtype], optimizer)
     asked = {k: v for k, v in overrides.items() if k != "n_layers"}  # reported as "layers"
-    settings = {"model": source, "layers": config.n_layers, **common, **asked}
+    settings = {"model": model, "layers": config.n_layers, **common, **asked}
     return ModelSource(build, step_fn or preset_step, settings)
+
+
+def as_workload(
+    source: str | Workload,
+    *,
+    batch: int | None = None,
+    seq: int | None = None,
+    dtype: str | None = None,
+    layers: int | None = None,
+    overrides: dict[str, Any] | None = None,
+) -> Workload:
+    """``source`` itself if it is a :class:`~memfit.workload.Workload`, else the workload the fields name.
+
+    A field left ``None`` takes the workload's default (batch 8, seq 128, float32).
+
+    Raises:
+        MemfitError: a workload and fields both (which would win?), or a field out of range.
+    """
+    fields = {"batch": batch, "seq": seq, "dtype": dtype, "layers": layers, "overrides": overrides}
+    given = {name: value for name, value in fields.items() if value is not None}
+    if isinstance(source, Workload):
+        if given:
+            raise MemfitError(f"give a Workload or {', '.join(given)}, not both: the workload already names them")
+        return source
+    check_shape(given.get("batch", 1), given.get("seq", 1), given.get("dtype", "float32"), "adamw")
+    return Workload.checked(model=source, **given)
 
 
 def check_shape(batch: int, seq: int, dtype: str, optimizer: str) -> None:
@@ -208,14 +267,6 @@ def parse_overrides(pairs: tuple[str, ...] | list[str]) -> dict[str, Any]:
     return out
 
 
-def _replace_fields(config: Any, overrides: dict[str, Any], what: str) -> Any:
-    fields = {f.name for f in dataclasses.fields(config)}
-    unknown = sorted(set(overrides) - fields)
-    if unknown:
-        raise MemfitError(f"{what} has no field {', '.join(unknown)}; its fields: {', '.join(sorted(fields))}")
-    return dataclasses.replace(config, **overrides)
-
-
 def _transformers_build(
     model_type: str, batch: int, seq: int, dtype: torch.dtype, optimizer: str, overrides: dict[str, Any]
 ) -> Build:
@@ -270,11 +321,10 @@ def _transformers_build(
 
 
 def model_config(model: str | Any, seq: int, layers: int | None = None) -> Any:
-    """The preset (or config) with ``layers`` and room for ``seq`` tokens."""
-    from memfit.models import LlamaConfig
-
-    config = LlamaConfig.preset(model) if isinstance(model, str) else model
-    return dataclasses.replace(config, n_layers=layers or config.n_layers, max_seq_len=max(seq, config.max_seq_len))
+    """The preset (or config) with ``layers`` and room for ``seq`` tokens (as :meth:`Workload.llama_config`)."""
+    if isinstance(model, str):
+        return Workload.checked(model=model, seq=seq, layers=layers).llama_config()
+    return dataclasses.replace(model, n_layers=layers or model.n_layers).with_room_for(seq)
 
 
 def make_optimizer(name: str, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:

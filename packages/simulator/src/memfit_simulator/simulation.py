@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 from memfit.plan import MemoryPlan, Prefetch, Store, Swap
 from memfit.trace import Trace
+from memfit.workload import Workload
 
 from memfit_simulator.calibration import time_model
 from memfit_simulator.capture import CapturedStep, capture_step, to_trace
@@ -41,6 +42,7 @@ from memfit_simulator.models import (
     DTYPES,
     Build,
     Step,
+    as_workload,
     check_shape,
     default_step,
     model_config,
@@ -168,36 +170,36 @@ def simulate(
 
 
 def simulate_training(
-    model: str | Any = "tiny",
+    model: str | Workload | Any = "tiny",
     *,
-    batch: int,
-    seq: int,
-    dtype: str = "float32",
+    batch: int | None = None,
+    seq: int | None = None,
+    dtype: str | None = None,
     optimizer: str = "adamw",
     device: str | HardwareSpec = "cpu",
     layers: int | None = None,
 ) -> SimulationResult:
-    """Capture one training step of the reference Llama under fake tensors and predict it on ``device``.
+    """Capture one training step under fake tensors and predict it on ``device``.
 
     Args:
-        model: a preset name (``tiny``, ``small``, ``medium``, ``llama2-7b``, ``llama3-8b``) or a
+        model: a :class:`memfit.workload.Workload`, a model source (a preset name such as ``tiny`` or
+            ``llama3-8b``, ``hf:<model_type>``, ``package.module:function``) or a
             :class:`memfit.models.LlamaConfig`.
-        batch: sequences per step.
-        seq: tokens per sequence.
-        dtype: parameter and activation dtype (``float32``, ``bfloat16``, ``float16``).
+        batch: sequences per step (default 8; not with a workload, which names it).
+        seq: tokens per sequence (default 128; not with a workload).
+        dtype: parameter and activation dtype (``float32``, ``bf16`` ...; not with a workload).
         optimizer: ``adamw`` (as :func:`memfit.models.build_training`), ``adam``, ``sgd`` (momentum) or ``none``.
         device: a hardware spec or its name (see :mod:`memfit_simulator.hardware`).
-        layers: override the preset's layer count.
+        layers: override the model's layer count (not with a workload).
 
     Raises:
         MemfitError: an unknown dtype, optimizer, device or preset, or a non-positive size.
     """
-    if isinstance(model, str):
-        source = model_source(
-            model, batch=batch, seq=seq, dtype=dtype, optimizer=optimizer,
-            overrides={"n_layers": layers} if layers else None,
-        )  # fmt: skip
+    if isinstance(model, str | Workload):
+        workload = as_workload(model, batch=batch, seq=seq, dtype=dtype, layers=layers)
+        source = model_source(workload, optimizer=optimizer)
         return simulate(source.build, source.step, device=device, settings=source.settings)
+    batch, seq, dtype = batch or 8, seq or 128, dtype or "float32"
     check_shape(batch, seq, dtype, optimizer)
     config = model_config(model, seq, layers)
     torch_dtype = DTYPES[dtype]

@@ -7,7 +7,7 @@ Example:
     ```python
     from memfit.models import build_training
 
-    run = build_training("tiny", batch_size=4, seq_len=32, seed=0)
+    run = build_training("tiny", batch=4, seq=32, seed=0)
     losses = [run.step() for _ in range(3)]
     ```
 """
@@ -25,7 +25,19 @@ from memfit.models.llama import Llama, LlamaConfig
 
 @dataclass
 class TrainingRun:
-    """Model, optimizer and data; :meth:`step` runs one iteration and returns its loss."""
+    """Model, optimizer and data; :meth:`step` runs one iteration and returns its loss.
+
+    Example:
+        ```python
+        from memfit.models import TrainingRun, build_training
+
+        run = build_training("tiny", batch=4, seq=32, seed=0)   # seeded: the same arguments, the same run
+        isinstance(run, TrainingRun)                     # True
+        losses = [run.step() for _ in range(5)]          # forward, backward and AdamW step on the next batch
+        run.step_index, len(run.step_seconds)            # (5, 5)
+        losses[-1] < losses[0]                           # True: the synthetic data is learnable
+        ```
+    """
 
     model: Llama
     optimizer: torch.optim.Optimizer
@@ -49,8 +61,8 @@ class TrainingRun:
 def build_training(
     model: str | LlamaConfig = "tiny",
     *,
-    batch_size: int = 4,
-    seq_len: int = 32,
+    batch: int = 4,
+    seq: int = 32,
     seed: int = 0,
     device: torch.device | str = "cpu",
     lr: float = 3e-3,
@@ -63,5 +75,5 @@ def build_training(
     net = Llama(config).to(device=device, dtype=dtype)
     # foreach=False: the same per-parameter kernels on every backend, so runs compare bit for bit.
     optimizer = torch.optim.AdamW(net.parameters(), lr=lr, foreach=False)
-    data = SyntheticTokens(config.vocab_size, seq_len, batch_size, seed)
+    data = SyntheticTokens(config.vocab_size, seq, batch, seed)
     return TrainingRun(net, optimizer, data, device)
