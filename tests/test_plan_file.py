@@ -6,7 +6,7 @@ twice the budget.
 
 import json
 
-from memfit.plan import MemoryPlan, Swap
+from memfit.plan import MemoryPlan, PlanPrediction, PlanSource, Swap
 from memfit.trace import Trace
 
 from tests.conftest import run_memfit, run_python
@@ -16,7 +16,7 @@ import json
 import dataclasses
 from memfit.models import LlamaConfig, build_training
 
-run = build_training(dataclasses.replace(LlamaConfig.preset("tiny"), n_layers=8), batch_size=8, seq_len=128)
+run = build_training(dataclasses.replace(LlamaConfig.preset("tiny"), n_layers=8), batch=8, seq=128)
 print(json.dumps({"losses": [run.step() for _ in range(6)]}))
 """
 
@@ -39,11 +39,12 @@ def test_a_plan_written_by_memfit_plan_runs_under_memfit_run_exact_and_within_it
     assert planned.returncode == 0, planned.stderr[-2000:]
     plan = MemoryPlan.load(plan_path)
     assert plan.is_feasible() and any(isinstance(a, Swap) for a in plan.actions)
+    assert plan.source.trace_file == "step.npz"  # the trace it was made from, beside it
 
+    # the plan names its trace: --plan alone binds it
     ran = run_memfit(
         "run", "--backend", "cpu-sim", "--budget", str(budget), "--capacity", str(2 * budget),
-        "--plan", str(plan_path), "--plan-trace", str(trace_path), "--report", str(report_path),
-        "--", "python", str(script),
+        "--plan", str(plan_path), "--out", str(report_path), "--", "python", str(script),
     )  # fmt: skip
     assert ran.returncode == 0, ran.stderr[-3000:]
     assert losses(ran.stdout) == losses(plain.stdout)
@@ -51,6 +52,14 @@ def test_a_plan_written_by_memfit_plan_runs_under_memfit_run_exact_and_within_it
     assert report["peak_device_bytes"] <= budget  # the allocator's own peak, with room above the budget
     # bound to the first iteration, the plan's swaps run from the second on
     assert all(it["swaps"] > 0 for it in report["per_iteration"][1:])
+
+    # moved away from its trace, the plan is refused before the script runs, saying where the trace was looked for
+    moved = tmp_path / "elsewhere" / "plan.json"
+    moved.parent.mkdir()
+    moved.write_text(plan_path.read_text())
+    lost = run_memfit("run", "--backend", "cpu-sim", "--plan", str(moved), "--", "python", str(script))
+    assert lost.returncode == 2 and "step.npz" in lost.stderr and "--plan-trace" in lost.stderr
+    assert not lost.stdout.strip()  # the script never ran
 
 
 def test_a_plan_without_its_trace_or_a_trace_given_as_the_plan_is_refused_before_the_script_runs(tmp_path):
@@ -63,7 +72,21 @@ def test_a_plan_without_its_trace_or_a_trace_given_as_the_plan_is_refused_before
 
     alone = run_memfit("run", "--backend", "cpu-sim", "--plan", str(plan), "--", "python", str(script))
     assert alone.returncode == 2 and "the script ran" not in alone.stderr
-    assert "--plan" in alone.stderr and "give it with --plan-trace" in alone.stderr
+    assert "--plan" in alone.stderr and "invalid memfit plan" in alone.stderr
+
+    # a plan that names no trace (a simulated step's, or one saved from Python) needs --plan-trace
+    named_none = tmp_path / "simulated.json"
+    named_none.write_text(
+        MemoryPlan(
+            planner="swap",
+            budget_bytes=2**30,
+            source=PlanSource(kind="simulated"),
+            predicted=PlanPrediction(peak_bytes=1),
+        ).model_dump_json()
+    )
+    unbound = run_memfit("run", "--backend", "cpu-sim", "--plan", str(named_none), "--", "python", str(script))
+    assert unbound.returncode == 2 and "the script ran" not in unbound.stderr
+    assert "give it with --plan-trace" in unbound.stderr
 
     swapped = run_memfit(
         "run", "--backend", "cpu-sim", "--plan", str(trace), "--plan-trace", str(trace), "--", "python", str(script)

@@ -243,7 +243,7 @@ def test_a_plan_with_swaps_must_carry_its_layers():
 def test_version_1_plans_written_by_the_old_code_are_read():
     """data/plan_v1.json was written by memfit's swap planner at plan schema version 1."""
     plan = MemoryPlan.load(DATA / "plan_v1.json")
-    assert plan.schema_version == PLAN_SCHEMA_VERSION == 4
+    assert plan.schema_version == PLAN_SCHEMA_VERSION == 5
     assert len(plan.actions) == 2 and len(plan.layers) == 9
     assert plan.predicted.margin_bytes == 0 and plan.predicted.shortfall == ""
     assert plan.is_feasible() and plan.keeps_margin()
@@ -270,6 +270,14 @@ def test_version_3_plans_written_by_the_old_code_are_read():
     assert len(plan.layers) == 2 and plan.keeps_margin()
 
 
+def test_version_4_plans_written_by_the_old_code_are_read():
+    """data/plan_v4.json was written by memfit at plan schema version 4: graph offload's cache operators."""
+    plan = MemoryPlan.load(DATA / "plan_v4.json")
+    assert plan.schema_version == PLAN_SCHEMA_VERSION
+    assert [a.kind for a in plan.actions] == ["store", "release", "prefetch"]
+    assert plan.source.trace_file == ""  # named by version 5: memfit run --plan then needs --plan-trace
+
+
 def test_cache_operator_actions_round_trip_and_are_ordered():
     tensor = CachedTensor(name="mm_3", category="activation", nbytes=4096)
     plan = MemoryPlan(
@@ -278,7 +286,7 @@ def test_cache_operator_actions_round_trip_and_are_ordered():
                  Prefetch(tensor=tensor, before_op=9, first_use_op=12, predicted_stall_s=0.001)),
         predicted=PlanPrediction(peak_bytes=2**19),
     )  # fmt: skip
-    assert plan.schema_version == 4 and MemoryPlan.from_json(plan.to_json()) == plan
+    assert plan.schema_version == 5 and MemoryPlan.from_json(plan.to_json()) == plan
     doc = json.loads(plan.to_json())
     doc["actions"][2]["before_op"] = 2
     with pytest.raises(InvalidPlanError, match="the prefetch of mm_3 precedes its store"):
@@ -333,7 +341,7 @@ def test_invalid_plan_names_the_field(tmp_path):
     with pytest.raises(InvalidPlanError, match="actions.1: Input tag 'teleport' found using 'kind' does not match"):
         MemoryPlan.from_json(json.dumps(doc))
     doc = json.loads(a_plan().to_json())
-    doc["schema_version"] = 5
+    doc["schema_version"] = 6
     with pytest.raises(InvalidPlanError, match="schema_version"):
         MemoryPlan.from_json(json.dumps(doc))
     (tmp_path / "p.json").write_text("{")

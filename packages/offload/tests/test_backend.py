@@ -226,7 +226,7 @@ def test_the_decisions_are_a_version_4_memory_plan():
 
     *_, offload = train_llama(1, offload=OFFLOAD)
     plan = offload.plan()
-    assert plan.schema_version == 4 and plan.planner == "offload"
+    assert plan.schema_version == 5 and plan.planner == "offload"
     assert MemoryPlan.from_json(plan.to_json()) == plan
     (decision,) = offload.decisions
     kinds = [type(a) for a in plan.actions]
@@ -287,7 +287,7 @@ def test_a_run_with_offloaded_optimizer_states_leaves_nothing_on_the_device_once
     try:
         with sim.activate():
             for _ in range(2):
-                run = build_training(CONFIG, batch_size=BATCH, seq_len=SEQ, seed=0)
+                run = build_training(CONFIG, batch=BATCH, seq=SEQ, seed=0)
                 offload = memfit_offload.backend(budget="3MB", device_backend=sim)
                 step = torch.compile(run.model.loss, backend=offload)
                 memfit_offload.offload_optimizer(run.optimizer, backend=offload)

@@ -51,8 +51,11 @@ from memfit.errors import MemfitError
 if TYPE_CHECKING:
     from memfit.trace import Trace
 
-PLAN_SCHEMA_VERSION = 4
+PLAN_SCHEMA_VERSION = 5
 """Bumped whenever a field is added or changes meaning; the previous versions stay readable.
+
+4 → 5: ``source.trace_file``, the trace file the plan was made from (``memfit run --plan`` binds
+the plan to it). A version-4 plan reads with none (``memfit run`` then needs ``--plan-trace``).
 
 3 → 4: the cache-operator actions ``Store``, ``Prefetch`` and ``Release`` (graph-level offload,
 memfit-offload) of a tensor named by :class:`CachedTensor`. A version-3 plan reads unchanged (it
@@ -73,7 +76,24 @@ class InvalidPlanError(MemfitError, ValueError):
 
 
 class TensorMatch(MemfitModel):
-    """Integer features that find "the same" tensor in a later iteration (Chameleon, Appendix A)."""
+    """Integer features that find "the same" tensor in a later iteration (Chameleon, Appendix A).
+
+    Example:
+        ```python
+        import numpy as np
+        from memfit.features import OpVocabulary, update
+        from memfit.plan import TensorMatch
+
+        vocab = OpVocabulary.from_tokens(np.array([0, 1, 0, 2, 0, 1]))   # the profiled iteration's operator tokens
+        features = (0, 0, 0)
+        for token in (0, 1):                             # the operators that used the tensor up to its last forward use
+            features = update(features, vocab, token)
+        count, tag, stack = features
+        match = TensorMatch(nbytes=2**20, dtype="bfloat16", op_count=count, op_tag=tag, op_call_stack=stack,
+                            shape=(512, 1024))
+        match.op_count, match.op_tag, hex(match.op_call_stack)   # (2, 3, '0x102')
+        ```
+    """
 
     nbytes: PositiveInt
     dtype: str
@@ -87,7 +107,23 @@ class TensorMatch(MemfitModel):
 
 
 class Swap(MemfitModel):
-    """Move an activation to host memory after its last forward use and back before backward needs it."""
+    """Move an activation to host memory after its last forward use and back before backward needs it.
+
+    Example:
+        ```python
+        from pydantic import ValidationError
+        from memfit.plan import Swap, TensorMatch
+
+        activation = TensorMatch(nbytes=2**20, dtype="bfloat16", op_count=2, op_tag=3, op_call_stack=0x102)
+        swap = Swap(tensor=activation, swap_out_after_op=10, release_at_op=12, swap_in_layer=3,
+                    first_backward_use_op=40)
+        swap.kind                                        # 'swap': its tag among a plan's actions
+        try:
+            Swap(tensor=activation, swap_out_after_op=10, release_at_op=5, swap_in_layer=3)
+        except ValidationError as exc:
+            print(exc.errors()[0]["msg"])   # Value error, release_at_op (5) must not precede swap_out_after_op (10)
+        ```
+    """
 
     kind: Literal["swap"] = "swap"
     tensor: TensorMatch
@@ -112,7 +148,21 @@ class Swap(MemfitModel):
 
 
 class LogicalLayer(MemfitModel):
-    """A run of consecutive operators of one phase that a planner treats as one scheduling slot."""
+    """A run of consecutive operators of one phase that a planner treats as one scheduling slot.
+
+    Example:
+        ```python
+        from memfit.plan import LogicalLayer, MemoryPlan, PlanPrediction, PlanSource, Swap, TensorMatch
+
+        forward = LogicalLayer(start_op=0, phase="FWD", seconds=0.02)    # operators 0..39
+        backward = LogicalLayer(start_op=40, phase="BWD", seconds=0.04)  # operators 40 to the end
+        swap = Swap(tensor=TensorMatch(nbytes=2**20, dtype="float32"), swap_out_after_op=10, release_at_op=10,
+                    swap_in_layer=1)             # swapped in when layer 1, backward, starts
+        plan = MemoryPlan(planner="swap", budget_bytes=2**30, source=PlanSource(kind="synthetic"), actions=(swap,),
+                          layers=(forward, backward), predicted=PlanPrediction(peak_bytes=2**29))
+        plan.layers[swap.swap_in_layer].start_op  # 40
+        ```
+    """
 
     start_op: NonNegativeInt
     """First operator of the layer (the layer runs until the next layer's start)."""
@@ -129,6 +179,17 @@ class Recompute(MemfitModel):
     is true and recomputed otherwise (``memfit_executor.recompute``). Operators are named as the
     dispatcher names them (``aten::mm``); an operator the plan does not list is recomputed. Empty
     ``save`` means full activation checkpointing of the module.
+
+    Example:
+        ```python
+        from memfit.plan import Recompute
+
+        full = Recompute(module="layers.0")              # full activation checkpointing of block 0
+        selective = Recompute(module="layers.1.feed_forward", ops=("aten::mm", "aten::silu", "aten::mm", "aten::mul"),
+                              save=(True, False, True, False), discard_fraction=0.5)
+        [op for op, keep in zip(selective.ops, selective.save) if not keep]   # ['aten::silu', 'aten::mul']: recomputed
+        full.kind, full.discard_fraction                 # ('recompute', 1.0)
+        ```
     """
 
     kind: Literal["recompute"] = "recompute"
@@ -159,7 +220,18 @@ TensorCategory = Literal["activation", "optimizer_state", "parameter", "gradient
 
 
 class CachedTensor(MemfitModel):
-    """A tensor a cache operator moves: its name in the program the plan was made from, and what it is."""
+    """A tensor a cache operator moves: its name in the program the plan was made from, and what it is.
+
+    Example:
+        ```python
+        from memfit.plan import CachedTensor, Prefetch, Release, Store
+
+        tensor = CachedTensor(name="relu_3", category="activation", nbytes=4 * 2**20)   # node relu_3 of the graph
+        actions = (Store(tensor=tensor, after_op=12), Release(tensor=tensor, after_op=15),
+                   Prefetch(tensor=tensor, before_op=80, first_use_op=84))
+        [action.kind for action in actions if action.tensor.name == "relu_3"]   # ['store', 'release', 'prefetch']
+        ```
+    """
 
     name: str
     """The value's name in the plan's operator order (memfit-offload: the forward graph node that made it)."""
@@ -168,7 +240,21 @@ class CachedTensor(MemfitModel):
 
 
 class Store(MemfitModel):
-    """Copy a tensor from the device to host memory on the copy stream (``memfit::store``)."""
+    """Copy a tensor from the device to host memory on the copy stream (``memfit::store``).
+
+    Example:
+        ```python
+        from memfit.plan import CachedTensor, MemoryPlan, PlanPrediction, PlanSource, Prefetch, Release, Store
+
+        tensor = CachedTensor(name="mm_7", category="activation", nbytes=2**20)
+        store = Store(tensor=tensor, after_op=20)   # copy to the host right after its producer, operator 20
+        release = Release(tensor=tensor, after_op=25)
+        prefetch = Prefetch(tensor=tensor, before_op=150, first_use_op=160)
+        plan = MemoryPlan(planner="offload", budget_bytes=2**30, source=PlanSource(kind="simulated", ops=200),
+                          actions=(store, release, prefetch), predicted=PlanPrediction(peak_bytes=2**29))
+        MemoryPlan.from_json(plan.to_json()).actions[0] == store   # True: the kind "store" picks the class back
+        ```
+    """
 
     kind: Literal["store"] = "store"
     tensor: CachedTensor
@@ -177,7 +263,21 @@ class Store(MemfitModel):
 
 
 class Release(MemfitModel):
-    """Give up the device copy of a stored tensor; freed once the store has completed (``memfit::release``)."""
+    """Give up the device copy of a stored tensor; freed once the store has completed (``memfit::release``).
+
+    Example:
+        ```python
+        from memfit.plan import CachedTensor, MemoryPlan, PlanPrediction, PlanSource, Release, Store
+
+        tensor = CachedTensor(name="mm_7", category="activation", nbytes=2**20)
+        try:
+            MemoryPlan(planner="offload", budget_bytes=2**30, source=PlanSource(kind="simulated"),
+                       actions=(Store(tensor=tensor, after_op=20), Release(tensor=tensor, after_op=10)),
+                       predicted=PlanPrediction(peak_bytes=2**29))
+        except ValueError as exc:
+            print(exc)   # ... actions.1: the release of mm_7 precedes its store
+        ```
+    """
 
     kind: Literal["release"] = "release"
     tensor: CachedTensor
@@ -186,7 +286,22 @@ class Release(MemfitModel):
 
 
 class Prefetch(MemfitModel):
-    """Copy a stored tensor back to the device ahead of its next use (``memfit::prefetch`` + ``memfit::wait``)."""
+    """Copy a stored tensor back to the device ahead of its next use (``memfit::prefetch`` + ``memfit::wait``).
+
+    Example:
+        ```python
+        from pydantic import ValidationError
+        from memfit.plan import CachedTensor, Prefetch
+
+        tensor = CachedTensor(name="mm_7", category="activation", nbytes=2**20)
+        prefetch = Prefetch(tensor=tensor, before_op=150, first_use_op=160, predicted_stall_s=0.002)
+        prefetch.first_use_op - prefetch.before_op   # 10: operators for the copy to hide behind
+        try:
+            Prefetch(tensor=tensor, before_op=170, first_use_op=160)
+        except ValidationError as exc:
+            print(exc.errors()[0]["msg"])   # Value error, before_op (170) must not follow first_use_op (160)
+        ```
+    """
 
     kind: Literal["prefetch"] = "prefetch"
     tensor: CachedTensor
@@ -208,7 +323,18 @@ Action = Annotated[Swap | Recompute | Store | Release | Prefetch, Field(discrimi
 
 
 class PlanSource(MemfitModel):
-    """What the plan was made from."""
+    """What the plan was made from.
+
+    Example:
+        ```python
+        from memfit.plan import PlanSource
+        from memfit.synthetic import training_trace
+
+        trace = training_trace(n_layers=2, ops_per_layer=4, acts_per_layer=2, activation_bytes=2**20, param_bytes=2**20)
+        source = PlanSource.from_trace(trace, description="two blocks")
+        source.kind, source.ops, source.peak_bytes       # ('synthetic', 18, 6291456)
+        ```
+    """
 
     kind: Literal["measured", "simulated", "synthetic"]
     ops: NonNegativeInt = 0
@@ -219,6 +345,10 @@ class PlanSource(MemfitModel):
     op_times: str = ""
     """Where per-operator times came from, when the planner used them (e.g. ``trace durations
     (simulated)`` or ``estimated from shapes, scaled to the measured step``)."""
+    trace_file: str = ""
+    """The trace file the plan was made from (``memfit plan TRACE --out``), relative to the plan file's folder
+    where it is beside it: what ``memfit run --plan`` binds the plan to when no ``--plan-trace`` is given.
+    Empty for a plan of a simulated step (``--simulate``) or one made in Python."""
 
     @classmethod
     def from_trace(cls, trace: Trace, description: str = "") -> PlanSource:
@@ -246,7 +376,20 @@ def budget_keeping_margin(peak: int) -> int:
 
 
 class PlanPrediction(MemfitModel):
-    """What the planner predicts for a step under the plan."""
+    """What the planner predicts for a step under the plan.
+
+    Example:
+        ```python
+        from memfit.plan import MemoryPlan, PlanPrediction, PlanSource
+
+        MiB = 2**20
+        predicted = PlanPrediction(peak_bytes=900 * MiB, margin_bytes=200 * MiB, swap_bytes=512 * MiB,
+                                   stall_seconds=0.01, overhead_seconds=0.01)
+        plan = MemoryPlan(planner="swap", budget_bytes=1024 * MiB, source=PlanSource(kind="simulated"),
+                          predicted=predicted)
+        plan.is_feasible(), plan.keeps_margin()          # (True, False): under 1 GiB, not under 1 GiB - 200 MiB
+        ```
+    """
 
     peak_bytes: NonNegativeInt
     """Device bytes at the step's peak under the plan. When the plan does not keep the margin, the
@@ -288,7 +431,7 @@ class MemoryPlan(MemfitModel):
         ```
     """
 
-    schema_version: Literal[4] = PLAN_SCHEMA_VERSION
+    schema_version: Literal[5] = PLAN_SCHEMA_VERSION
     planner: str
     budget_bytes: PositiveInt
     source: PlanSource
@@ -300,8 +443,8 @@ class MemoryPlan(MemfitModel):
     @model_validator(mode="before")
     @classmethod
     def _upgrade_older_versions(cls, data: Any) -> Any:
-        if isinstance(data, dict) and data.get("schema_version") in (1, 2, 3):
-            return {**data, "schema_version": PLAN_SCHEMA_VERSION}  # 2, 3 and 4 only added fields and kinds
+        if isinstance(data, dict) and data.get("schema_version") in (1, 2, 3, 4):
+            return {**data, "schema_version": PLAN_SCHEMA_VERSION}  # 2 to 5 only added fields and kinds
         return data
 
     @model_validator(mode="after")

@@ -106,14 +106,15 @@ from rich.table import Table
     type=click.Path(dir_okay=False, path_type=Path),
     default=None,
     help="Apply this plan (memfit plan --out) from the second iteration on, instead of planning during the run; "
-    "needs --plan-trace.",
+    "bound to the trace it was made from, which the plan names (or --plan-trace).",
 )
 @click.option(
     "--plan-trace",
     "plan_trace_path",
     type=click.Path(dir_okay=False, path_type=Path),
     default=None,
-    help="The trace the plan was made from (memfit profile --out or memfit simulate --out, .npz).",
+    help="The trace the plan was made from (memfit profile --out or memfit simulate --out, .npz), where the plan "
+    "does not name it or it moved.",
 )
 @click.option("-v", "--verbose", is_flag=True, help="Log stage transitions and plans as they happen.")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, required=True)
@@ -123,7 +124,8 @@ def run(
 ):  # fmt: skip
     """Run COMMAND (python train.py ...) under memfit's swap executor, within BUDGET.
 
-    The script needs no change: iterations end at each optimizer step. Whatever the script does
+    The script needs no change: a step ends at each optimizer step, and each forward-backward pass of
+    it (one, or one per micro-batch of gradient accumulation) is an iteration. Whatever the script does
     (returns, exits, raises, is sent SIGTERM), the summary and the report come first; then, if it
     raised, its traceback, and the exit status is the script's (143 after SIGTERM, 130 after Ctrl-C).
 
@@ -274,7 +276,11 @@ def _draw(session: Any, report: dict[str, Any], path: Path, console: Console) ->
 
 
 def _load_plan(plan_path: Path | None, trace_path: Path | None) -> tuple[Any, Any]:
-    """The plan and its trace from ``--plan`` and ``--plan-trace``, read before the script runs (or ``None, None``)."""
+    """The plan and its trace from ``--plan`` and ``--plan-trace``, read before the script runs (or ``None, None``).
+
+    Without ``--plan-trace`` the plan's own ``source.trace_file`` (what ``memfit plan TRACE --out`` records,
+    relative to the plan's folder) names the trace.
+    """
     from memfit.plan import MemoryPlan
     from memfit.trace import Trace
 
@@ -283,13 +289,24 @@ def _load_plan(plan_path: Path | None, trace_path: Path | None) -> tuple[Any, An
     if plan_path is None:
         raise click.BadParameter("a trace goes with a plan: give the plan made from it too (--plan plan.json)",
                                  param_hint="--plan-trace")  # fmt: skip
+    plan = _read(MemoryPlan.load, plan_path, "--plan")
     if trace_path is None:
-        raise click.BadParameter(
-            "a plan is bound to the trace it was made from: give it with --plan-trace (the .npz that memfit plan "
-            "read; memfit profile --out or memfit simulate --out writes one)",
-            param_hint="--plan",
-        )
-    return _read(MemoryPlan.load, plan_path, "--plan"), _read(Trace.load, trace_path, "--plan-trace")
+        recorded = plan.source.trace_file
+        if not recorded:
+            raise click.BadParameter(
+                "a plan is bound to the trace it was made from, and this one does not name it (a plan of a simulated "
+                "step, or one saved from Python): give it with --plan-trace (memfit profile --out or memfit simulate "
+                "--out writes one)",
+                param_hint="--plan",
+            )
+        trace_path = plan_path.parent / recorded
+        if not trace_path.is_file():
+            raise click.BadParameter(
+                f"the plan was made from {recorded} (relative to the plan's folder), which is not at {trace_path}: "
+                "give the trace with --plan-trace",
+                param_hint="--plan",
+            )
+    return plan, _read(Trace.load, trace_path, "--plan-trace")
 
 
 def _read(load: Any, path: Path, hint: str) -> Any:
