@@ -1,6 +1,7 @@
 """``memfit demo``: the executor at work on the bundled Llama, on cpu-sim."""
 
 import importlib.util
+import json
 
 from click.testing import CliRunner
 from memfit.cli.main import cli
@@ -18,6 +19,14 @@ def test_demo_trains_and_reports(tmp_path):
     assert "Unswapped" in result.output and "final loss" in result.output
     if importlib.util.find_spec("matplotlib"):
         assert (tmp_path / "demo.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_demo_json_prints_only_what_it_measured_on_stdout(tmp_path):
+    result = CliRunner().invoke(cli, ["demo", "--steps", "2", *SMALL, "--plot", str(tmp_path / "d.png"), "--json"])
+    assert result.exit_code == 0, result.output
+    measured = json.loads(result.stdout)  # the progress went to stderr
+    assert len(measured["losses"]) == 2 and measured["budget_bytes"] == 256 * 2**20
+    assert measured["peak_device_bytes"] <= measured["budget_bytes"] and "Unswapped" not in result.stdout
 
 
 def test_the_demo_picture_counts_whole_steps_in_one_unit(tmp_path, saved_figures):

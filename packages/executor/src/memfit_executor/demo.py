@@ -12,6 +12,7 @@ for that file). It lives in memfit-executor because it shows the executor at wor
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,22 @@ DEFAULT_PLOT = Path("memfit-demo.png")
 
 @dataclass(frozen=True)
 class DemoResult:
-    """What the demo measured."""
+    """What the demo measured.
+
+    Example:
+        ```python
+        import io
+
+        from memfit_executor.demo import run_demo
+        from rich.console import Console
+
+        console = Console(file=io.StringIO())        # what `memfit demo` prints, kept here
+        result = run_demo(console, model="tiny", layers=1, steps=2, batch_size=2, seq_len=16, budget="16MiB", plot=None)
+        len(result.losses), result.budget_bytes     # (2, 16777216)
+        result.peak_device_bytes <= result.budget_bytes, result.plot   # (True, None): no picture asked for
+        result.unswapped_peak_bytes < result.budget_bytes   # True: roomy (the command's default is a quarter)
+        ```
+    """
 
     losses: list[float]
     step_seconds: list[float]
@@ -57,7 +73,7 @@ def measure_unswapped_peak(config: Any, batch_size: int, seq_len: int) -> int:
 
     backend = CpuSimBackend(capacity="64GiB")
     with backend.activate():
-        run = build_training(config, batch_size=batch_size, seq_len=seq_len, device=backend.device)
+        run = build_training(config, batch=batch_size, seq=seq_len, device=backend.device)
         run.step()  # the first step creates the optimizer states
         backend.reset_peak_memory_stats()
         run.step()
@@ -112,7 +128,7 @@ def run_demo(
     session = memfit.swap(budget=budget_bytes, backend="cpu-sim")
     losses: list[float] = []
     with session, _progress(console) as progress:
-        run = build_training(config, batch_size=batch_size, seq_len=seq_len, device=session.backend.device)
+        run = build_training(config, batch=batch_size, seq=seq_len, device=session.backend.device)
         task = progress.add_task("train", total=steps)
         for step in range(steps):
             losses.append(run.step())
@@ -149,7 +165,7 @@ def run_demo(
 
 
 @click.command()
-@click.option("--model", default="tiny", show_default=True, help="Reference model preset.")
+@workload_option("model", default="tiny")
 @workload_option("layers", default=8, note="Overrides the preset's.")
 @click.option("--steps", default=20, show_default=True, type=click.IntRange(1), help="Training steps.")
 @workload_option("batch", "batch_size", default=8, old_name="--batch-size")
@@ -164,14 +180,32 @@ def run_demo(
     help="Where to draw the memory timeline (PNG); default: memfit-demo.png here, or memfit-demo-1.png, ... "
     "if it exists (an existing file is kept).",
 )
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print what the demo measured as one JSON object (the progress to stderr; a picture only with --plot).",
+)
 def demo(
-    model: str, layers: int, steps: int, batch_size: int, seq_len: int, budget: str | None, plot: Path | None
+    model: str,
+    layers: int,
+    steps: int,
+    batch_size: int,
+    seq_len: int,
+    budget: str | None,
+    plot: Path | None,
+    as_json: bool,
 ) -> None:
     """Train the bundled Llama on cpu-sim in a quarter of the memory it needs, with memfit's swap executor."""
     try:
-        run_demo(
-            console, model=model, layers=layers, steps=steps, batch_size=batch_size, seq_len=seq_len,
-            budget=budget, plot=plot or DEFAULT_PLOT, keep_existing_plot=plot is None,
+        result = run_demo(
+            Console(stderr=True) if as_json else console, model=model, layers=layers, steps=steps,
+            batch_size=batch_size, seq_len=seq_len, budget=budget,
+            plot=plot or (None if as_json else DEFAULT_PLOT),  # --json draws only where --plot asks
+            keep_existing_plot=plot is None,
         )  # fmt: skip
     except MemfitError as exc:
         raise click.ClickException(str(exc)) from exc
+    if as_json:
+        fields = dataclasses.asdict(result)
+        click.echo(json.dumps({**fields, "plot": str(result.plot) if result.plot else None}))
