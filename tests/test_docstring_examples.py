@@ -2,13 +2,15 @@
 
 The examples are the fenced ```python blocks of the class docstrings (a Google-style "Example:"
 section). Each runs on its own, in fresh globals, as a reader would paste it; a block whose first line
-is ``# needs: <something>`` (``# needs: npu``) runs only where that is available. The classes are
-those the packages export (``__all__``) plus core's data model; exceptions need no example.
+is ``# needs: <something>`` (``# needs: npu``) runs only where that is available. The classes are every
+public class of every package: defined in a module whose dotted path has no part starting with an
+underscore, under a name without one; exceptions need no example.
 """
 
 import importlib
 import inspect
 import linecache
+import pkgutil
 import re
 import textwrap
 
@@ -19,13 +21,6 @@ PACKAGES = (
     "memfit_offload", "memfit_parallel", "memfit_faulttol",
 )  # fmt: skip
 """Packages whose exported classes need an example: all of them."""
-CORE_CLASSES = (
-    "memfit.trace.Trace", "memfit.plan.MemoryPlan", "memfit.types.PlanningProblem", "memfit.backends.base.Backend",
-    "memfit.workload.LlamaConfig", "memfit.hostbuffers.HostBufferPool",
-    "memfit.transfers.TransferStats",
-)  # fmt: skip
-"""Core's data model: not exported from ``memfit`` itself, but what every package builds on."""
-
 FENCE = re.compile(r"^([ \t]*)```python[ \t]*\n(.*?)^\1```[ \t]*$", re.S | re.M)
 NEEDS = re.compile(r"#\s*needs:\s*(\S+)")
 
@@ -41,17 +36,22 @@ AVAILABLE = {"npu": _npu}
 
 
 def documented_classes():
-    """``{id: class}``: the exported non-exception classes of ``PACKAGES`` and ``CORE_CLASSES``, in that order."""
+    """``{module.Class: class}``: the public non-exception classes of ``PACKAGES``, package by package."""
     found = {}
     for package in PACKAGES:
-        module = importlib.import_module(package)
-        for name in getattr(module, "__all__", ()):
-            value = getattr(module, name)
-            if inspect.isclass(value) and not issubclass(value, BaseException):
-                found[f"{package}.{name}"] = value
-    for path in CORE_CLASSES:
-        module, _, name = path.rpartition(".")
-        found[path] = getattr(importlib.import_module(module), name)
+        root = importlib.import_module(package)
+        modules = [
+            root,
+            *(importlib.import_module(m.name) for m in pkgutil.walk_packages(root.__path__, f"{package}.")),
+        ]
+        for module in modules:
+            if any(part.startswith("_") for part in module.__name__.split(".")):
+                continue
+            for name, value in sorted(vars(module).items()):
+                if name.startswith("_") or not inspect.isclass(value) or value.__module__ != module.__name__:
+                    continue
+                if not issubclass(value, BaseException):
+                    found[f"{module.__name__}.{name}"] = value
     return found
 
 

@@ -29,7 +29,29 @@ from memfit.errors import MemfitError
 
 
 class MemfitModel(BaseModel):
-    """Base of every memfit config section and plan: strict, immutable, documented fields."""
+    """Base of every memfit config section and plan: strict, immutable, documented fields.
+
+    Example:
+        ```python
+        from memfit.config import MemfitModel, Size, validate_model
+        from memfit.errors import MemfitError
+
+
+        class CacheOptions(MemfitModel):
+            size: Size = "1GiB"
+            '''Bytes to keep.'''
+            ratio: float = 0.5
+
+
+        options = CacheOptions(size="512MiB")
+        options.size, options.ratio                           # (536870912, 0.5)
+        options.model_dump()                                  # {'size': 536870912, 'ratio': 0.5}
+        try:
+            validate_model(CacheOptions, {"sise": "2GiB"}, what="cache options")
+        except MemfitError as exc:
+            print(exc)   # invalid cache options: sise: Extra inputs are not permitted ...; did you mean 'size'?
+        ```
+    """
 
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, use_attribute_docstrings=True)
 
@@ -104,7 +126,21 @@ def format_size(nbytes: float, unit: str | None = None) -> str:
 
 
 class BackendConfig(MemfitModel):
-    """Which device backend to use, and its options."""
+    """Which device backend to use, and its options.
+
+    Example:
+        ```python
+        from memfit.config import BackendConfig
+        from memfit.plugins import get_hooks
+
+        config = BackendConfig(name="cpu-sim", capacity="64MiB")
+        config.capacity                                     # 67108864
+        options = config.model_dump(exclude={"name"}, exclude_none=True)   # {'capacity': 67108864}
+        backend = get_hooks().create_backend(config.name, **options)
+        backend.capacity_bytes                              # 67108864
+        backend.close()
+        ```
+    """
 
     name: str | None = None
     """Backend name (``cpu-sim``, ``cuda``, ``npu``); ``None`` picks the best available one."""
@@ -115,7 +151,28 @@ class BackendConfig(MemfitModel):
 
 
 class MemfitConfig(MemfitModel):
-    """The root configuration."""
+    """The root configuration.
+
+    Example:
+        ```python
+        import tomllib
+        from memfit.config import MemfitConfig
+        from memfit.errors import MemfitError
+
+        text = '''
+        budget = "12GiB"
+        [backend]
+        name = "cpu-sim"
+        capacity = "16GiB"
+        '''
+        config = MemfitConfig.from_mapping(tomllib.loads(text))
+        config.budget, config.backend.name, config.backend.capacity   # (12884901888, 'cpu-sim', 17179869184)
+        try:
+            MemfitConfig.from_mapping({"budgett": "1GiB"})
+        except MemfitError as exc:
+            print(exc)   # invalid memfit config: budgett: Extra inputs are not permitted ...; did you mean 'budget'?
+        ```
+    """
 
     budget: Size | None = None
     """Device bytes training must stay under; ``None`` means the device capacity."""

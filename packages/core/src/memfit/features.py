@@ -41,7 +41,19 @@ Features = tuple[int, int, int]
 
 @dataclass(frozen=True)
 class OpVocabulary:
-    """Frequency ranks of operator tokens: one-hot codes for the top 32, 8-bit indices for the top 255."""
+    """Frequency ranks of operator tokens: one-hot codes for the top 32, 8-bit indices for the top 255.
+
+    Example:
+        ```python
+        import numpy as np
+        from memfit.features import OpVocabulary
+
+        tokens = np.array([3, 3, 5, 3, 7, 5])   # the operator tokens of a profiled iteration
+        vocab = OpVocabulary.from_tokens(tokens)
+        vocab.one_hot                           # {3: 1, 5: 2, 7: 4}: one bit each, most frequent first
+        vocab.index                             # {3: 1, 5: 2, 7: 3}: frequency ranks from 1 (0: unknown)
+        ```
+    """
 
     one_hot: dict[int, int]
     index: dict[int, int]

@@ -42,7 +42,39 @@ hookspec = pluggy.HookspecMarker(PROJECT)
 
 
 class RegistrationSpecs:
-    """Hooks that register named things. Names must be unique across all installed plugins."""
+    """Hooks that register named things. Names must be unique across all installed plugins.
+
+    Example:
+        ```python
+        import functools
+        import click
+        from memfit import hookimpl
+        from memfit.backends.cpu_sim import CpuSimBackend
+        from memfit.hookspecs import RegistrationSpecs
+        from memfit.plugins import Hooks, build_plugin_manager
+        from memfit.types import BackendSpec, CommandSpec
+
+
+        class MyPlugin:   # what an entry point of the group "memfit" names (a module works the same)
+            @hookimpl
+            def register_backends(self):
+                yield BackendSpec(name="small-sim", device_type="cpu", priority=-1, is_available=lambda: True,
+                                  factory=functools.partial(CpuSimBackend, capacity="32MiB"))
+
+            @hookimpl
+            def register_commands(self):
+                hello = click.Command("hello", callback=lambda: click.echo("hello"))
+                yield CommandSpec(name="hello", command=hello)
+
+
+        pm = build_plugin_manager(load_entrypoints=False)   # RegistrationSpecs' hooks, and core's built-in plugins
+        pm.register(MyPlugin(), name="my-plugin")
+        hooks = Hooks(pm)
+        sorted(hooks.backends()), sorted(hooks.commands())  # (['cpu-sim', 'cuda', 'small-sim'], ['hello'])
+        [name for name in vars(RegistrationSpecs) if not name.startswith("_")]
+        # ['register_backends', 'register_planners', 'register_commands']
+        ```
+    """
 
     @hookspec
     def register_backends(self) -> Iterable[BackendSpec]:
@@ -145,7 +177,42 @@ class RegistrationSpecs:
 
 
 class RuntimeSpecs:
-    """Hooks called while a training job runs."""
+    """Hooks called while a training job runs.
+
+    Example:
+        ```python
+        from collections import Counter
+        from memfit import hookimpl
+        from memfit.plugins import Hooks, build_plugin_manager
+        from memfit.types import FaultEvent, FaultResponse, OpDispatchEvent, Phase
+
+
+        class Watcher:
+            def __init__(self):
+                self.ops = Counter()
+
+            @hookimpl
+            def on_op_dispatch(self, event):
+                self.ops[event.name] += 1
+
+            @hookimpl
+            def on_fault(self, event):
+                if event.kind != "node_lost":
+                    return None   # leave it to another handler
+                return FaultResponse(action="restart", handler="watcher", note=f"ranks {event.ranks} lost")
+
+
+        watcher = Watcher()
+        pm = build_plugin_manager(load_entrypoints=False)
+        pm.register(watcher, name="watcher")
+        hooks = Hooks(pm)
+        for callback in hooks.op_dispatch_callbacks():   # as the profiler calls them, once per operator
+            callback(OpDispatchEvent(op_index=0, token=0, name="aten::mm", phase=Phase.FWD))
+        watcher.ops                                      # Counter({'aten::mm': 1})
+        hooks.handle_fault(FaultEvent(kind="node_lost", ranks=(3,))).note   # 'ranks (3,) lost'
+        hooks.handle_fault(FaultEvent(kind="link_down")) is None           # True: nobody claimed it
+        ```
+    """
 
     @hookspec
     def on_op_dispatch(self, event: OpDispatchEvent) -> None:
@@ -247,7 +314,40 @@ class RuntimeSpecs:
 
 
 class PlanningSpecs:
-    """Hooks that turn a step trace into a memory plan."""
+    """Hooks that turn a step trace into a memory plan.
+
+    Example:
+        ```python
+        from memfit import hookimpl
+        from memfit.plan import MemoryPlan, PlanPrediction, PlanSource
+        from memfit.plugins import Hooks, build_plugin_manager
+        from memfit.synthetic import training_trace
+        from memfit.types import PlannerSpec, PlanningProblem
+
+
+        class FitsAlready:
+            @hookimpl
+            def register_planners(self):
+                yield PlannerSpec(name="fits-already", description="an empty plan when the step already fits")
+
+            @hookimpl
+            def plan_memory(self, problem):
+                peak = problem.trace.peak_bytes()
+                if peak > problem.budget_bytes:
+                    return None   # not applicable: another planner's turn
+                source = PlanSource.from_trace(problem.trace)
+                return MemoryPlan(planner="fits-already", budget_bytes=problem.budget_bytes, source=source,
+                                  predicted=PlanPrediction(peak_bytes=peak))
+
+
+        pm = build_plugin_manager(load_entrypoints=False)
+        pm.register(FitsAlready(), name="fits-already")
+        hooks = Hooks(pm)
+        trace = training_trace(n_layers=2, activation_bytes=2**20, param_bytes=2**20)   # peaks at 10 MiB
+        hooks.choose_plan(PlanningProblem(trace, budget_bytes=2**30)).planner   # 'fits-already'
+        hooks.plan_memory(PlanningProblem(trace, budget_bytes=2**20))           # []: the planner passed
+        ```
+    """
 
     @hookspec
     def plan_memory(self, problem: PlanningProblem) -> MemoryPlan | Sequence[MemoryPlan] | None:

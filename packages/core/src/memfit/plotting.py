@@ -48,7 +48,26 @@ def pyplot(install_hint: str) -> Any:
 
 @dataclass(frozen=True)
 class ByteAxis:
-    """A y axis of device bytes in one binary unit, chosen from the data's scale; labels and titles use it too."""
+    """A y axis of device bytes in one binary unit, chosen from the data's scale; labels and titles use it too.
+
+    Example:
+        ```python
+        import numpy as np
+        from memfit.plotting import ByteAxis, pyplot
+
+        plt = pyplot("pip install matplotlib")
+        curve = np.array([1, 3, 6, 2]) * 2**28           # device bytes after each operator: a 1.5 GiB peak
+        fig, ax = plt.subplots()
+        axis = ByteAxis.fit(ax, top_bytes=curve.max(), levels={"budget": 2**30, "capacity": 80 * 2**30})
+        ax.plot(axis.scaled(curve))
+        axis.draw_levels(ax, {"budget": {"color": "tab:red", "linestyle": "--"}})
+        ax.set_title(f"peak {axis.format(curve.max())}")
+        ax.get_ylabel(), ax.get_title()                  # ('device memory (GiB)', 'peak 1.50 GiB')
+        [text.get_text() for text in ax.legend().get_texts()]
+        # ['budget 1.00 GiB', 'capacity 80.00 GiB (off the scale)']: 80 GiB would squash the curve
+        plt.close(fig)
+        ```
+    """
 
     unit: str
     scale: int

@@ -189,6 +189,27 @@ class FakeAcceleratorBackend(CpuSimBackend):
       the compute stream's ``wait_event`` (a device-side wait on a real accelerator).
 
     Memory is counted exactly as on cpu-sim, so training under it is a real measurement.
+
+    Example:
+        ```python
+        import torch
+        from memfit.testing import FakeAcceleratorBackend
+
+        fake = FakeAcceleratorBackend(capacity="8MiB")
+        with fake.activate():
+            try:
+                torch.empty(9 * 2**20, dtype=torch.uint8)
+            except RuntimeError as exc:
+                error = exc
+            x = torch.ones(1024)
+            host = fake.host_empty(x.shape, x.dtype)
+            fake.copy_async(host, x, fake.copy_stream()).synchronize()
+        type(error).__name__, fake.is_oom(error)    # ('RuntimeError', True): as older torch_npu raises it
+        fake.oom_request_bytes(error)               # 9437184: read from the text, "Tried to allocate 9.00 MiB"
+        fake.set_oom_handler(lambda request, attempt: True)   # False: no retry inside the allocator, as on CUDA
+        fake.host_waits                             # ['event']: the host waited once, for the copy
+        fake.close()
+        ```
     """
 
     name = "fake-accelerator"
@@ -253,7 +274,28 @@ def decode_all(model, tokens, prompt_len: int, *, block_size: int = 16, hooks=No
 
 
 class BackendContract:
-    """What every memfit backend must do. Subclass and implement :meth:`make_backend`."""
+    """What every memfit backend must do. Subclass and implement :meth:`make_backend`.
+
+    Example:
+        ```python
+        from memfit.backends.cpu_sim import CpuSimBackend
+        from memfit.testing import BackendContract
+
+
+        class TestCpuSim(BackendContract):   # in a test module: pytest runs every test_* of the contract
+            def make_backend(self, capacity):
+                return CpuSimBackend(capacity=capacity)
+
+
+        suite = TestCpuSim()                 # by hand, outside pytest:
+        backend = suite.make_backend(suite.capacity)
+        with backend.activate():
+            suite.test_allocation_is_counted_and_released(backend)
+            suite.test_copy_round_trip_is_bit_identical(backend)
+        backend.close()
+        len([name for name in dir(suite) if name.startswith("test_")])   # 8
+        ```
+    """
 
     capacity = 64 * MiB
 

@@ -151,7 +151,20 @@ class _Table:
 
 @dataclass(frozen=True, eq=False)
 class OpTable(_Table):
-    """One row per operator. ``inputs``/``outputs`` hold row indices into the tensor table."""
+    """One row per operator. ``inputs``/``outputs`` hold row indices into the tensor table.
+
+    Example:
+        ```python
+        from memfit.synthetic import training_trace
+        from memfit.types import Phase
+
+        trace = training_trace(n_layers=2, ops_per_layer=4, acts_per_layer=2, activation_bytes=2**20, param_bytes=2**20)
+        ops = trace.ops                                  # an OpTable: one numpy array per column, one row per operator
+        len(ops), int((ops.phase == Phase.BWD).sum())    # (18, 8)
+        ops.inputs_values[ops.inputs_offsets[1] : ops.inputs_offsets[2]].tolist()   # [0, 2]: operator 1's inputs
+        trace.op_inputs(1).tolist(), trace.op_name(1)    # ([0, 2], 'fwd_op1'): the same, through the trace
+        ```
+    """
 
     name: ClassVar[str] = "ops"
     ragged: ClassVar[tuple[str, ...]] = ("inputs", "outputs")
@@ -176,7 +189,18 @@ class OpTable(_Table):
 
 @dataclass(frozen=True, eq=False)
 class TensorTable(_Table):
-    """One row per tensor storage, with the integer matching features of Chameleon's Appendix A."""
+    """One row per tensor storage, with the integer matching features of Chameleon's Appendix A.
+
+    Example:
+        ```python
+        from memfit.synthetic import training_trace
+
+        trace = training_trace(n_layers=2, ops_per_layer=4, acts_per_layer=2, activation_bytes=2**20, param_bytes=2**20)
+        tensors = trace.tensors                          # a TensorTable: one row per tensor storage
+        len(tensors), int(tensors.is_param.sum()), int(tensors.nbytes.sum())   # (6, 2, 6291456)
+        trace.tensor_shape(2), trace.tensor_dtype(2)     # ((524288,), 'bfloat16')
+        ```
+    """
 
     name: ClassVar[str] = "tensors"
     ragged: ClassVar[tuple[str, ...]] = ("shape",)
@@ -205,7 +229,26 @@ class TensorTable(_Table):
 
 @dataclass(frozen=True, eq=False)
 class SwapTable(_Table):
-    """One row per swap that happened while tracing."""
+    """One row per swap that happened while tracing.
+
+    Example:
+        ```python
+        from memfit.trace import TraceBuilder
+        from memfit.types import Phase
+
+        b = TraceBuilder(capacity_bytes=2**30, source="synthetic")
+        x = b.add_tensor(nbytes=4096, dtype="float32", shape=(1024,))
+        b.add_op("aten::relu", Phase.FWD, outputs=(x,), device_bytes=0)   # x swapped out right after: 0 B in use
+        b.add_swap(op_index=0, tensor=x, swap_in=False, passive=True)    # forced by an out-of-memory error
+        b.add_op("aten::mm", Phase.FWD, device_bytes=4096)              # x swapped in right after: 4 KiB in use
+        b.add_swap(op_index=1, tensor=x, swap_in=True)
+        b.add_op("aten::threshold_backward", Phase.BWD, inputs=(x,), device_bytes=4096)
+        trace = b.build(step_seconds=0.01)
+        swaps = trace.swaps                              # a SwapTable: one row per swap
+        swaps.swap_in.tolist(), swaps.passive.tolist()   # ([False, True], [True, False])
+        trace.no_swap_memory_curve().tolist()            # [4096, 4096, 4096]: x would have stayed
+        ```
+    """
 
     name: ClassVar[str] = "swaps"
 
@@ -506,7 +549,22 @@ def to_csr(rows: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
 
 
 class TraceBuilder:
-    """Build a :class:`Trace` row by row (profiler, simulator, tests); arrays are made once in :meth:`build`."""
+    """Build a :class:`Trace` row by row (profiler, simulator, tests); arrays are made once in :meth:`build`.
+
+    Example:
+        ```python
+        from memfit.trace import TraceBuilder
+        from memfit.types import Phase
+
+        b = TraceBuilder(capacity_bytes=2**30, source="synthetic")
+        w = b.add_tensor(nbytes=4096, dtype="float32", shape=(32, 32), is_param=True, category="parameter")
+        x = b.add_tensor(nbytes=4096, dtype="float32", shape=(32, 32), category="input")
+        y = b.add_tensor(nbytes=4096, dtype="float32", shape=(32, 32), category="activation", module="proj")
+        b.add_op("aten::mm", Phase.FWD, inputs=(x, w), outputs=(y,), device_bytes=12288, module="proj")
+        trace = b.build(step_seconds=0.01)               # the columns are made once, here
+        trace.peak_bytes(), trace.op_module(0), trace.tensor_category(y)   # (12288, 'proj', 'activation')
+        ```
+    """
 
     def __init__(
         self,

@@ -23,7 +23,18 @@ OptionsModel = TypeVar("OptionsModel", bound="MemfitModel")
 
 
 class Phase(enum.IntEnum):
-    """Which part of a training iteration an operator belongs to."""
+    """Which part of a training iteration an operator belongs to.
+
+    Example:
+        ```python
+        from memfit.synthetic import training_trace
+        from memfit.types import Phase
+
+        Phase.BWD, int(Phase.BWD), Phase(2).name         # (<Phase.BWD: 1>, 1, 'OPT')
+        trace = training_trace(n_layers=2, ops_per_layer=4, acts_per_layer=2, activation_bytes=2**20, param_bytes=2**20)
+        [int((trace.ops.phase == phase).sum()) for phase in Phase]   # [8, 8, 2]: operators per phase
+        ```
+    """
 
     FWD = 0
     BWD = 1
@@ -42,6 +53,32 @@ class OpDispatchEvent:
         inputs: storage ids of the input tensors.
         outputs: storage ids of the output tensors.
         device_bytes: device bytes in use right after the operator, or -1 when unknown.
+
+    Example:
+        ```python
+        from collections import Counter
+        from memfit import hookimpl
+        from memfit.plugins import Hooks, build_plugin_manager
+        from memfit.types import OpDispatchEvent, Phase
+
+        bytes_by_op = Counter()
+
+
+        class PeakByOperator:
+            @hookimpl
+            def on_op_dispatch(self, event):            # event: an OpDispatchEvent
+                bytes_by_op[event.name] = max(bytes_by_op[event.name], event.device_bytes)
+
+
+        pm = build_plugin_manager(load_entrypoints=False)
+        pm.register(PeakByOperator(), name="peak-by-operator")
+        callbacks = Hooks(pm).op_dispatch_callbacks()  # what the profiler calls, once per operator
+        for i, (name, in_use) in enumerate([("aten::mm", 4096), ("aten::relu", 8192), ("aten::mm", 6144)]):
+            event = OpDispatchEvent(op_index=i, token=i % 2, name=name, phase=Phase.FWD, device_bytes=in_use)
+            for callback in callbacks:
+                callback(event)
+        bytes_by_op                                    # Counter({'aten::relu': 8192, 'aten::mm': 6144})
+        ```
     """
 
     op_index: int
@@ -65,6 +102,39 @@ class OOMEvent:
         backend: the active backend, so a handler can free or synchronise.
         error: the exception raised by the allocator; ``None`` when the allocator asks before
             raising (cpu-sim retries inside the allocation while a handler answers ``retry``).
+
+    Example:
+        ```python
+        import torch
+        from memfit import hookimpl
+        from memfit.backends.cpu_sim import CpuSimBackend
+        from memfit.oom import call_with_oom_handling
+        from memfit.plugins import Hooks, build_plugin_manager
+        from memfit.types import OOMResponse
+
+        cache, seen = [], []
+
+
+        class DropCache:
+            @hookimpl
+            def on_oom(self, event):                    # event: an OOMEvent
+                seen.append((event.requested_bytes, event.in_use_bytes, event.attempt))
+                if not cache:
+                    return None
+                freed = sum(t.nbytes for t in cache)
+                cache.clear()
+                return OOMResponse(action="retry", freed_bytes=freed, note="dropped the cache")
+
+
+        pm = build_plugin_manager(load_entrypoints=False)
+        pm.register(DropCache(), name="drop-cache")
+        sim = CpuSimBackend(capacity="16MiB")
+        with sim.activate():
+            cache.append(torch.empty(12 * 2**20, dtype=torch.uint8))
+            x = call_with_oom_handling(torch.empty, 8 * 2**20, dtype=torch.uint8, backend=sim, hooks=Hooks(pm))
+        seen                                            # [(8388608, 12582912, 0)]: 8 MiB asked, 12 MiB in use
+        sim.close()
+        ```
     """
 
     requested_bytes: int
@@ -84,6 +154,33 @@ class OOMResponse:
             ``"abort"`` to stop handling and re-raise.
         freed_bytes: bytes the handler released (informational).
         note: one line for logs and reports.
+
+    Example:
+        ```python
+        from memfit import hookimpl
+        from memfit.plugins import Hooks, build_plugin_manager
+        from memfit.testing import FakeAcceleratorBackend
+        from memfit.types import OOMEvent, OOMResponse
+
+
+        class GiveUpAfterTwo:
+            @hookimpl(tryfirst=True)
+            def on_oom(self, event):
+                if event.attempt < 2:
+                    return None                         # let the other handlers try
+                return OOMResponse(action="abort", note=f"{event.requested_bytes} B still do not fit")
+
+
+        pm = build_plugin_manager(load_entrypoints=False)
+        pm.register(GiveUpAfterTwo(), name="give-up")
+        hooks = Hooks(pm)
+        backend = FakeAcceleratorBackend(capacity="64MiB")
+        event = OOMEvent(requested_bytes=2**20, capacity_bytes=backend.capacity_bytes, in_use_bytes=63 * 2**20,
+                         attempt=2, backend=backend, error=None)
+        response = hooks.handle_oom(event)
+        response.action, response.note                  # ('abort', '1048576 B still do not fit')
+        backend.close()
+        ```
     """
 
     action: Literal["retry", "abort"]
@@ -103,6 +200,29 @@ class FaultEvent:
         state: what a deciding plugin needs to know about the job, in that plugin's own type
             (e.g. memfit-faulttol's ``FaultContext``: its cluster state and planner); ``None``
             when the detector has none. Handlers that do not recognise it leave the fault alone.
+
+    Example:
+        ```python
+        from memfit import hookimpl
+        from memfit.plugins import Hooks, build_plugin_manager
+        from memfit.types import FaultEvent, FaultResponse
+
+
+        class Restart:
+            @hookimpl
+            def on_fault(self, event):
+                if event.kind != "node_lost":
+                    return None
+                return FaultResponse(action="restart", handler="restart", note=f"ranks {list(event.ranks)} lost")
+
+
+        pm = build_plugin_manager(load_entrypoints=False)
+        pm.register(Restart(), name="restart")
+        hooks = Hooks(pm)
+        event = FaultEvent(kind="node_lost", ranks=(4, 5), step=1200, detail="no heartbeat for 30 s")   # a detector's
+        hooks.handle_fault(event).note                  # 'ranks [4, 5] lost'
+        hooks.handle_fault(FaultEvent(kind="link_down", ranks=(0,))) is None   # True: nobody claimed it
+        ```
     """
 
     kind: str
@@ -122,6 +242,29 @@ class FaultResponse:
         note: why, in one line.
         decision: the handler's full decision in its own type (e.g. memfit-faulttol's
             ``Decision``: the new state, its plan and the weight transfers), or ``None``.
+
+    Example:
+        ```python
+        from memfit import hookimpl
+        from memfit.plugins import Hooks, build_plugin_manager
+        from memfit.types import FaultEvent, FaultResponse
+
+
+        class Shrink:                                   # decides from the job state the detector passes along
+            @hookimpl
+            def on_fault(self, event):
+                if not isinstance(event.state, dict) or event.kind != "node_lost":
+                    return None                         # not a state it knows: leave the fault alone
+                survivors = [rank for rank in event.state["ranks"] if rank not in event.ranks]
+                note = f"go on with {len(survivors)} ranks"
+                return FaultResponse(action="reparallelize", handler="shrink", note=note, decision={"ranks": survivors})
+
+
+        pm = build_plugin_manager(load_entrypoints=False)
+        pm.register(Shrink(), name="shrink")
+        response = Hooks(pm).handle_fault(FaultEvent(kind="node_lost", ranks=(3,), state={"ranks": [0, 1, 2, 3]}))
+        response.action, response.decision             # ('reparallelize', {'ranks': [0, 1, 2]})
+        ```
     """
 
     action: str
@@ -139,6 +282,31 @@ class SwapRequest:
             or ``None`` for the runtime's default).
         backend: a backend name, a backend object, or ``None`` for the best available.
         options: every other keyword argument, for the runtime to check and refuse if unknown.
+
+    Example:
+        ```python
+        import contextlib
+        from memfit import hookimpl
+        from memfit.plugins import Hooks, build_plugin_manager
+        from memfit.types import SwapRequest
+
+
+        class Unbudgeted:
+            @hookimpl
+            def swap_session(self, request):
+                if request.budget != "unlimited":
+                    return None                         # not for this plugin: memfit-executor's, when installed
+                return contextlib.nullcontext(request)  # the script runs as without memfit: a baseline
+
+
+        pm = build_plugin_manager(load_entrypoints=False)
+        pm.register(Unbudgeted(), name="unbudgeted")
+        hooks = Hooks(pm)
+        request = SwapRequest(budget="unlimited", options={"verbose": True})   # memfit.swap("unlimited", verbose=True)
+        with hooks.swap_session(request) as session:
+            print(session.budget, dict(session.options))   # unlimited {'verbose': True}
+        hooks.swap_session(SwapRequest(budget="12GiB")) is None   # True: nobody here answers that one
+        ```
     """
 
     budget: int | str | None = None
@@ -212,6 +380,32 @@ class BackendSpec:
         is_available: cheap, side-effect-free check.
         factory: builds the backend; keyword arguments are backend options (e.g. ``capacity``).
         description: one line for ``memfit plugins``.
+
+    Example:
+        ```python
+        import functools
+        from memfit import hookimpl
+        from memfit.backends.cpu_sim import CpuSimBackend
+        from memfit.plugins import Hooks, build_plugin_manager
+        from memfit.types import BackendSpec
+
+
+        class SmallSim:
+            @hookimpl
+            def register_backends(self):
+                yield BackendSpec(name="small-sim", device_type="cpu", priority=-1, is_available=lambda: True,
+                                  factory=functools.partial(CpuSimBackend, capacity="32MiB"),
+                                  description="cpu-sim with a 32 MiB default capacity")
+
+
+        pm = build_plugin_manager(load_entrypoints=False)
+        pm.register(SmallSim(), name="small-sim")
+        hooks = Hooks(pm)
+        hooks.backends()["small-sim"].description      # 'cpu-sim with a 32 MiB default capacity'
+        backend = hooks.create_backend("small-sim")     # what --backend small-sim builds
+        backend.capacity_bytes                          # 33554432
+        backend.close()
+        ```
     """
 
     name: str
@@ -242,6 +436,37 @@ class PlannerSpec:
             recomputation). ``False`` for plans that need a compiled program (memfit-offload's
             cache operators): sessions never ask such a planner, and ``memfit plan`` asks it only
             by name (``--planner offload``).
+
+    Example:
+        ```python
+        from memfit import hookimpl
+        from memfit.config import MemfitModel
+        from memfit.errors import MemfitError
+        from memfit.plugins import Hooks, build_plugin_manager
+        from memfit.types import PlannerSpec
+
+
+        class CautiousOptions(MemfitModel):
+            headroom_fraction: float = 0.1
+
+
+        class Cautious:
+            @hookimpl
+            def register_planners(self):
+                yield PlannerSpec(name="cautious", description="says whether the step fits with headroom",
+                                  options=CautiousOptions, variations=({}, {"headroom_fraction": 0.2}))
+
+
+        pm = build_plugin_manager(load_entrypoints=False)
+        pm.register(Cautious(), name="cautious")
+        hooks = Hooks(pm)
+        hooks.planners()["cautious"].variations        # ({}, {'headroom_fraction': 0.2})
+        hooks.validate_planner_options({"cautious": {"headroom_fraction": 0.3}})["cautious"].headroom_fraction   # 0.3
+        try:
+            hooks.validate_planner_options({"cautious": {"headroom": 0.3}})
+        except MemfitError as exc:
+            print(exc)   # invalid options of planner 'cautious': headroom: Extra inputs are not permitted ...
+        ```
     """
 
     name: str
@@ -258,6 +483,33 @@ class CommandSpec:
     Attributes:
         name: the subcommand, e.g. ``"profile"``.
         command: a :class:`click.Command`; its name is replaced by ``name``.
+
+    Example:
+        ```python
+        import click
+        from click.testing import CliRunner
+        from memfit import hookimpl
+        from memfit.plugins import Hooks, build_plugin_manager
+        from memfit.types import CommandSpec
+
+
+        @click.command(help="Say hello.")
+        @click.argument("name")
+        def hello(name):
+            click.echo(f"hello {name}")
+
+
+        class Hello:
+            @hookimpl
+            def register_commands(self):
+                yield CommandSpec(name="hello", command=hello)   # memfit hello NAME
+
+
+        pm = build_plugin_manager(load_entrypoints=False)
+        pm.register(Hello(), name="hello")
+        spec = Hooks(pm).commands()["hello"]
+        CliRunner().invoke(spec.command, ["world"]).output.strip()   # 'hello world'
+        ```
     """
 
     name: str
@@ -273,6 +525,18 @@ class PluginInfo:
         kind: what it contributes, e.g. ``"backend:cpu-sim"``; ``"hooks"`` when it only implements runtime hooks.
         distribution: the installed distribution that provides it.
         version: that distribution's version.
+
+    Example:
+        ```python
+        from memfit.plugins import Hooks, build_plugin_manager
+
+        pm = build_plugin_manager(load_entrypoints=False)   # core's built-in plugins only
+        for info in Hooks(pm).plugin_infos():               # what memfit plugins lists
+            print(info.name, info.kind, info.distribution)
+        # memfit.backends.accelerator backend:cuda memfit
+        # memfit.backends.cpu_sim backend:cpu-sim memfit
+        # memfit.oom hooks:on_oom memfit
+        ```
     """
 
     name: str

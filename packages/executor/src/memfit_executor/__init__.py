@@ -25,14 +25,15 @@ from memfit.exports import lazy_exports
 from memfit_executor.__about__ import __version__
 
 if TYPE_CHECKING:
-    from memfit_executor.recompute import ModelFinder, apply_recompute
+    from memfit_executor.finder import ModelFinder
+    from memfit_executor.recompute import apply_recompute
     from memfit_executor.retry import SwapOutOfMemoryError
     from memfit_executor.session import SwapSession
 
 __all__, __getattr__, __dir__ = lazy_exports(
     __name__,
     {
-        "ModelFinder": "memfit_executor.recompute",
+        "ModelFinder": "memfit_executor.finder",
         "SwapOutOfMemoryError": "memfit_executor.retry",
         "SwapSession": "memfit_executor.session",
         "apply_recompute": "memfit_executor.recompute",

@@ -48,7 +48,19 @@ def blocks(model: nn.Module) -> list[str]:
 
 
 class FullCheckpointing:
-    """Checkpoint the first model a forward pass runs with gradients, on its first call (see the module docs)."""
+    """Checkpoint the first model a forward pass runs with gradients, on its first call (see the module docs).
+
+    Example:
+        ```python
+        from memfit.models import build_training
+        from memfit_executor.baseline import FullCheckpointing
+
+        run = build_training("tiny", batch=2, seq=16)
+        checkpointing = FullCheckpointing()         # before the script's first forward pass (memfit run --baseline ac)
+        run.step()                                  # the model's first call checkpoints its blocks
+        checkpointing.applied                       # 'torch checkpoint, 2 blocks'
+        ```
+    """
 
     def __init__(self) -> None:
         self.applied: str | None = None

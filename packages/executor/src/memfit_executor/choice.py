@@ -46,7 +46,22 @@ SLOWER_THAN_PLANNED = 0.7
 
 @dataclass(eq=False)
 class Trial:
-    """One GenPolicy iteration on a candidate: its time, whether it held the budget, its passive swaps."""
+    """One GenPolicy iteration on a candidate: its time, whether it held the budget, its passive swaps.
+
+    Example:
+        ```python
+        from memfit_executor.choice import SequencePlans, Trial
+
+        plans = SequencePlans(sequence=1, candidates=[None, None, None])   # three candidates' Bindings (stand-ins here)
+        plans.trials += [
+            Trial(candidate=0, seconds=1.15, within_budget=True, passive_swaps=0),   # recomputes: slower
+            Trial(candidate=1, seconds=0.96, within_budget=True, passive_swaps=1),   # swaps: one passive swap
+            Trial(candidate=2, seconds=0.80, within_budget=False, passive_swaps=0),  # fastest, but above the budget
+        ]  # what the session records for each GenPolicy iteration
+        plans.best_trial().candidate                # 1: the fastest that held (a passive swap or two still holds)
+        plans.next_trial()                          # 1: spare GenPolicy iterations give the contenders a second trial
+        ```
+    """
 
     candidate: int
     seconds: float
@@ -56,7 +71,26 @@ class Trial:
 
 @dataclass(eq=False)
 class SequencePlans:
-    """What the session holds for one known sequence: its plan candidates, their trials, the chosen plan."""
+    """What the session holds for one known sequence: its plan candidates, their trials, the chosen plan.
+
+    Example:
+        ```python
+        import memfit
+        from memfit.models import build_training
+
+        # m, n: fewer iterations before planning and before applying than the paper's 2 and 5
+        options = dict(m=0, n=2, planner="swap", candidates=2)
+        with memfit.swap(budget="4MiB", backend="cpu-sim", capacity="8MiB", **options) as session:
+            run = build_training("tiny", batch=4, seq=64)
+            for _ in range(4):
+                run.step()                          # WarmUp, then GenPolicy: candidates planned, the first one tried
+            plans = session.choice.plans[session.iterations[-1]["sequence"]]   # what the session holds for the sequence
+            tried = len(plans.candidates), len(plans.trials), plans.next_trial()
+            run.step()                              # the second candidate's trial: the sequence is Stable
+        tried                                       # (2, 1, 1): two candidates, one tried, the other next
+        plans.chosen.plan.planner, plans.candidates   # ('swap', []): the fastest that held is applied from now on
+        ```
+    """
 
     sequence: int
     candidates: list[Binding] = field(default_factory=list)
@@ -134,6 +168,23 @@ class PlanChoice:
         bandwidth: the copy bandwidth (bytes/s) to plan with; lowered when copies run slower.
         profiler: the session's online profiler (its sequences and stages).
         note: says a finding to the user once (the session's notes).
+
+    Example:
+        ```python
+        import memfit
+        from memfit.models import build_training
+
+        # m, n: fewer iterations before planning and before applying than the paper's 2 and 5
+        options = dict(m=0, n=2, planner="swap", candidates=2)
+        with memfit.swap(budget="4MiB", backend="cpu-sim", capacity="8MiB", **options) as session:
+            run = build_training("tiny", batch=4, seq=64)
+            for _ in range(6):
+                run.step()
+        choice = session.choice                     # the plans of every sequence, and the choice among them
+        # sequence 0, the first step (it also made the optimizer's states), never recurred: 1 has its plan in place
+        {sequence: plans.chosen is not None for sequence, plans in choice.plans.items()}   # {1: True}
+        choice.planning_iterations, choice.plans_generated, choice.feasible()   # ([2], 2, True): predicted to fit
+        ```
     """
 
     def __init__(

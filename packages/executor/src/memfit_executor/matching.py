@@ -75,7 +75,22 @@ operator, index among that operator's saves in that module call). See :mod:`memf
 
 @dataclass(frozen=True, slots=True)
 class FirstSave:
-    """Where a storage was first saved for backward in an observed iteration."""
+    """Where a storage was first saved for backward in an observed iteration.
+
+    Example:
+        ```python
+        import torch
+        from memfit_executor.matching import FirstSave, SaveLog
+
+        log = SaveLog()
+        log.forward_began(op_index=40)              # the forward pass's first save: positions count from here
+        signature = (4096, torch.float32, (32, 32), 7)   # storage bytes, dtype, shape, the saving operator's context
+        log.saved(123, FirstSave(op_index=52, position=12, ordinal=0, signature=signature))
+        log.saved(123, FirstSave(op_index=60, position=20, ordinal=1, signature=signature))  # the same storage again
+        first = log.saves[123]                      # where storage 123 was first saved
+        first.position, first.ordinal, first.signature[0]   # (12, 0, 4096)
+        ```
+    """
 
     op_index: int
     """Operator index in the iteration (the trace's coordinates)."""
@@ -90,7 +105,30 @@ class FirstSave:
 
 @dataclass
 class SaveLog:
-    """The executor's record of one forward pass: each storage's first save, keyed by storage id."""
+    """The executor's record of one forward pass: each storage's first save, keyed by storage id.
+
+    Example:
+        ```python
+        from memfit.models import build_training
+        from memfit.plugins import get_hooks
+        from memfit_executor.matching import SaveLog
+        from memfit_executor.runtime import SwapRuntime
+        from memfit_profiler import OnlineProfiler
+
+        backend = get_hooks().create_backend("cpu-sim", capacity="64MiB")
+        with backend.activate():
+            run = build_training("tiny", batch=2, seq=16)
+            with OnlineProfiler(backend) as profiler:
+                runtime = SwapRuntime(backend, clock=profiler.position, min_swap_bytes=1024)
+                runtime.install()
+                runtime.observer = log = SaveLog()  # what the session does in an iteration it may plan from
+                run.step()
+                runtime.uninstall()
+        saves = sorted(log.saves.values(), key=lambda f: f.op_index)   # a FirstSave per storage saved for backward
+        log.first_save_op >= 0, saves[0].position >= 0        # (True, True): positions count from the first save
+        len({f.signature for f in saves}) < len(saves)        # True: look-alikes, told apart by position
+        ```
+    """
 
     first_save_op: int = -1
     """Operator index of the forward pass's first save of any size (positions are counted from it)."""
@@ -108,7 +146,34 @@ class SaveLog:
 
 @dataclass(frozen=True, slots=True)
 class Entry:
-    """A plan's swap, bound to the signature and positions it should be found at."""
+    """A plan's swap, bound to the signature and positions it should be found at.
+
+    Example:
+        ```python
+        from memfit.models import build_training
+        from memfit.plugins import get_hooks
+        from memfit_executor.matching import SaveLog, bind
+        from memfit_executor.runtime import SwapRuntime
+        from memfit_policies import generate_swap_plan
+        from memfit_profiler import OnlineProfiler
+
+        backend = get_hooks().create_backend("cpu-sim", capacity="64MiB")
+        with backend.activate():
+            run = build_training("tiny", batch=4, seq=64)
+            run.step()
+            with OnlineProfiler(backend, mode="detailed") as profiler:
+                runtime = SwapRuntime(backend, clock=profiler.position)
+                runtime.install()
+                runtime.observer = log = SaveLog()
+                run.step()
+                runtime.uninstall()
+        trace = profiler.traces[-1]
+        plan = generate_swap_plan(trace, trace.peak_bytes() * 4 // 5)
+        entry = bind(plan, trace, log, profiler.iterations[-1].phase_ops, traced_here=True).entries[0]
+        entry.position <= entry.release < entry.swap_in     # True: saved, freed, then brought back for backward
+        entry.nbytes == plan.actions[entry.index].tensor.nbytes   # True: the swap it stands for
+        ```
+    """
 
     index: int
     """The action's index in the plan."""
@@ -133,7 +198,24 @@ class Entry:
 
 @dataclass(frozen=True, slots=True)
 class Twin:
-    """A save of the bound iteration that looks exactly like an entry (signature, ordinal) and is not swapped."""
+    """A save of the bound iteration that looks exactly like an entry (signature, ordinal) and is not swapped.
+
+    Example:
+        ```python
+        import torch
+        from memfit.plan import MemoryPlan, PlanPrediction, PlanSource
+        from memfit_executor.matching import Binding, Entry, FuzzyMatcher, Twin
+
+        signature = (4096, torch.float32, (32, 32), 7)   # four saves of one signature, ten operators apart
+        entry = Entry(index=0, signature=signature, position=20, release=22, swap_in=90, first_backward_use=None,
+                      op_index=20, ordinal=0)       # the plan swaps the second
+        twins = tuple(Twin(signature, position, 0) for position in (10, 30, 40))   # and not the others
+        plan = MemoryPlan(planner="swap", budget_bytes=2**20, source=PlanSource(kind="synthetic"),
+                          predicted=PlanPrediction(peak_bytes=0))
+        matcher = FuzzyMatcher([Binding(plan, (entry,), {}, forward_ops=100, twins=twins)], tolerance=32)
+        [matcher.match(signature, p, p, 0) is entry for p in (10, 20, 30, 40)]   # [False, True, False, False]
+        ```
+    """
 
     signature: Signature
     position: int
@@ -142,7 +224,34 @@ class Twin:
 
 @dataclass(frozen=True)
 class Binding:
-    """A plan bound to an observed iteration: the entries the executor can apply, and why others cannot."""
+    """A plan bound to an observed iteration: the entries the executor can apply, and why others cannot.
+
+    Example:
+        ```python
+        from memfit.models import build_training
+        from memfit.plugins import get_hooks
+        from memfit_executor.matching import SaveLog, bind
+        from memfit_executor.runtime import SwapRuntime
+        from memfit_policies import generate_swap_plan
+        from memfit_profiler import OnlineProfiler
+
+        backend = get_hooks().create_backend("cpu-sim", capacity="64MiB")
+        with backend.activate():
+            run = build_training("tiny", batch=4, seq=64)
+            run.step()                                  # the optimizer's states
+            with OnlineProfiler(backend, mode="detailed") as profiler:
+                runtime = SwapRuntime(backend, clock=profiler.position)
+                runtime.install()
+                runtime.observer = log = SaveLog()      # the iteration's first saves
+                run.step()
+                runtime.uninstall()
+        trace, record = profiler.traces[-1], profiler.iterations[-1]
+        plan = generate_swap_plan(trace, trace.peak_bytes() * 4 // 5)
+        binding = bind(plan, trace, log, record.phase_ops, traced_here=True)   # the plan, found in that iteration
+        len(binding.entries) == len(plan.actions), binding.unbound   # (True, {}): every swap found its tensor
+        binding.forward_ops > 0                     # True: operators from the first save to backward
+        ```
+    """
 
     plan: MemoryPlan
     entries: tuple[Entry, ...]
@@ -320,6 +429,27 @@ class FuzzyMatcher:
         window: pending entries compared per save (in expected order).
         tolerance: largest position error accepted, in operators; default max(32, 5% of the
             observed forward pass).
+
+    Example:
+        ```python
+        import torch
+        from memfit.plan import MemoryPlan, PlanPrediction, PlanSource
+        from memfit_executor.matching import Binding, Entry, FuzzyMatcher
+
+        signature = (4096, torch.float32, (32, 32), 7)   # storage bytes, dtype, shape, the saving operator's context
+        entries = tuple(
+            Entry(index=i, signature=signature, position=p, release=p + 2, swap_in=100 - p, first_backward_use=None,
+                  op_index=p, ordinal=0)
+            for i, p in enumerate((10, 20, 30))
+        )  # what bind() makes of a plan's three swaps
+        plan = MemoryPlan(planner="swap", budget_bytes=2**20, source=PlanSource(kind="synthetic"),
+                          predicted=PlanPrediction(peak_bytes=0))
+        matcher = FuzzyMatcher([Binding(plan, entries, {}, forward_ops=100)], tolerance=8)
+        matcher.match(signature, 15, 15, 0).index   # 0: five operators late (a branch ran before it)
+        matcher.drift                               # 5: the next ones are expected five late as well
+        matcher.match(signature, 36, 36, 0).index   # 2: entry 1 never came, entry 2 did
+        matcher.match((4096, torch.float32, (32, 32), 9), 45, 45, 0)   # None: another operator saved it
+        ```
     """
 
     name = "fuzzy"
@@ -371,6 +501,23 @@ class PositionMatcher:
     different tensor than the plan meant (a **mis-swap**: the plan's memory arithmetic no longer
     holds). Kept as an option only to show that (Chameleon §7.4). With several plans in place,
     the first one naming a key wins.
+
+    Example:
+        ```python
+        import torch
+        from memfit.plan import MemoryPlan, PlanPrediction, PlanSource
+        from memfit_executor.matching import Binding, Entry, PositionMatcher
+
+        signature = (4096, torch.float32, (32, 32), 7)
+        entry = Entry(index=0, signature=signature, position=10, release=12, swap_in=90, first_backward_use=None,
+                      op_index=10, ordinal=0)   # the plan's swap: the first tensor operator 10 saves
+        plan = MemoryPlan(planner="swap", budget_bytes=2**20, source=PlanSource(kind="synthetic"),
+                          predicted=PlanPrediction(peak_bytes=0))
+        matcher = PositionMatcher([Binding(plan, (entry,), {}, forward_ops=100)])   # matcher="position"
+        other = (2**20, torch.float16, (512, 1024), 3)
+        matcher.match(other, 10, 10, 0).index       # 0: whatever sits at the index, a mis-swap here
+        matcher.match(signature, 11, 11, 0)         # None: the tensor it meant, one operator later, is lost
+        ```
     """
 
     name = "position"

@@ -45,7 +45,30 @@ class _Frame:
 
 
 class IdentityOracle:
-    """Tracks module calls and names each saved tensor by its place in the program (see the module docs)."""
+    """Tracks module calls and names each saved tensor by its place in the program (see the module docs).
+
+    Example:
+        ```python
+        import torch
+        from memfit.plugins import get_hooks
+        from memfit_executor.matching import SaveLog
+        from memfit_executor.oracle import IdentityOracle
+        from memfit_executor.runtime import SwapRuntime
+
+        block = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh())
+        backend = get_hooks().create_backend("cpu-sim", capacity="64MiB")
+        oracle = IdentityOracle().install()         # global module hooks, a Python call per module call: debugging
+        runtime = SwapRuntime(backend, min_swap_bytes=1024, oracle=oracle)
+        with backend.activate():
+            runtime.install()
+            runtime.observer = log = SaveLog()      # each storage's first save, with the oracle's identity of it
+            block(block(torch.randn(32, 64))).sum().backward()   # the block called twice in one forward pass
+            runtime.uninstall()
+        oracle.uninstall()
+        sorted(f.identity[:2] for f in log.saves.values())   # (module path, its call in the forward pass)
+        # [('Sequential.0', 0), ('Sequential.1', 0), ('Sequential.1', 1)]: linear's input, then each tanh's output
+        ```
+    """
 
     def __init__(self) -> None:
         self._stack: list[_Frame] = []

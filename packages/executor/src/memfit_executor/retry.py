@@ -72,7 +72,27 @@ class SwapOutOfMemoryError(MemfitError, torch.OutOfMemoryError):
 
 @dataclass(frozen=True, slots=True)
 class OOMFailure:
-    """What the device held when an allocation failed for good (read then, not after the stack unwound)."""
+    """What the device held when an allocation failed for good (read then, not after the stack unwound).
+
+    Example:
+        ```python
+        import torch
+        from memfit.plugins import get_hooks
+        from memfit_executor.runtime import SwapRuntime
+
+        backend = get_hooks().create_backend("cpu-sim", capacity="1MiB")
+        runtime = SwapRuntime(backend)
+        with backend.activate():
+            runtime.install()
+            try:
+                torch.empty(2**21, dtype=torch.uint8)   # 2 MiB: nothing to swap out makes room for it
+            except torch.OutOfMemoryError:
+                pass
+            runtime.uninstall()
+        failure = runtime.failure                   # what the device held when the allocation failed for good
+        failure.request_bytes, failure.capacity_bytes, failure.activation_bytes   # (2097152, 1048576, 0)
+        ```
+    """
 
     request_bytes: int
     in_use_bytes: int
@@ -114,6 +134,27 @@ class RetryOnOOM(TorchDispatchMode):
     Which errors are OOM is the backend's call (``is_oom``): older torch_npu raises a plain
     ``RuntimeError``, not ``torch.OutOfMemoryError``. The failing operator's inputs are held by
     its arguments here, so a passive swap can never choose them.
+
+    Example:
+        ```python
+        import torch
+        from memfit.testing import FakeAcceleratorBackend
+        from memfit_executor.runtime import SwapRuntime
+
+        MiB = 2**20
+        device = FakeAcceleratorBackend(capacity="32MiB")   # its allocator raises OOM and cannot retry, as CUDA's does
+        runtime = SwapRuntime(device)
+        with device.activate():
+            runtime.install()
+            runtime.set_retry_mode("per-op")        # RetryOnOOM on the dispatch stack: every operator runs through it
+            x = torch.ones(2 * MiB, requires_grad=True)     # 8 MiB
+            loss = x.exp().sum()                    # exp saves its output: 8 MiB that autograd alone holds
+            y = torch.zeros(20 * MiB, dtype=torch.uint8)    # does not fit: caught, a passive swap, run again
+            del y
+            loss.backward()                         # the swapped activation comes back
+            runtime.uninstall()
+        runtime.stats.passive_swaps, runtime.stats.ooms_survived   # (1, 1)
+        ```
     """
 
     def __init__(self, runtime: SwapRuntime) -> None:
@@ -144,6 +185,28 @@ class OOMHandler:
     Algorithm 3 (Chameleon, Appendix B) for the runtime's backend: release pending swap-outs, then
     passive swaps. Registered as a plugin object rather than found by the executor's plugin module,
     so that exactly the installed runtime answers, and none once it is uninstalled.
+
+    Example:
+        ```python
+        import torch
+        from memfit.plugins import get_hooks
+        from memfit.types import OOMEvent
+        from memfit_executor.runtime import SwapRuntime
+
+        hooks = get_hooks()
+        backend = hooks.create_backend("cpu-sim", capacity="64MiB")
+        runtime = SwapRuntime(backend)
+        with backend.activate():
+            x = torch.randn(256, 256, requires_grad=True)
+            runtime.install(hooks)                  # registers an OOMHandler for this runtime with the hooks
+            loss = torch.sigmoid(x).sum()           # 256 KiB saved for backward, autograd its only holder
+            event = OOMEvent(requested_bytes=2**18, capacity_bytes=backend.capacity_bytes,
+                             in_use_bytes=backend.memory_allocated(), attempt=1, backend=backend, error=None)
+            response = hooks.handle_oom(event)      # what an allocator asks when an allocation fails
+            loss.backward()
+            runtime.uninstall()                     # unregisters it: no runtime, no answer
+        response.action, response.note              # ('retry', 'passive swap of 256.00 KiB')
+        ```
     """
 
     def __init__(self, runtime: SwapRuntime) -> None:

@@ -53,58 +53,14 @@ from memfit_executor.retry import (
     remove_dispatch_mode,
     retrying,
 )
+from memfit_executor.saved import COPYING, INFLIGHT, OUT, RESIDENT, SavedRef, Stored
 from memfit_executor.stats import RuntimeStats
-from memfit_executor.storage_swap import StorageSwapper, SwapIn, SwapOut, storage_bytes
+from memfit_executor.storage_swap import StorageSwapper, SwapOut, storage_bytes
 
 log = logging.getLogger("memfit.executor")
 
-RESIDENT, COPYING, OUT, INFLIGHT = "resident", "copying", "out", "inflight"
-
-
 RETRY_MODES = ("per-op", "armed", "off")
 _MAX_RETRIES = 256  # as cpu-sim's allocator: a handler that keeps "freeing" cannot loop forever
-
-
-class Stored:
-    """One storage saved for backward in this iteration, and where its bytes are."""
-
-    __slots__ = (
-        "__weakref__", "entry", "key", "nbytes", "out_at", "passive", "state", "storage", "swap_in", "swap_out",
-        "views",
-    )  # fmt: skip
-
-    def __init__(self, storage: torch.UntypedStorage, key: int, nbytes: int) -> None:
-        self.storage = storage
-        self.key = key
-        self.nbytes = nbytes
-        self.views: list[torch.Tensor] = []
-        """The detached aliases the handles hand back (:class:`SavedRef`): each holds the storage once."""
-        self.state = RESIDENT
-        self.swap_out: SwapOut | None = None
-        self.swap_in: SwapIn | None = None
-        self.entry: Entry | None = None
-        self.passive = False
-        self.out_at = 0  # position of the swap-out (reuse intervals are counted from it)
-
-
-class SavedRef:
-    """What autograd holds instead of a saved tensor: the storage record and a detached alias of the tensor.
-
-    The alias (``t.data``: the same storage, geometry and conj/neg bits, no ``grad_fn``, no
-    dispatched operator) is what unpack returns a fresh alias of once the bytes are resident (so
-    the backward node reading it counts as a user of the storage). Holding ``t`` itself would tie
-    a saved output to its own ``grad_fn`` (a reference cycle the garbage collector cannot see
-    through). The alias lives in :attr:`Stored.views` too, so the storage's holders are known
-    exactly (:meth:`SwapRuntime._sole_owner`); a freed block (``resize_(0)``) and its swap-in
-    (``resize_(n)``) keep the storage object, so the alias reads the swapped-in bytes.
-    """
-
-    __slots__ = ("stored", "view")
-
-    def __init__(self, stored: Stored, t: torch.Tensor) -> None:
-        self.stored = stored
-        self.view = t.data
-        stored.views.append(self.view)
 
 
 def _parameter_memory(t: torch.Tensor) -> bool:
@@ -141,6 +97,35 @@ class SwapRuntime:
             cannot bring within the budget goes on up to it (the backend's capacity is raised as
             far as it needs, for the rest of the iteration) instead of failing; default: the budget
             (nothing passes it). See :class:`~memfit_executor.session.SwapSession`.
+
+    Example:
+        ```python
+        from memfit.models import build_training
+        from memfit.plugins import get_hooks
+        from memfit_executor.matching import SaveLog, bind
+        from memfit_executor.runtime import SwapRuntime
+        from memfit_policies import generate_swap_plan
+        from memfit_profiler import OnlineProfiler
+
+        backend = get_hooks().create_backend("cpu-sim", capacity="64MiB")
+        with backend.activate():
+            run = build_training("tiny", batch=4, seq=64)
+            run.step()                                  # the optimizer's states
+            with OnlineProfiler(backend, mode="detailed") as profiler:
+                runtime = SwapRuntime(backend, clock=profiler.position)   # the profiler's operator count
+                runtime.install()                       # saved-tensor hooks and the OOM handler
+                runtime.observer = log = SaveLog()      # note where this iteration saves what
+                run.step()
+                runtime.observer = None
+                runtime.end_iteration()
+                trace = profiler.traces[-1]
+                plan = generate_swap_plan(trace, trace.peak_bytes() * 4 // 5)
+                runtime.apply([bind(plan, trace, log, profiler.iterations[-1].phase_ops, traced_here=True)])
+                run.step()                              # the plan's activations go to host memory and come back
+                counters = runtime.end_iteration()
+                runtime.uninstall()
+        counters["swaps"] == len(plan.actions), counters["passive_swaps"]   # (True, 0)
+        ```
     """
 
     def __init__(

@@ -37,7 +37,7 @@ Example:
 
     # room on the device for twice the budget: whether the peak stays within it is memfit's doing
     with memfit.swap(budget="4MiB", backend="cpu-sim", capacity="8MiB") as session:
-        run = build_training("tiny", batch_size=4, seq_len=64)
+        run = build_training("tiny", batch=4, seq=64)
         for _ in range(20):
             run.step()
     print(session.report()["peak_device_bytes"] <= session.budget_bytes)  # the allocator's own peak
@@ -66,9 +66,10 @@ from pydantic import Field
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from memfit_executor.choice import PlanChoice, recomputes
+from memfit_executor.finder import ModelFinder
 from memfit_executor.matching import Binding, SaveLog, bind
 from memfit_executor.oracle import IdentityOracle
-from memfit_executor.recompute import AppliedRecompute, ModelFinder, apply_recompute
+from memfit_executor.recompute import AppliedRecompute, apply_recompute
 from memfit_executor.retry import SwapOutOfMemoryError
 from memfit_executor.runtime import SwapRuntime
 
@@ -94,7 +95,20 @@ NO_STEP_YET = (
 
 
 class SwapOptions(MemfitModel):
-    """Options of a swap session (everything but the budget and the backend)."""
+    """Options of a swap session (everything but the budget and the backend).
+
+    Example:
+        ```python
+        import memfit
+        from memfit_executor.session import SwapOptions
+
+        options = SwapOptions(min_swap_bytes="1MiB", planner="swap", planner_options={"swap": {"margin": "64MiB"}})
+        options.min_swap_bytes, options.m, options.n        # (1048576, 2, 5): sizes parsed; the paper's m and n
+        # memfit.swap takes them as keywords, and checks them before any training
+        session = memfit.swap(budget="1GiB", backend="cpu-sim", matcher="position", oom_handler="until-stable")
+        session.options.matcher, session.options.oom_handler   # ('position', 'until-stable'): Capuchin's baseline
+        ```
+    """
 
     matcher: Literal["fuzzy", "position"] = "fuzzy"
     """How plan entries are found: fuzzy features (default) or the Capuchin-style baseline."""
@@ -161,7 +175,7 @@ class SwapSession:
 
         # the virtual device could hold twice the budget: staying within it is memfit's doing
         with memfit.swap(budget="12MiB", backend="cpu-sim", capacity="24MiB") as session:
-            run = build_training("tiny", batch_size=8, seq_len=128)
+            run = build_training("tiny", batch=8, seq=128)
             losses = [run.step() for _ in range(12)]
         report = session.report()
         report["peak_device_bytes"] <= report["budget_bytes"]   # True: the allocator's own peak

@@ -11,7 +11,33 @@ REUSE_INTERVALS_KEPT = 10_000
 
 @dataclass
 class RuntimeStats:
-    """What the runtime did, over the whole run."""
+    """What the runtime did, over the whole run.
+
+    Example:
+        ```python
+        from memfit.models import build_training
+        from memfit.plugins import get_hooks
+        from memfit_executor.runtime import SwapRuntime
+
+        backend = get_hooks().create_backend("cpu-sim", capacity="64MiB")
+        with backend.activate():
+            run = build_training("tiny", batch=4, seq=64)
+            run.step()
+            backend.reset_peak_memory_stats()
+            run.step()
+            budget = backend.max_memory_allocated() * 3 // 4        # three quarters of a step's peak
+            backend.set_capacity(budget)
+            runtime = SwapRuntime(backend, budget_bytes=budget)      # no plan: Algorithm 3 alone holds the budget
+            runtime.install()
+            for _ in range(2):
+                run.step()
+                runtime.end_iteration()             # each iteration's counters go to stats.per_iteration
+            runtime.uninstall()
+        stats = runtime.stats                       # a RuntimeStats: the whole run's counts and totals
+        stats.passive_swaps > 0, stats.ooms_survived > 0    # (True, True)
+        sum(it["passive_swaps"] for it in stats.per_iteration) == stats.passive_swaps   # True
+        ```
+    """
 
     swapped_out_bytes: int = 0
     swapped_in_bytes: int = 0

@@ -55,7 +55,27 @@ def storage_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
 
 @dataclass(eq=False)  # identity: its fields are tensors, which do not compare to a bool
 class SwapIn:
-    """A swap-in in flight: call :meth:`wait` before the tensor is read."""
+    """A swap-in in flight: call :meth:`wait` before the tensor is read.
+
+    Example:
+        ```python
+        import torch
+        from memfit.plugins import get_hooks
+        from memfit_executor.storage_swap import StorageSwapper
+
+        backend = get_hooks().create_backend("cpu-sim", capacity="64MiB")
+        with backend.activate():
+            swapper = StorageSwapper(backend)
+            x = torch.arange(1024.0)
+            view = x[::2]                           # swapping is per storage: every view comes back with it
+            out = swapper.swap_out(x)
+            out.release()
+            back = out.swap_in()                    # a SwapIn: block re-allocated, the copy back queued
+            waited = back.done                      # False: wait before anything reads the tensor
+            back.wait()                             # the compute stream waits; the host buffer goes back to the pool
+        waited, back.done, float(view[-1])          # (False, True, 1022.0)
+        ```
+    """
 
     storage: torch.UntypedStorage
     event: Any
@@ -74,7 +94,28 @@ class SwapIn:
 
 @dataclass(eq=False)  # identity: kept in lists searched with `in`
 class SwapOut:
-    """A swapped-out storage: its bytes are (being) copied to ``host``."""
+    """A swapped-out storage: its bytes are (being) copied to ``host``.
+
+    Example:
+        ```python
+        import torch
+        from memfit.plugins import get_hooks
+        from memfit_executor.storage_swap import StorageSwapper
+
+        backend = get_hooks().create_backend("cpu-sim", capacity="64MiB")
+        with backend.activate():
+            swapper = StorageSwapper(backend, release_mode="record_stream")   # the paper's baseline
+            x = torch.ones(1024, 1024)
+            out = swapper.swap_out(x)               # a SwapOut: the copy to out.host is queued, the block still held
+            out.release()                           # handed over: free once a poll finds the copy done
+            out.event.synchronize()
+            swapper.poll()                          # what the allocator's event query does on a device
+            freed = x.untyped_storage().nbytes() == 0
+            out.swap_in().wait()
+        out.nbytes, out.released, out.stream_ordered   # (4194304, True, False)
+        freed, bool((x == 1).all())                 # (True, True): freed on the device, then back
+        ```
+    """
 
     storage: torch.UntypedStorage
     nbytes: int
@@ -143,6 +184,27 @@ class StorageSwapper:
         release_mode: ``"event"`` (stream-to-stream wait, default) or ``"record_stream"`` (the
             allocator polls the copy stream; the baseline of the paper's Fig. 8 ablation).
         protected: storages never to swap (parameters, buffers, optimizer states).
+
+    Example:
+        ```python
+        import torch
+        from memfit.plugins import get_hooks
+        from memfit_executor.storage_swap import StorageSwapper
+
+        backend = get_hooks().create_backend("cpu-sim", capacity="64MiB")
+        with backend.activate():
+            swapper = StorageSwapper(backend)
+            activation = torch.randn(256, 256)      # 256 KiB on the device
+            expected = activation.clone()
+            in_use = backend.memory_allocated()
+            out = swapper.swap_out(activation)      # copy to a pooled host buffer queued; the block is still held
+            out.release()                           # the compute stream waits for the copy; the block is freed
+            freed = in_use - backend.memory_allocated()
+            out.swap_in().wait()                    # block re-allocated, bytes copied back
+        freed                                       # 262144
+        torch.equal(activation, expected)           # True: bit-identical
+        swapper.transfers.stored_bytes, swapper.pool.allocated_bytes   # (262144, 262144): its host buffer, kept
+        ```
     """
 
     def __init__(self, backend: Any, *, release_mode: str = "event", protected: set[int] | None = None) -> None:

@@ -53,7 +53,22 @@ def rate_from_probability(probability_per_hour: float) -> float:
 
 @dataclass(frozen=True, slots=True)
 class Event:
-    """A device fails (``"fault"``) or comes back (``"repair"``) at ``time_s``."""
+    """A device fails (``"fault"``) or comes back (``"repair"``) at ``time_s``.
+
+    Example:
+        ```python
+        from memfit_faulttol import LayerProfile, Planner
+        from memfit_faulttol.cluster import Event, Recycle, failure_trace, run_policy
+
+        events = failure_trace(devices=16, hours=9, failure_rate=0.1, seed=0)   # every policy meets a seed's faults
+        print(len(events), events[0])   # 7 Event(time_s=3764.837775083781, kind='fault', device=11)
+        profile = LayerProfile.uniform(8, forward_s=0.01, backward_s=0.02, param_bytes=1e9, optimizer_bytes=2e9,
+                                       activation_bytes=1e9, capacity_bytes=32 * 2**30)
+        by_hand = [Event(600.0, "fault", 1), Event(1800.0, "repair", 1)]   # device 1 is down for 20 minutes
+        run = run_policy(Recycle(Planner(profile, micro_batches=8), 0.1), by_hand, devices=8, hours=1.0, stages=2)
+        print([(t, strategy) for t, strategy, _, _ in run.decisions])   # [(600.0, 'reroute'), (1800.0, 'reroute')]
+        ```
+    """
 
     time_s: float
     kind: str  # "fault" or "repair"
@@ -158,7 +173,24 @@ def _optimizer_seconds(profile: LayerProfile, plan: ExecutionPlan, alive: frozen
 
 @dataclass
 class Outcome:
-    """A policy's answer to an event: the state to run next and the seconds before it runs."""
+    """A policy's answer to an event: the state to run next and the seconds before it runs.
+
+    Example:
+        ```python
+        from memfit_faulttol import LayerProfile, Planner
+        from memfit_faulttol.cluster import Adaptive, Oobleck
+
+        profile = LayerProfile.uniform(8, forward_s=0.01, backward_s=0.02, param_bytes=1e9, optimizer_bytes=2e9,
+                                       activation_bytes=1e9, capacity_bytes=32 * 2**30)
+        planner = Planner(profile, micro_batches=8)
+        state = planner.initial_state(range(8), stages=2)   # dp=4 pp=[2, 2, 2, 2]
+        for policy in (Oobleck(planner, 0.1), Adaptive(planner, 0.1)):
+            outcome = policy.on_fault(state, device=1)
+            print(policy.name, outcome.state.strategy.value, round(outcome.transition_s, 2), outcome.lost_step)
+        # oobleck reparallelize 1.96 True: a restart and weight transfers
+        # adaptive reroute 0.0 True: no transition, only the step in flight is lost
+        ```
+    """
 
     state: ClusterState
     transition_s: float
@@ -166,7 +198,24 @@ class Outcome:
 
 
 class Policy:
-    """Base policy: re-plan over the alive devices on every fault (survivors in device order)."""
+    """Base policy: re-plan over the alive devices on every fault (survivors in device order).
+
+    Example:
+        ```python
+        from memfit_faulttol import LayerProfile, Planner
+        from memfit_faulttol.cluster import Policy
+
+        profile = LayerProfile.uniform(8, forward_s=0.01, backward_s=0.02, param_bytes=1e9, optimizer_bytes=2e9,
+                                       activation_bytes=1e9, capacity_bytes=32 * 2**30)
+        policy = Policy(Planner(profile, micro_batches=8), rate_per_device_hour=0.1)
+        state = policy.initial(list(range(8)), stages=2)
+        print(state.plan.describe())      # dp=4 pp=[2, 2, 2, 2] [4+4×2mb | 4+4×2mb | 4+4×2mb | 4+4×2mb]
+        down = policy.on_fault(state, device=1)
+        print(down.state.plan.describe())   # dp=3 pp=[3, 2, 2] [3+3+2×4mb | 4+4×2mb | 4+4×2mb]: over 7 devices
+        back = policy.on_repair(down.state, device=1)
+        print(back.state.plan.describe())   # dp=2 pp=[4, 4] [2+2+2+2×4mb | 2+2+2+2×4mb]: over 8 again
+        ```
+    """
 
     name = "policy"
     redundant = False
@@ -196,13 +245,43 @@ class Policy:
 
 
 class Oobleck(Policy):
-    """Dynamic parallelism on every fault, survivors mapped in device order."""
+    """Dynamic parallelism on every fault, survivors mapped in device order.
+
+    Example:
+        ```python
+        from memfit_faulttol import LayerProfile, Planner
+        from memfit_faulttol.cluster import Event, Oobleck, run_policy
+
+        profile = LayerProfile.uniform(8, forward_s=0.01, backward_s=0.02, param_bytes=1e9, optimizer_bytes=2e9,
+                                       activation_bytes=1e9, capacity_bytes=32 * 2**30)
+        policy = Oobleck(Planner(profile, micro_batches=8), rate_per_device_hour=0.1)
+        run = run_policy(policy, [Event(600.0, "fault", 1)], devices=8, hours=1.0, stages=2)
+        time_s, strategy, step_s, transition_s = run.decisions[0]   # the one fault's decision
+        print(strategy, round(step_s, 3), round(transition_s, 2))   # reparallelize 0.88 1.96: a new plan, a restart
+        print(round(run.tokens_per_s, 2))                           # 9.53 (11.76 without the fault)
+        ```
+    """
 
     name = "oobleck"
 
 
 class Adaptive(Policy):
-    """This package: Eq. 8 chooses rerouting or re-parallelisation (Kuhn–Munkres mapping)."""
+    """This package: Eq. 8 chooses rerouting or re-parallelisation (Kuhn–Munkres mapping).
+
+    Example:
+        ```python
+        from memfit_faulttol import LayerProfile, Planner
+        from memfit_faulttol.cluster import Adaptive, Event, run_policy
+
+        profile = LayerProfile.uniform(8, forward_s=0.01, backward_s=0.02, param_bytes=1e9, optimizer_bytes=2e9,
+                                       activation_bytes=1e9, capacity_bytes=32 * 2**30)
+        policy = Adaptive(Planner(profile, micro_batches=8), rate_per_device_hour=0.1)
+        run = run_policy(policy, [Event(600.0, "fault", 1)], devices=8, hours=1.0, stages=2)
+        time_s, strategy, step_s, transition_s = run.decisions[0]   # the one fault's decision
+        print(strategy, round(step_s, 3), transition_s)   # reroute 0.76 0.0: cheaper here than re-planning
+        print(round(run.tokens_per_s, 2))                 # 10.73 (Oobleck, always re-planning: 9.53)
+        ```
+    """
 
     name = "adaptive"
 
@@ -239,7 +318,23 @@ class Adaptive(Policy):
 
 
 class Recycle(Policy):
-    """Data rerouting on every fault; re-plans (device order) only when a stage lost every replica."""
+    """Data rerouting on every fault; re-plans (device order) only when a stage lost every replica.
+
+    Example:
+        ```python
+        from memfit_faulttol import LayerProfile, Planner
+        from memfit_faulttol.cluster import Recycle
+
+        profile = LayerProfile.uniform(8, forward_s=0.01, backward_s=0.02, param_bytes=1e9, optimizer_bytes=2e9,
+                                       activation_bytes=1e9, capacity_bytes=32 * 2**30)
+        policy = Recycle(Planner(profile, micro_batches=8), rate_per_device_hour=0.1)
+        state = policy.initial(list(range(8)), stages=2)   # dp=4 pp=[2, 2, 2, 2]
+        down = policy.on_fault(state, device=1)
+        print(down.state.strategy.value, sorted(down.state.failed_slots))   # reroute [(0, 1)]: the plan is kept
+        back = policy.on_repair(down.state, device=1)
+        print(sorted(back.state.failed_slots), back.transition_s)   # [] 2.41: a restart and the stage's weights
+        ```
+    """
 
     name = "recycle"
 
@@ -278,7 +373,25 @@ def refill_slot(planner: Planner, state: ClusterState, device: int) -> Outcome |
 
 
 class Bamboo(Policy):
-    """Redundant computation: the predecessor takes a failed stage over; re-plans when it cannot."""
+    """Redundant computation: the predecessor takes a failed stage over; re-plans when it cannot.
+
+    Example:
+        ```python
+        from memfit_faulttol import LayerProfile, Planner
+        from memfit_faulttol.cluster import Bamboo, bamboo_profile
+
+        profile = LayerProfile.uniform(8, forward_s=0.01, backward_s=0.02, param_bytes=1e9, optimizer_bytes=2e9,
+                                       activation_bytes=1e9, capacity_bytes=80 * 2**30)
+        # it plans with each stage holding its successor's states too, and times steps with the real profile
+        policy = Bamboo(Planner(bamboo_profile(profile), micro_batches=8), 0.1, profile)
+        state = policy.initial(list(range(8)), stages=2)   # dp=4 pp=[2, 2, 2, 2]
+        first = policy.on_fault(state, device=1)           # stage 1 of pipeline 0: stage 0 (device 0) takes over
+        print(first.state.strategy.value, first.state.plan.describe())   # takeover dp=4 pp=[1, 2, 2, 2] [8×2mb | ...
+        print(first.transition_s, first.lost_step)                       # 0.0 False
+        second = policy.on_fault(first.state, device=0)    # the device that took over fails too: re-plan
+        print(second.state.strategy.value, second.state.plan.describe())   # reparallelize dp=3 pp=[2, 2, 2] [...]
+        ```
+    """
 
     name = "bamboo"
     redundant = True
@@ -361,7 +474,23 @@ def initial_state(planner: Planner, devices: list[int], stages: int | None) -> C
 
 @dataclass
 class PolicyRun:
-    """One policy over one failure trace."""
+    """One policy over one failure trace.
+
+    Example:
+        ```python
+        from memfit_faulttol import LayerProfile, Planner
+        from memfit_faulttol.cluster import Event, Recycle, run_policy
+
+        profile = LayerProfile.uniform(8, forward_s=0.01, backward_s=0.02, param_bytes=1e9, optimizer_bytes=2e9,
+                                       activation_bytes=1e9, capacity_bytes=32 * 2**30)
+        events = [Event(600.0, "fault", 1), Event(1800.0, "repair", 1)]
+        run = run_policy(Recycle(Planner(profile, micro_batches=8), 0.1), events, devices=8, hours=1.0, stages=2)
+        print(round(run.tokens_per_s, 2), run.samples)   # 11.34 40824.0: the hour's mean, the samples trained
+        print(run.active)   # [(0.0, 8), (600.0, 7), (1800.0, 8)]: devices training after each event
+        for start, end, rate in run.segments:   # constant-rate stretches, in tokens/s
+            print(f"{start:6.0f} s to {end:4.0f} s: {rate:.2f}")   # 11.76, 10.53 rerouted, 11.76 from 1802 s
+        ```
+    """
 
     policy: str
     horizon_s: float
@@ -460,7 +589,23 @@ def _step(policy: Policy, state: ClusterState, run: PolicyRun) -> float:
 
 @dataclass
 class SimulationSummary:
-    """Mean tokens/s of each policy over the seeds, and what the runs measured."""
+    """Mean tokens/s of each policy over the seeds, and what the runs measured.
+
+    Example:
+        ```python
+        from memfit_faulttol import LayerProfile
+        from memfit_faulttol.cluster import simulate_cluster
+
+        profile = LayerProfile.uniform(8, forward_s=0.01, backward_s=0.02, param_bytes=1e9, optimizer_bytes=2e9,
+                                       activation_bytes=1e9, capacity_bytes=32 * 2**30)
+        summary = simulate_cluster(profile, devices=16, hours=9, failure_rate=0.1, seeds=2, micro_batches=16)
+        print(summary.initial_plan)   # dp=4 pp=[4, 4, 4, 4] [2+2+2+2×4mb | ...]: PP = 4, as the paper's runs
+        print({policy: round(summary.mean_tokens_per_s(policy), 1) for policy in summary.runs})
+        # {'adaptive': 21.2, 'oobleck': 21.2, 'recycle': 18.5, 'bamboo': 16.0}
+        report = summary.to_json()   # what `memfit faulttol simulate --json` prints
+        print(report["adaptive_choices"], round(report["estimator_error_pct"], 1))   # {'reparallelize': 17, ...
+        ```
+    """
 
     devices: int
     hours: float

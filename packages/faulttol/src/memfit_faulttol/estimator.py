@@ -113,7 +113,20 @@ def optimizer_seconds(profile: LayerProfile, plan: ExecutionPlan) -> float:
 
 @dataclass(frozen=True, slots=True)
 class StepEstimate:
-    """An estimated step: pipeline compute, gradient synchronisation and optimizer update, in seconds."""
+    """An estimated step: pipeline compute, gradient synchronisation and optimizer update, in seconds.
+
+    Example:
+        ```python
+        from memfit_faulttol import ExecutionPlan, LayerProfile, Pipeline, estimate_plan
+
+        profile = LayerProfile.uniform(8, forward_s=0.01, backward_s=0.02, param_bytes=1e9, optimizer_bytes=2e9,
+                                       activation_bytes=1e9, capacity_bytes=32 * 2**30, optimizer_s=0.005)
+        plan = ExecutionPlan((Pipeline((4, 4), 4), Pipeline((4, 4), 4)))   # dp=2 × pp=2, 4 micro-batches each
+        estimate = estimate_plan(profile, plan)
+        print(estimate.compute_s)   # 0.6: Eq. 9, (2 + 4 − 1) × 4 layers × 0.03 s
+        print(round(estimate.sync_s, 3), estimate.optimizer_s, round(estimate.seconds, 3))   # 0.16 0.02 0.78
+        ```
+    """
 
     compute_s: float
     sync_s: float

@@ -32,6 +32,22 @@ class Transfer:
     """Layer ``layer``'s parameters and optimizer states go from ``sender`` to ``receiver``.
 
     ``sender`` is None when no survivor holds the layer: it must be read from a checkpoint.
+
+    Example:
+        ```python
+        from memfit_faulttol import ClusterState, ExecutionPlan, LayerProfile, Pipeline
+        from memfit_faulttol.restorer import transfer_seconds, weight_transfer
+
+        profile = LayerProfile.uniform(8, forward_s=0.01, backward_s=0.02, param_bytes=1e9, optimizer_bytes=2e9,
+                                       activation_bytes=1e9, capacity_bytes=32 * 2**30)
+        old_plan = ExecutionPlan((Pipeline((4, 4), 4, (0, 1)), Pipeline((4, 4), 4, (2, 3))))   # dp=2 × pp=2
+        before = ClusterState(frozenset(range(4)), old_plan)
+        # device 2 failed: one pipeline of three stages over the survivors, mapped to move the fewest bytes
+        plan, transfers = weight_transfer(profile, before, ExecutionPlan((Pipeline((3, 3, 2), 8),)), alive={0, 1, 3})
+        print(list(plan.devices()))   # [0, 3, 1]: each survivor keeps most of what it holds
+        print(transfers)   # [Transfer(layer=3, receiver=3, sender=0, nbytes=3000000000.0)]: layer 3, from device 0
+        print(transfer_seconds(profile, transfers))   # 0.015306122448979591: 3 GB over the 196 GB/s intra-server link
+        ```
     """
 
     layer: int
@@ -139,7 +155,20 @@ def optimizer_state_sources(transfers: list[Transfer] | tuple[Transfer, ...]) ->
 
 @dataclass(frozen=True, slots=True)
 class Bucket:
-    """Layers ``first .. stop-1``, held together by the same device in every pipeline: one all-reduce."""
+    """Layers ``first .. stop-1``, held together by the same device in every pipeline: one all-reduce.
+
+    Example:
+        ```python
+        from memfit_faulttol import ExecutionPlan, Pipeline
+        from memfit_faulttol.restorer import color_rounds, sync_buckets
+
+        # asymmetric pipelines: 2 stages on devices 0-1, 3 stages on devices 2-4
+        plan = ExecutionPlan((Pipeline((4, 4), 4, (0, 1)), Pipeline((3, 3, 2), 4, (2, 3, 4))))
+        buckets = sync_buckets(plan)
+        print(buckets[1])              # Bucket(first=3, stop=4, devices=(0, 3)): layer 3 is reduced over 0 and 3
+        print(color_rounds(buckets))   # [0, 1, 0, 1]: buckets sharing a device go in different rounds
+        ```
+    """
 
     first: int
     stop: int

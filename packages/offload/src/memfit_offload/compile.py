@@ -18,7 +18,7 @@ Example:
 
     sim = CpuSimBackend(capacity="1GiB")
     with sim.activate():
-        run = build_training("tiny", batch_size=4, seq_len=64)
+        run = build_training("tiny", batch=4, seq=64)
         offload = memfit_offload.backend(budget="2MiB", device_backend=sim, min_bytes="16KiB")
         run.model.compile(backend=offload)
         run.step()

@@ -33,7 +33,23 @@ __all__ = ["DeviceSpeed", "measure_cpu_speed", "node_seconds", "transfer_seconds
 
 @dataclass(frozen=True, slots=True)
 class DeviceSpeed:
-    """Rates of the compute stream and the copy link, for the timeline."""
+    """Rates of the compute stream and the copy link, for the timeline.
+
+    Example:
+        ```python
+        import memfit_offload
+        import torch
+        from memfit_offload.costs import DeviceSpeed, node_seconds, transfer_seconds
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        h100 = DeviceSpeed(flops_per_s=400e12, memory_bytes_per_s=2e12, copy_bytes_per_s=25e9)  # an accelerator's
+        print(transfer_seconds(64 * 2**20, h100))  # 0.00269435456: a 64 MiB activation's store, or its prefetch
+        graph = make_fx(lambda a, b: torch.mm(a, b).relu())(torch.randn(1024, 1024), torch.randn(1024, 1024))
+        print({node.name: node_seconds(node, h100) for node in graph.graph.nodes if node.op == "call_function"})
+        # {'mm': 1.1291456e-05, 'relu': 9.194304e-06}: both bound by memory (12 and 8 MiB moved), plus the launch
+        offload = memfit_offload.backend(budget="12GiB", speed=h100)  # decisions timed with these rates, not measured
+        ```
+    """
 
     flops_per_s: float = 50e12
     """Achieved dense matmul throughput."""

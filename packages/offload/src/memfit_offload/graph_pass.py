@@ -46,7 +46,30 @@ __all__ = ["Candidate", "OffloadDecision", "analyse", "apply"]
 
 @dataclass(frozen=True)
 class Candidate:
-    """A storage group saved for backward that may be offloaded."""
+    """A storage group saved for backward that may be offloaded.
+
+    Example:
+        ```python
+        import memfit_offload
+        import torch
+        from memfit.plugins import get_hooks
+        from memfit_offload.costs import DeviceSpeed
+
+        sim = get_hooks().create_backend("cpu-sim", capacity="64MiB")
+        speed = DeviceSpeed(flops_per_s=1.8e11, memory_bytes_per_s=2.4e10, op_overhead_s=4e-5)  # fixed, not measured
+        with sim.activate():
+            model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256))
+            offload = memfit_offload.backend(device_backend=sim, speed=speed)
+            compiled = torch.compile(model, backend=offload, dynamic=False)  # static shapes: what the pass offloads
+            compiled(torch.randn(64, 256)).square().mean().backward()
+        for candidate in offload.decisions[0].candidates:  # what the pass found it could offload
+            print(candidate.name, candidate.nbytes, candidate.produced, candidate.last_forward_use,
+                  candidate.first_backward_use)  # fmt: skip
+        # addmm 262144 6 7 23: the first Linear's output (64 × 1024 float32), made by operator 6, last read in
+        # forward by operator 7, read again by operator 23 (positions: forward's operators, then backward's)
+        # gelu 262144 7 9 18
+        ```
+    """
 
     name: str
     """The base node's name in the forward graph."""
@@ -62,7 +85,30 @@ class Candidate:
 
 @dataclass
 class OffloadDecision:
-    """What the pass decided for one forward/backward pair."""
+    """What the pass decided for one forward/backward pair.
+
+    Example:
+        ```python
+        import memfit_offload
+        import torch
+        from memfit.plugins import get_hooks
+        from memfit_offload.costs import DeviceSpeed
+        from memfit_offload.schedule import simulate
+
+        sim = get_hooks().create_backend("cpu-sim", capacity="64MiB")
+        speed = DeviceSpeed(flops_per_s=1.8e11, memory_bytes_per_s=2.4e10, op_overhead_s=4e-5)  # fixed, not measured
+        with sim.activate():
+            layers = (torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh()) for _ in range(6))
+            offload = memfit_offload.backend("8MiB", device_backend=sim, speed=speed)
+            compiled = torch.compile(torch.nn.Sequential(*layers), backend=offload, dynamic=False)  # static shapes
+            compiled(torch.randn(4096, 64)).sum().backward()
+        (decision,) = offload.decisions  # one compiled forward and backward
+        print(len(decision.candidates), [c.name for c in decision.chosen])  # 5 ['tanh_2', 'tanh_1', 'tanh']
+        print(decision.excluded)  # {'tanh_5': 'aliases a user output', 'tanh_3': 'not needed to fit the budget', ...
+        before, after = simulate(decision.program, None), simulate(decision.program, decision.prefetch_at)
+        print(before.peak_bytes, after.peak_bytes, after.exposed_s)  # 10667520 7521792 0.0: within 8 MiB, all hidden
+        ```
+    """
 
     program: Program
     candidates: tuple[Candidate, ...]

@@ -92,7 +92,30 @@ class KVOffloadStats(TransferStats):
 
     The transfer record (:class:`memfit.transfers.TransferStats`: a store is a layer's full blocks
     copied at once, each block once; a prefetch is a layer's stored blocks, once per step; a wait is
-    a prefetch not yet complete when its layer's attention needed it), and:
+    a prefetch not yet complete when its layer's attention needed it), and the fields below.
+
+    Example:
+        ```python
+        import torch
+        from memfit.models import Llama, LlamaConfig
+        from memfit.plugins import get_hooks
+        from memfit_offload.kv import KVOffload
+
+        backend = get_hooks().create_backend("cpu-sim", capacity="64MiB")
+        with backend.activate():
+            model = Llama(LlamaConfig.preset("tiny")).eval()  # 2 layers
+            offload = KVOffload(backend)
+            cache = model.new_kv_cache(1, 64, hooks=offload)  # blocks of 16 positions
+            logits = model.prefill(torch.randint(0, 256, (1, 32)), cache)
+            print(offload.stats.blocks_stored, offload.stats.stored_bytes)  # 4 16384: 2 full blocks a layer, 4 KiB each
+            offload.reset_stats()
+            for _ in range(16):
+                logits = model.decode_step(logits.argmax(-1), cache)
+        stats = offload.stats  # a KVOffloadStats: a snapshot of the counters since the reset
+        print(stats.prefetches, stats.prefetched_bytes)  # 32 262144: each step fetches both layers' stored blocks
+        print(stats.blocks_stored, stats.host_bytes)  # 2 32768: one more block a layer filled; the host buffers
+        print(stats.waits, stats.wait_seconds)  # prefetches not back in time, and the host's wait for them
+        ```
     """
 
     blocks_stored: int = 0

@@ -132,6 +132,26 @@ class OffloadRuntime:
         drain_before_prefetch: the host waits for the compute stream before queueing a prefetch's
             copy (:meth:`prefetch`). Without it offloaded training was not exact on an H200; turning
             it off is for reproducing that (``benchmarks/offload_device_variants.py``), not for training.
+
+    Example:
+        ```python
+        import torch
+        from memfit.plugins import get_hooks
+        from memfit_offload.ops import OffloadRuntime
+
+        sim = get_hooks().create_backend("cpu-sim", capacity="64MiB")
+        runtime = OffloadRuntime(sim, wait_for_stores=True)  # what a graph compiled by memfit_offload.backend runs with
+        with sim.activate(), runtime.installed():  # the cache operators run through this runtime
+            x = torch.randn(1024, 1024)  # 4 MiB on the device
+            host = torch.ops.memfit.store(x)  # copied to a host buffer on the copy stream
+            torch.ops.memfit.release(x, host)  # the device copy may go once the store is done
+            del x
+            print(sim.memory_allocated())  # 0: the device holds nothing
+            back = torch.ops.memfit.prefetch(host)  # a new device tensor, filled on the copy stream
+            torch.ops.memfit.wait(back)  # before its first reader
+            print(sim.memory_allocated())  # 4194304
+        print(runtime.stats.stores, runtime.stats.prefetches, runtime.stats.stored_bytes)  # 1 1 4194304
+        ```
     """
 
     def __init__(

@@ -55,7 +55,7 @@ class OptimizerOffload:
 
         sim = get_hooks().create_backend("cpu-sim", capacity="1GiB")
         with sim.activate():
-            run = build_training("tiny", batch_size=2, seq_len=16)
+            run = build_training("tiny", batch=2, seq=16)
             hooks = memfit_offload.offload_optimizer(run.optimizer, device_backend=sim)   # an OptimizerOffload
             losses = [run.step(), run.step()]
             stats = hooks.runtime.stats

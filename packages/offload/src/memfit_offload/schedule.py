@@ -72,7 +72,24 @@ __all__ = [
 
 @dataclass(frozen=True, slots=True)
 class Offloaded:
-    """One value moved to host between its forward and backward uses; positions index :attr:`Program.seconds`."""
+    """One value moved to host between its forward and backward uses; positions index :attr:`Program.seconds`.
+
+    Example:
+        ```python
+        import numpy as np
+        from memfit.errors import MemfitError
+        from memfit_offload.schedule import Offloaded, Program, just_in_time, refine
+
+        # made by operator 0, last read in forward by 1; backward starts at 5 and reads it at 8
+        a = Offloaded("a", nbytes=2**20, store_after=0, release_after=1, earliest_prefetch=5, first_use=8)
+        program = Program(seconds=np.full(10, 1e-3), live_bytes=np.full(10, 2**21), values=(a,), copy_bytes_per_s=1e9)
+        print(just_in_time(program), refine(program))  # (8,) (6,): its prefetch, anywhere from 5 to 8
+        try:
+            Offloaded("b", nbytes=2**20, store_after=3, release_after=2, earliest_prefetch=5, first_use=8)
+        except MemfitError as error:  # released before it is made
+            print(error)  # offloaded value b: need store_after <= release_after < earliest_prefetch <= first_use, ...
+        ```
+    """
 
     name: str
     nbytes: int
@@ -95,7 +112,32 @@ class Offloaded:
 
 @dataclass(frozen=True)
 class Program:
-    """The step as the refinement sees it (see the module docs)."""
+    """The step as the refinement sees it (see the module docs).
+
+    The compile pass (:func:`memfit_offload.graph_pass.decide`) and the trace planner
+    (:func:`memfit_offload.trace_plan.plan_trace`) make one from a step; it may be written by hand.
+
+    Example:
+        ```python
+        import numpy as np
+        from memfit_offload.schedule import Offloaded, Program, just_in_time, refine, simulate
+
+        MiB = 2**20
+        program = Program(
+            seconds=np.full(10, 1e-3),  # ten 1 ms operators: five of forward, five of backward
+            live_bytes=np.array([2, 3, 4, 5, 5, 4, 3, 3, 2, 1]) * MiB,  # device bytes during each, without offload
+            values=(Offloaded("a", MiB, store_after=0, release_after=1, earliest_prefetch=5, first_use=8),),
+            copy_bytes_per_s=1e9,
+        )
+        print(program.transfer_seconds(program.values[0]))  # 0.001048576: a store, or a prefetch
+        for name, prefetch_at in (("none", None), ("jit", just_in_time(program)), ("refined", refine(program))):
+            timeline = simulate(program, prefetch_at)
+            print(name, prefetch_at, timeline.peak_bytes // MiB, f"{timeline.step_s * 1e3:.2f} ms")
+        # none None 5 10.00 ms
+        # jit (8,) 4 11.05 ms: the prefetch right before its reader, which waits for it
+        # refined (6,) 4 10.00 ms: two operators ahead, hidden
+        ```
+    """
 
     seconds: np.ndarray
     """Estimated compute time of each operator, in execution order."""
@@ -121,7 +163,23 @@ class Program:
 
 @dataclass(frozen=True)
 class Timeline:
-    """The simulated step under one placement of the prefetches."""
+    """The simulated step under one placement of the prefetches.
+
+    Example:
+        ```python
+        import numpy as np
+        from memfit_offload.schedule import Offloaded, Program, just_in_time, refine, simulate
+
+        MiB = 2**20
+        a = Offloaded("a", MiB, store_after=0, release_after=1, earliest_prefetch=5, first_use=8)
+        program = Program(np.full(10, 1e-3), np.array([2, 3, 4, 5, 5, 4, 3, 3, 2, 1]) * MiB, (a,), copy_bytes_per_s=1e9)
+        jit = simulate(program, just_in_time(program))  # a Timeline: the prefetch right before its reader
+        print(jit.peak_bytes // MiB, jit.exposed_s, jit.stall_s)  # 4 0.00104... (0.00104...,): the reader waits
+        print((jit.live_bytes // MiB).tolist())  # [2, 3, 4, 4, 4, 3, 2, 2, 2, 1]: 1 MiB less while on the host
+        refined = simulate(program, refine(program))  # the prefetch issued earlier, at operator 6
+        print(refined.exposed_s, refined.residency_byte_s)  # 0.0 2097.152: no wait, 1 MiB held 2 ms early
+        ```
+    """
 
     step_s: float
     """Compute stream end, including waits."""

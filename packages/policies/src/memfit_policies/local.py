@@ -37,7 +37,21 @@ LocalPolicy = Literal["greedy", "knapsack", "ilp"]
 # -- greedy order and the trade-off curve -----------------------------------------------------
 @dataclass(frozen=True)
 class Candidate:
-    """A decision unit: an operator with the in-place operators on its storage."""
+    """A decision unit: an operator with the in-place operators on its storage.
+
+    Example:
+        ```python
+        from memfit.synthetic import training_trace
+        from memfit_policies.local import greedy_order
+        from memfit_policies.opstats import module_stats
+
+        trace = training_trace(n_layers=2, activation_bytes=64 * 2**20, modules=True)
+        stats = module_stats(trace)["layers.0"]
+        order = greedy_order(stats)                 # the module's candidates, most memory per second recomputed first
+        [(int(c.members[0]), c.memory // 2**20) for c in order]   # [(0, 64), (5, 64), (10, 64)]: operator, MiB
+        order[0].msps > order[-1].msps              # True: discarded first, where a second of recomputation frees most
+        ```
+    """
 
     members: np.ndarray
     memory: int
@@ -84,7 +98,21 @@ def _ruled_out(stats: ModuleStats) -> np.ndarray:
 
 @dataclass(frozen=True)
 class TradeOff:
-    """A module's trade-off curve and the piecewise-linear fit the global ILP uses."""
+    """A module's trade-off curve and the piecewise-linear fit the global ILP uses.
+
+    Example:
+        ```python
+        from memfit.synthetic import training_trace
+        from memfit_policies.local import tradeoff
+        from memfit_policies.opstats import module_stats
+
+        trace = training_trace(n_layers=2, activation_bytes=64 * 2**20, modules=True)
+        curve = tradeoff(module_stats(trace)["layers.0"])
+        curve.discarded.round(2).tolist()           # [0.0, 0.33, 0.67, 1.0, 1.0]: of its bytes, in greedy order
+        curve.recomputed.round(2).tolist()          # [0.63, 0.71, 0.86, 1.0, 1.0]: of its forward time, recomputed
+        round(curve.fit(0.5), 2)                    # 0.86: the fit the global ILP uses, to discard half
+        ```
+    """
 
     discarded: np.ndarray
     """Cumulative fraction of the module's bytes discarded, in greedy order (first point: none)."""

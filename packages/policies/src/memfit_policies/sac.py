@@ -163,7 +163,22 @@ def _region_bytes(region_bytes: int | None) -> int:
 # -- the global ILP ---------------------------------------------------------------------------
 @dataclass
 class ModuleBudgets:
-    """The global ILP's answer: the fraction of each chosen module's bytes to discard."""
+    """The global ILP's answer: the fraction of each chosen module's bytes to discard.
+
+    Example:
+        ```python
+        from memfit.synthetic import training_trace
+        from memfit_policies.opstats import module_stats
+        from memfit_policies.sac import solve_module_budgets
+
+        trace = training_trace(n_layers=4, activation_bytes=64 * 2**20, modules=True)
+        stats = list(module_stats(trace).values())
+        curve = trace.no_swap_memory_curve()
+        budgets = solve_module_budgets(stats, curve, limit_bytes=int(curve.max()) * 3 // 4)   # the global ILP (PuLP)
+        budgets.status                              # 'Optimal'
+        budgets.discard                             # per module checkpointed: the fraction of its bytes to discard
+        ```
+    """
 
     discard: dict[str, float]
     recompute_seconds: float
@@ -297,7 +312,21 @@ def solve_module_budgets(
 # -- the plan ---------------------------------------------------------------------------------
 @dataclass
 class SacSolution:
-    """What each chosen module keeps, and the step it makes."""
+    """What each chosen module keeps, and the step it makes.
+
+    Example:
+        ```python
+        from memfit.synthetic import training_trace
+        from memfit_policies.sac import solve_sac
+
+        trace = training_trace(n_layers=4, activation_bytes=64 * 2**20, modules=True)
+        limit = trace.peak_bytes() * 3 // 4
+        solution = solve_sac(trace, limit)          # the modules' budgets, then each module's operators (greedy)
+        sorted(solution.keep)                       # the modules checkpointed
+        int(solution.curve.max()) <= limit          # True: the peak, re-checked on the operators kept
+        solution.overhead_seconds > 0               # True: what recomputing them adds to a step
+        ```
+    """
 
     keep: dict[str, np.ndarray]
     stats: dict[str, ModuleStats]

@@ -245,7 +245,36 @@ class _SpanLog:
 
 @dataclass(frozen=True, slots=True)
 class ModuleRecord:
-    """A Detailed iteration's module spans and its static storages, ready for :func:`annotate`."""
+    """A Detailed iteration's module spans and its static storages, ready for :func:`annotate`.
+
+    Example:
+        ```python
+        from collections import Counter
+
+        import torch
+        from memfit.trace import TENSOR_CATEGORIES
+        from memfit_profiler.modules import ModuleSpans
+        from memfit_profiler.recorder import LIGHTWEIGHT, OFF, make_recorder
+
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+        recorder = make_recorder()
+        recorder.install()
+        recorder.set_program_thread()
+        recorder.take()
+        spans = ModuleSpans(lambda: recorder.position()[0], model)
+        spans.begin()
+        recorder.set_mode(LIGHTWEIGHT)
+        model(torch.randn(4, 8)).sum().backward()
+        recorder.set_mode(OFF)
+        record = spans.finish(n_ops=len(recorder.take().tokens))   # the iteration's ModuleRecord
+        spans.uninstall()
+        recorder.uninstall()
+        last = record.names.index("2")              # the second Linear
+        len([m for m in record.span_module if m == last])   # 2: a span for its forward, one for its backward
+        categories = Counter(TENSOR_CATEGORIES[c] for c in record.static_category)   # its static storages
+        sorted(categories.items())                  # [('gradient', 4), ('parameter', 4)]
+        ```
+    """
 
     names: tuple[str, ...]
     """Module names; ``names[0] == ""`` is the model. Empty when no module ran and none was given."""
@@ -267,6 +296,30 @@ class ModuleSpans:
     Args:
         position: the recorder's operator count in the current iteration.
         model: the model, when the caller knows it (else the first top-level module called).
+
+    Example:
+        ```python
+        import torch
+        from memfit_profiler.modules import ModuleSpans
+        from memfit_profiler.recorder import LIGHTWEIGHT, OFF, make_recorder
+
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+        recorder = make_recorder()                  # its operator count is the spans' clock
+        recorder.install()
+        recorder.set_program_thread()
+        recorder.take()                             # start afresh
+        spans = ModuleSpans(lambda: recorder.position()[0], model)
+        spans.begin()                               # a Detailed iteration begins: module hooks on
+        recorder.set_mode(LIGHTWEIGHT)
+        model(torch.randn(4, 8)).sum().backward()
+        recorder.set_mode(OFF)
+        raw = recorder.take()
+        record = spans.finish(n_ops=len(raw.tokens))   # at the iteration's end: its ModuleRecord
+        spans.uninstall()                           # a Lightweight iteration next: no module hooks
+        recorder.uninstall()
+        record.names                                # ('', '0', '1', '2'): the model and its modules, by name
+        [record.names[m] for m in record.span_module]   # ['', '0', '1', '2', '', '2', '1', '0']: forward, then backward
+        ```
     """
 
     def __init__(self, position: Callable[[], int], model: torch.nn.Module | None = None) -> None:

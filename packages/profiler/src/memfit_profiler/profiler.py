@@ -73,7 +73,7 @@ class IterationRecord:
 
         backend = get_hooks().create_backend("cpu-sim", capacity="1GiB")
         with backend.activate():
-            run = build_training("tiny", batch_size=2, seq_len=16)
+            run = build_training("tiny", batch=2, seq=16)
             with OnlineProfiler(backend) as profiler:
                 for _ in range(3):
                     run.step()
@@ -149,7 +149,7 @@ class OnlineProfiler:
 
         backend = get_hooks().create_backend("cpu-sim", capacity="1GiB")
         with backend.activate():
-            run = build_training("tiny", batch_size=2, seq_len=16)
+            run = build_training("tiny", batch=2, seq=16)
             with OnlineProfiler(backend, m=1, n=2) as profiler:
                 for _ in range(6):
                     run.step()              # the loss; the optimizer's step ends the iteration

@@ -50,7 +50,26 @@ def dtype_name(code: int) -> str:
 
 @dataclass
 class RawIteration:
-    """What a recorder drained: tokens and phases always; the detailed columns when recorded."""
+    """What a recorder drained: tokens and phases always; the detailed columns when recorded.
+
+    Example:
+        ```python
+        import torch
+        from memfit_profiler.recorder import DETAILED, make_recorder
+
+        recorder = make_recorder()                  # the native recorder, or the Python one without a compiler
+        recorder.install()
+        recorder.set_program_thread()               # the thread that trains
+        recorder.take()                             # start afresh
+        recorder.set_mode(DETAILED)                 # operators, and the tensors they read and write
+        x = torch.ones(64, 64, requires_grad=True)
+        (x.exp() * 2).sum().backward()
+        recorder.uninstall()
+        raw = recorder.take()                       # one drain: a RawIteration
+        len(raw.tokens) == len(raw.phases)          # True: a token and a phase per operator
+        int(raw.detail["nbytes"].max())             # 16384: the largest storage recorded, a 64 x 64 float32
+        ```
+    """
 
     tokens: np.ndarray
     phases: np.ndarray
@@ -62,7 +81,26 @@ class RawIteration:
 
 
 class NativeRecorder:
-    """The ``at::RecordFunction`` recorder (see ``native/op_recorder.cpp``)."""
+    """The ``at::RecordFunction`` recorder (see ``native/op_recorder.cpp``).
+
+    Example:
+        ```python
+        import torch
+        from memfit_profiler.recorder import LIGHTWEIGHT, NativeRecorder
+
+        recorder = NativeRecorder()                 # builds native/op_recorder.cpp on first use (needs a C++ compiler)
+        recorder.set_program_thread()               # the thread that trains
+        recorder.take()                             # start afresh: drop what was recorded before
+        recorder.set_mode(LIGHTWEIGHT)              # a global at::RecordFunction callback: tokens and phases
+        x = torch.ones(4, requires_grad=True)
+        (x * 2).sum().backward()
+        recorder.uninstall()                        # off
+        raw = recorder.take()
+        names = recorder.names()
+        [names[t] for t in raw.tokens[:4]]          # ['aten::ones', 'aten::empty', 'aten::fill_', 'aten::mul']
+        int(raw.phases.max())                       # 1: backward's operators are marked as such
+        ```
+    """
 
     native = True
     op_level: OpLevel = "record_function"
@@ -136,7 +174,25 @@ class _Recording(TorchDispatchMode):
 
 
 class PythonRecorder:
-    """Fallback recorder over a ``TorchDispatchMode``; same results, far slower."""
+    """Fallback recorder over a ``TorchDispatchMode``; same results, far slower.
+
+    Example:
+        ```python
+        import torch
+        from memfit_profiler.recorder import LIGHTWEIGHT, PythonRecorder
+
+        recorder = PythonRecorder()                 # a TorchDispatchMode: operators as they reach the dispatcher
+        recorder.install()
+        recorder.set_mode(LIGHTWEIGHT)              # tokens and phases only
+        x = torch.ones(4, requires_grad=True)
+        (x * 2).sum().backward()
+        recorder.uninstall()
+        raw = recorder.take()                       # what it recorded since the last take
+        names = recorder.names()
+        [names[t] for t in raw.tokens[:3]]          # ['aten::ones', 'aten::mul.Tensor', 'aten::sum']
+        int(raw.phases.max())                       # 1: backward's operators are marked as such
+        ```
+    """
 
     native = False
     op_level: OpLevel = "dispatcher"

@@ -146,7 +146,22 @@ def _grams(tokens: np.ndarray) -> np.ndarray:
 
 @dataclass(frozen=True, eq=False)
 class Signature:
-    """What the change test compares of one iteration. Build it with :meth:`of`."""
+    """What the change test compares of one iteration. Build it with :meth:`of`.
+
+    Example:
+        ```python
+        import numpy as np
+        from memfit_profiler.stages import Signature, similarity
+
+        tokens = np.array([3, 1, 4, 1, 5, 9, 2, 6, 5, 3])
+        phases = np.array([0, 0, 0, 0, 0, 1, 1, 1, 2, 2])     # forward, backward, optimizer
+        step = Signature.of(tokens, phases, saved_bytes=4096)
+        step.lengths                                          # (5, 3, 2): operators per phase
+        skipped = Signature.of(tokens[:8], phases[:8], saved_bytes=4096)   # no optimizer operators: a skipped step
+        sim = similarity(skipped, step)
+        sim.optimizer_skipped, sim.length_diff, round(sim.cosine, 6)   # (True, 0.0, 1.0): the same sequence
+        ```
+    """
 
     tokens: np.ndarray
     lengths: tuple[int, int, int]
@@ -271,7 +286,21 @@ class KnownSequence:
 
 @dataclass(frozen=True, slots=True)
 class Transition:
-    """A known sequence changed stage (or was forgotten: ``after`` is ``None``)."""
+    """A known sequence changed stage (or was forgotten: ``after`` is ``None``).
+
+    Example:
+        ```python
+        import numpy as np
+        from memfit_profiler.stages import StageMachine
+
+        machine = StageMachine(m=0, n=1, max_sequences=1)
+        moves = []
+        for tokens in [np.arange(100) % 7] * 3 + [np.arange(100) % 5]:   # one sequence, then another: room for one
+            moves += machine.observe(tokens).transitions
+        [(t.sequence, t.before.name, t.after.name if t.after else None) for t in moves]
+        # [(0, 'WARMUP', 'GENPOLICY'), (0, 'GENPOLICY', 'STABLE'), (0, 'STABLE', None), (1, 'WARMUP', 'GENPOLICY')]
+        ```
+    """
 
     sequence: int
     before: Stage

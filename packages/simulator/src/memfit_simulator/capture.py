@@ -74,7 +74,22 @@ class _Storage:
 
 @dataclass
 class CapturedStep:
-    """A step captured under fake tensors. See the module docs."""
+    """A step captured under fake tensors. See the module docs.
+
+    Example:
+        ```python
+        from memfit_simulator.capture import capture_step
+        from memfit_simulator.models import model_source
+
+        source = model_source("tiny", batch=2, seq=16, overrides={"n_layers": 1})
+        step = capture_step(source.build, source.step)   # one training step under fake tensors: nothing allocated
+        print(step.n_ops, "operators, the first:", step.op_names[0])   # every aten operator, in dispatch order
+        first_mm = step.op_names.index("aten::mm")
+        print(step.op_modules[first_mm], step.op_flops[first_mm])   # layers.0.attention.wq 262144.0: its module, FLOPs
+        print(step.op_names[list(step.phases).index(1)])   # aten::nll_loss_backward: phases 0 FWD, 1 BWD, 2 OPT
+        print(sum(s.nbytes for s in step.storages if s.category == "parameter"))   # 316160: the parameters' bytes
+        ```
+    """
 
     op_names: list[str]
     """Operator names (``aten::mm``), one per operator, in dispatch order."""

@@ -28,6 +28,19 @@ class Piecewise:
     """``log t = a1 + b1·log x`` below ``k1``, slope ``b2`` up to ``k2``, slope 1 beyond (continuous).
 
     ``x`` is bytes moved and ``t`` seconds; ``k1``/``k2`` are natural logs of bytes (§3.2).
+
+    Example:
+        ```python
+        import math
+        from memfit_simulator.fitted import Piecewise
+
+        # an elementwise operator: 2 µs flat up to 32 KiB moved, slope 0.5 up to 4 MiB, then bandwidth-bound
+        add = Piecewise(a1=math.log(2e-6), b1=0.0, b2=0.5, k1=math.log(2**15), k2=math.log(2**22))
+        print(add.predict([1024, 2**20, 2**30]))   # [2.0e-06 1.13e-05 5.79e-03] seconds
+        sizes = [2.0**e for e in range(8, 28)]
+        fitted = Piecewise.fit(sizes, add.predict(sizes))   # as the calibration suite fits its (bytes, seconds)
+        print(round(math.exp(fitted.k1)), round(math.exp(fitted.k2)))   # 32768 4194304: the breakpoints found
+        ```
     """
 
     a1: float
@@ -75,6 +88,20 @@ class Grid:
     second there. A query takes its ``k`` nearest points (features clamped to the grid's range,
     so larger shapes get the largest shapes' throughput) weighted by inverse squared distance.
     A prediction is never below ``floor_s``, the fastest time measured (the call's fixed cost).
+
+    Example:
+        ```python
+        from memfit_simulator.fitted import Grid
+
+        # matmuls (m, k, n) timed on a machine that runs 1 TFLOP/s, 8 TFLOP/s once every dimension is 1024
+        shapes = [(m, k, n) for m in (64, 256, 1024) for k in (64, 256, 1024) for n in (64, 256, 1024)]
+        work = [2.0 * m * k * n for m, k, n in shapes]
+        seconds = [1e-6 + w / (8e12 if min(s) == 1024 else 1e12) for w, s in zip(work, shapes, strict=True)]
+        grid = Grid.fit(shapes, work, seconds)
+        print(f"{grid.rate((512, 512, 512)):.3g}")     # 1.29e+12 FLOP/s: interpolated between measured shapes
+        print(f"{grid.rate((8192, 8192, 8192)):.3g}")  # 7.97e+12: beyond the grid, the largest shapes' throughput
+        print(grid.seconds((8, 8, 8), 2.0 * 8**3))     # 1.524288e-06: never below the fastest call measured
+        ```
     """
 
     points: tuple[tuple[float, ...], ...]
@@ -109,7 +136,32 @@ class Grid:
 
 @dataclass(frozen=True)
 class Calibration:
-    """Fitted time models of one device (see the module docs). JSON round-trips through the cache."""
+    """Fitted time models of one device (see the module docs). JSON round-trips through the cache.
+
+    Example:
+        ```python
+        import math
+        from memfit_simulator.capture import capture_step
+        from memfit_simulator.fitted import Calibration, Grid, Piecewise
+        from memfit_simulator.models import model_source
+        from memfit_simulator.timing import CalibratedTimeModel, op_costs
+
+        # a device's models from given numbers (calibration() measures them on the device): `add`'s model
+        # stands for every operator without its own, `mm`'s grid predicts the matmuls
+        shapes = [(m, k, n) for m in (64, 1024) for k in (64, 1024) for n in (64, 1024)]
+        work = [2.0 * m * k * n for m, k, n in shapes]
+        calibration = Calibration(
+            device="cuda", device_name="My Accelerator", spec_name="my-npu", torch_version="2.5.0", threads=1,
+            seconds=150.0, view_s=1e-6, phase_overhead_s={"FWD": 2e-6, "BWD": 1e-6, "OPT": 0.0},
+            piecewise={"add": {"float32": Piecewise(math.log(4e-6), 0.0, 0.5, math.log(2**16), math.log(2**24))}},
+            grids={"mm": {"float32": Grid.fit(shapes, work, [5e-6 + w / 20e12 for w in work])}},
+        )
+        print(Calibration.from_json(calibration.to_json()) == calibration)   # True: what the cache file holds
+        source = model_source("tiny", batch=2, seq=16, overrides={"n_layers": 1})
+        costs = op_costs(capture_step(source.build, source.step))
+        print(f"{CalibratedTimeModel(calibration).predict(costs).sum() * 1e3:.2f} ms")   # the step on that device
+        ```
+    """
 
     device: str
     """``cpu`` or ``cuda``: where the suite ran."""

@@ -33,7 +33,25 @@ TERA = 1e12
 
 
 class Link(MemfitModel):
-    """A class of link between devices."""
+    """A class of link between devices.
+
+    Example:
+        ```python
+        from memfit_simulator.comm import all_reduce_seconds, send_recv_seconds
+        from memfit_simulator.hardware import Link, get_spec
+
+        h100 = get_spec("h100")
+        h100.intra_node.bandwidth, h100.inter_node.latency_s   # (450000000000.0, 5e-06): NVLink 4, InfiniBand
+        # the same device in a cluster of 4-device nodes with slower links, for the collectives' model
+        mine = h100.model_copy(update={
+            "name": "my-cluster", "devices_per_node": 4,
+            "intra_node": Link(bandwidth=100e9, latency_s=2e-6, source="vendor datasheet"),
+            "inter_node": Link(bandwidth=10e9, latency_s=10e-6, source="measured with nccl-tests"),
+        })
+        print(send_recv_seconds(1e9, mine, inter_node=True))   # 0.10001: 1 GB over 10 GB/s, plus the latency
+        print(all_reduce_seconds(1e9, world_size=8, spec=mine))   # 0.220026: two nodes of four
+        ```
+    """
 
     bandwidth: PositiveFloat
     """Bytes per second, per device, one direction."""

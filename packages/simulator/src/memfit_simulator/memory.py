@@ -18,7 +18,22 @@ from memfit_simulator.capture import CATEGORIES, CapturedStep
 
 @dataclass(frozen=True)
 class MemoryBreakdown:
-    """Memory of a captured step. Curves have one entry per operator (bytes right after it)."""
+    """Memory of a captured step. Curves have one entry per operator (bytes right after it).
+
+    Example:
+        ```python
+        from memfit_simulator.capture import capture_step
+        from memfit_simulator.memory import memory_breakdown
+        from memfit_simulator.models import model_source
+
+        source = model_source("tiny", batch=2, seq=16, overrides={"n_layers": 1})
+        memory = memory_breakdown(capture_step(source.build, source.step), granularity=512)   # CUDA's 512 B blocks
+        print(memory.peak_bytes, memory.peak_op_name, memory.peak_module)   # 1410560 aten::div layers.0.feed_forward.w3
+        print(dict(memory.summary_rows()))   # bytes at the peak: {'parameter': 316928, ..., 'total': 1410560}
+        print(memory.activation_totals_by_module()["layers.0"])   # 181760: the block's activations, children included
+        print(len(memory.total) == len(memory.by_category["activation"]))   # True: one entry per operator
+        ```
+    """
 
     total: np.ndarray
     """Steady-state total (second iteration: optimizer states present from the start)."""

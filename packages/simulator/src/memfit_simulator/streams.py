@@ -27,7 +27,23 @@ from memfit.errors import MemfitError
 
 @dataclass
 class StreamTimeline:
-    """FIFO streams of operations with cross-stream waits. Add operations, then :meth:`run`."""
+    """FIFO streams of operations with cross-stream waits. Add operations, then :meth:`run`.
+
+    Example:
+        ```python
+        from memfit_simulator.streams import StreamTimeline
+
+        timeline = StreamTimeline()
+        forward = timeline.add("compute", 3.0, label="forward")
+        timeline.add("copy", 2.0, waits=(forward,), label="swap out")   # the copy stream, once forward is done
+        timeline.add("compute", 1.0, label="loss")                      # runs while the swap-out copies
+        swap_in = timeline.add("copy", 2.0, label="swap in")            # after the swap-out, on its stream
+        timeline.add("compute", 4.0, waits=(swap_in,), label="backward")   # needs the tensor back
+        starts, ends = timeline.run()
+        print(starts)                 # [0.0, 3.0, 3.0, 5.0, 7.0]: backward waits 3 s for its swap-in
+        print(timeline.makespan())    # 11.0
+        ```
+    """
 
     _stream: list[str] = field(default_factory=list)
     _duration: list[float] = field(default_factory=list)

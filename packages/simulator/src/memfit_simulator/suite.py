@@ -98,7 +98,21 @@ class _Point:
 
 @dataclass
 class SuitePlan:
-    """The grids the suite measures (smaller ones make fast tests)."""
+    """The grids the suite measures (smaller ones make fast tests).
+
+    Example:
+        ```python
+        import dataclasses
+        from memfit_simulator.suite import SuitePlan
+
+        full = SuitePlan()   # what calibration() measures: about 2.5 minutes on an idle 2-core CPU
+        quick = dataclasses.replace(full, matmul_dims=(64, 512), bmm_dims=(32, 128), attention_seqs=(128,),
+                                    dtypes=("float32",), budget_s=0.002)   # coarser grids, one dtype, less time
+        print(len(full.matmul_dims) ** 3, len(quick.matmul_dims) ** 3)   # 125 8: the (m, k, n) matmuls each times
+        # memfit_simulator.suite.run_suite("cpu", plan=quick) measures this machine on that plan and returns a
+        # Calibration: seconds of timing, so it is not run here (Calibration's example makes one from numbers)
+        ```
+    """
 
     elementwise_numel: tuple[int, ...] = (16, 256, 2048, 16384, 65536, 262144, 1048576, 4194304, 8388608)
     elementwise_ops: tuple[str, ...] = ELEMENTWISE_OPS

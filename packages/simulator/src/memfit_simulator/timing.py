@@ -101,7 +101,22 @@ Shapes = tuple[tuple[tuple[int, ...], str], ...]
 
 @dataclass(frozen=True, slots=True)
 class OpCost:
-    """What the time models know of one operator: name, category, phase, FLOPs, bytes and tensor shapes."""
+    """What the time models know of one operator: name, category, phase, FLOPs, bytes and tensor shapes.
+
+    Example:
+        ```python
+        import torch
+        from memfit_simulator.timing import op_cost
+
+        # a linear layer's forward, y = b + x @ W.T: 32 rows, 1024 -> 4096 features, in bfloat16
+        bf16 = torch.bfloat16
+        cost = op_cost("aten::addmm", [((4096,), bf16), ((32, 1024), bf16), ((1024, 4096), bf16)],
+                       [((32, 4096), bf16)], flops=2 * 32 * 1024 * 4096, phase=0)
+        print(cost.category, cost.dtype, cost.bytes_moved)   # matmul bfloat16 8724480
+        print(cost.inputs[1])                                # ((32, 1024), 'bfloat16')
+        # op_costs(captured_step) gives one per operator of a simulated step
+        ```
+    """
 
     name: str
     category: str
@@ -245,7 +260,25 @@ def movement_bytes(cost: OpCost) -> float:
 
 # -- the models ----------------------------------------------------------------------------------
 class TimeModel(Protocol):
-    """Predicts seconds per operator."""
+    """Predicts seconds per operator.
+
+    Example:
+        ```python
+        from memfit_simulator.calibration import time_model
+        from memfit_simulator.capture import capture_step
+        from memfit_simulator.hardware import get_spec
+        from memfit_simulator.models import model_source
+        from memfit_simulator.timing import TimeModel, op_costs
+
+        source = model_source("tiny", batch=2, seq=16, overrides={"n_layers": 1})
+        costs = op_costs(capture_step(source.build, source.step))
+        model: TimeModel = time_model(get_spec("h100"))   # roofline:h100, or calibrated:h100 where one is cached
+        seconds = model.predict(costs)                    # one per operator
+        kernel, overhead = model.breakdown(costs)         # kernels and dispatch: they add up to the prediction
+        print(model.name, f"step {seconds.sum() * 1e3:.2f} ms, of which kernels {kernel.sum() * 1e6:.1f} µs")
+        # so small a model is all per-operator dispatch on an H100
+        ```
+    """
 
     name: str
     """Which model and device: ``calibrated:cpu``, ``roofline:h100``."""
@@ -260,7 +293,23 @@ class TimeModel(Protocol):
 
 
 class RooflineTimeModel:
-    """``max(FLOPs / (peak · fraction), bytes / (bandwidth · fraction)) + per-operator cost`` from the spec."""
+    """``max(FLOPs / (peak · fraction), bytes / (bandwidth · fraction)) + per-operator cost`` from the spec.
+
+    Example:
+        ```python
+        import torch
+        from memfit_simulator.hardware import get_spec
+        from memfit_simulator.timing import RooflineTimeModel, op_cost
+
+        h100 = RooflineTimeModel(get_spec("h100"))
+        bf16 = torch.bfloat16
+        mm = op_cost("aten::mm", [((4096, 4096), bf16)] * 2, [((4096, 4096), bf16)], flops=2 * 4096**3, phase=0)
+        add = op_cost("aten::add", [((4096, 4096), bf16)] * 2, [((4096, 4096), bf16)], flops=0.0, phase=0)
+        kernel, overhead = h100.breakdown([mm, add])
+        print(h100.name, kernel)   # roofline:h100 [2.3152e-04 4.2927e-05]: mm compute-bound, add memory-bound
+        print(overhead)            # [5.e-06 5.e-06]: the spec's fixed cost per operator
+        ```
+    """
 
     def __init__(self, spec: HardwareSpec) -> None:
         self.spec = spec
@@ -285,7 +334,35 @@ class RooflineTimeModel:
 
 
 class CalibratedTimeModel:
-    """A :class:`~memfit_simulator.fitted.Calibration`'s per-category models plus each phase's overhead."""
+    """A :class:`~memfit_simulator.fitted.Calibration`'s per-category models plus each phase's overhead.
+
+    Example:
+        ```python
+        import math
+        import torch
+        from memfit_simulator.fitted import Calibration, Grid, Piecewise
+        from memfit_simulator.timing import CalibratedTimeModel, op_cost
+
+        shapes = [(m, k, n) for m in (64, 1024) for k in (64, 1024) for n in (64, 1024)]
+        work = [2.0 * m * k * n for m, k, n in shapes]
+        calibration = Calibration(   # from given numbers; calibration() measures them on the device
+            device="cuda", device_name="My Accelerator", spec_name="my-npu", torch_version="2.5.0", threads=1,
+            seconds=150.0, view_s=1e-6, phase_overhead_s={"FWD": 2e-6, "BWD": 1e-6, "OPT": 0.0},
+            piecewise={"add": {"float32": Piecewise(math.log(4e-6), 0.0, 0.5, math.log(2**16), math.log(2**24))}},
+            grids={"mm": {"float32": Grid.fit(shapes, work, [5e-6 + w / 20e12 for w in work])}},
+        )
+        model = CalibratedTimeModel(calibration)
+        f32 = torch.float32
+        costs = [
+            op_cost("aten::mm", [((1024, 1024), f32)] * 2, [((1024, 1024), f32)], 2 * 1024**3, phase=0),
+            op_cost("aten::mul", [((2**20,), f32)] * 2, [((2**20,), f32)], 0.0, phase=1),   # add's model
+            op_cost("aten::view", [((2**20,), f32)], [((1024, 1024), f32)], 0.0, phase=0),  # dispatch only
+        ]
+        print(model.name)                   # calibrated:my-npu
+        print(model.kernel_seconds(costs))  # [1.1237e-04 5.5426e-05 1.0000e-06]: grid, piecewise, view_s
+        print(model.predict(costs))         # [1.1437e-04 5.6426e-05 3.0000e-06]: plus each phase's overhead
+        ```
+    """
 
     def __init__(self, calibration: Any) -> None:
         self.calibration = calibration
@@ -387,7 +464,29 @@ def measure_ops(step: Callable[[], Any], repeats: int = 3) -> tuple[list[str], n
 
 @dataclass(frozen=True)
 class CategoryTime:
-    """One category of a step: predicted and measured seconds and operator counts."""
+    """One category of a step: predicted and measured seconds and operator counts.
+
+    Example:
+        ```python
+        import numpy as np
+        import torch
+        from memfit_simulator.hardware import get_spec
+        from memfit_simulator.timing import RooflineTimeModel, by_category, op_cost
+
+        f32 = torch.float32
+        costs = [
+            op_cost("aten::mm", [((2048, 2048), f32)] * 2, [((2048, 2048), f32)], 2 * 2048**3, phase=0),
+            op_cost("aten::add", [((2048, 2048), f32)] * 2, [((2048, 2048), f32)], 0.0, phase=0),
+        ]
+        # a run of the same operators, as measure_ops returns it (names, seconds each), and the whole step's time
+        names, seconds = ["aten::mm", "aten::add"], np.array([4e-4, 3e-5])
+        table = by_category(costs, RooflineTimeModel(get_spec("h100")), names, seconds, measured_step_s=5e-4)
+        for name in ("matmul", "elementwise", "dispatch", "step"):
+            row = table[name]   # a CategoryTime
+            print(f"{name:11s} {row.predicted_s * 1e6:6.1f} µs predicted, {row.measured_s * 1e6:6.1f} measured, "
+                  f"{row.error_pct:+.0f} %")   # matmul +7 %, elementwise -28 %, dispatch -86 %, step -8 %
+        ```
+    """
 
     predicted_s: float
     measured_s: float

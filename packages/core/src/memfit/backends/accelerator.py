@@ -70,6 +70,19 @@ class FailedRequests:
 
     One per device type and process: allocator observers cannot be detached, so the backend
     attaches :meth:`observe` once and every later backend of that type shares the record.
+
+    Example:
+        ```python
+        import torch
+        from memfit.backends.accelerator import FailedRequests
+
+        record = FailedRequests()
+        record.observe(0, 20 * 2**20 + 4096)   # the OOM observer: device 0 failed to get 20 MiB + 4 KiB
+        error = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 ...")
+        record.request_for(error, 0)           # 20975616: the observer's exact figure, which the text agrees with
+        other = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 1 ...")
+        record.request_for(other, 1)           # 2147483648: nothing observed on device 1, so the text's figure
+        ```
     """
 
     def __init__(self) -> None:
@@ -159,6 +172,23 @@ class AcceleratorBackend(Backend):
         capacity: emulate a smaller device (bytes or a human size); enforced with the device
             module's ``set_per_process_memory_fraction``.
         index: device index (default: the current device).
+
+    Example:
+        ```python
+        import torch
+        from memfit.backends.accelerator import AcceleratorBackend, accelerator_type
+        from memfit.errors import MemfitError
+
+        if accelerator_type() is None:   # a CPU-only machine
+            try:
+                AcceleratorBackend()
+            except MemfitError as exc:
+                print(exc)               # no accelerator is available (torch.accelerator.is_available() is False)
+        else:                            # a GPU (cuda) or, with torch_npu, an Ascend NPU (npu)
+            backend = AcceleratorBackend()   # the current device; capacity="8GiB" would emulate a smaller one
+            x = torch.empty(2**20, dtype=torch.uint8, device=backend.device)
+            print(backend.name, backend.comm_backend, backend.memory_allocated() >= 2**20)   # cuda nccl True (a GPU)
+        ```
     """
 
     def __init__(

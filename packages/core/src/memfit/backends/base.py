@@ -112,7 +112,23 @@ def is_out_of_memory_error(exc: BaseException) -> bool:
 
 
 class Event(Protocol):
-    """A point in a stream's work."""
+    """A point in a stream's work.
+
+    Example:
+        ```python
+        import torch
+        from memfit.plugins import get_hooks
+
+        backend = get_hooks().create_backend("cpu-sim", capacity="64MiB")
+        with backend.activate():
+            x = torch.ones(2**18, device=backend.device)
+            host = backend.host_empty(x.shape, x.dtype)
+            done = backend.copy_async(host, x, backend.copy_stream())   # an Event: the copy's completion
+            done.synchronize()                                          # the host waits for the copy
+            done.query(), bool((host == 1).all())                       # (True, True)
+        backend.close()
+        ```
+    """
 
     def synchronize(self) -> None:
         """Block the host until the work before the event has completed."""
@@ -122,7 +138,26 @@ class Event(Protocol):
 
 
 class Stream(Protocol):
-    """An ordered queue of device work."""
+    """An ordered queue of device work.
+
+    Example:
+        ```python
+        import torch
+        from memfit.plugins import get_hooks
+
+        backend = get_hooks().create_backend("cpu-sim", capacity="64MiB")
+        with backend.activate():
+            compute, copies = backend.current_stream(), backend.copy_stream()   # two Streams
+            x = torch.full((2**18,), 2.0, device=backend.device)                # queued on the compute stream
+            copies.wait_event(compute.record_event())     # the copy starts only once x has been computed
+            host = backend.host_empty(x.shape, x.dtype)
+            copied = backend.copy_async(host, x, copies)
+            compute.wait_event(copied)                    # later compute waits for the copy, the host does not
+            copies.synchronize()
+            float(host.sum())                             # 524288.0
+        backend.close()
+        ```
+    """
 
     def record_event(self) -> Event:
         """An event completed once everything queued so far is done."""
@@ -136,7 +171,23 @@ class Stream(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class MemoryStats:
-    """A snapshot of device memory statistics, in bytes."""
+    """A snapshot of device memory statistics, in bytes.
+
+    Example:
+        ```python
+        import torch
+        from memfit.plugins import get_hooks
+
+        backend = get_hooks().create_backend("cpu-sim", capacity="64MiB")
+        with backend.activate():
+            x = torch.empty(4 * 2**20, dtype=torch.uint8, device=backend.device)
+            del x
+            y = torch.empty(2**20, dtype=torch.uint8, device=backend.device)
+            stats = backend.memory_stats()   # a MemoryStats snapshot
+        stats.allocated, stats.peak_allocated, stats.capacity   # (1048576, 4194304, 67108864)
+        backend.close()
+        ```
+    """
 
     allocated: int
     peak_allocated: int

@@ -63,7 +63,25 @@ _active: CpuSimBackend | None = None
 
 
 class SimEvent:
-    """An event on a cpu-sim stream; carries the error of the work before it, if any."""
+    """An event on a cpu-sim stream; carries the error of the work before it, if any.
+
+    Example:
+        ```python
+        import torch
+        from memfit.backends.cpu_sim import CpuSimBackend, SimEvent
+
+        sim = CpuSimBackend(capacity="64MiB", copy_bandwidth="100MB")   # a slow link: 1 MiB takes about 10 ms
+        with sim.activate():
+            x = torch.ones(2**18)
+            host = sim.host_empty(x.shape, x.dtype)
+            event = sim.copy_async(host, x, sim.copy_stream())
+            isinstance(event, SimEvent)      # True: completed by the copy stream's worker thread
+            event.synchronize()              # waits for the copy (and raises the copy's error, if it failed)
+            event.query()                    # True
+            sim.current_stream().record_event().query()   # True: compute runs on the calling thread, done at once
+        sim.close()
+        ```
+    """
 
     __slots__ = ("_done", "_error")
 
@@ -89,7 +107,34 @@ class SimEvent:
 
 @dataclass(frozen=True)
 class Hazard:
-    """Strict cpu-sim: a block freed while a queued copy still read or wrote it, with no stream ordering."""
+    """Strict cpu-sim: a block freed while a queued copy still read or wrote it, with no stream ordering.
+
+    Example:
+        ```python
+        import torch
+        from memfit.backends.cpu_sim import CpuSimBackend
+        from memfit.errors import MemfitError
+
+        sim = CpuSimBackend(capacity="64MiB", copy_bandwidth="100MB", strict=True)
+        with sim.activate():
+            stream = sim.copy_stream()
+            ahead = torch.ones(2**18)                  # 1 MiB: about 10 ms on this link, so the next copy waits
+            # (on a machine so busy that both copies ran before `del x`, no hazard is left to report)
+            ahead_host = sim.host_empty(ahead.shape, ahead.dtype)
+            sim.copy_async(ahead_host, ahead, stream)
+            x = torch.ones(2**18)
+            x_host = sim.host_empty(x.shape, x.dtype)
+            done = sim.copy_async(x_host, x, stream)
+            del x                                      # the bug: x's block is freed before its copy has run
+            try:
+                done.synchronize()
+            except MemfitError as exc:
+                print(exc)                             # a cpu-sim copy failed: strict cpu-sim: the source block ...
+        for hazard in sim.hazards:                     # one Hazard, with the stacks that queued the copy and freed x
+            print(hazard.operand)                      # source
+        sim.close()
+        ```
+    """
 
     operand: str
     """``"source"`` or ``"destination"``: which side of the copy the freed block was."""
@@ -142,7 +187,24 @@ def _copy_without_threads(dst: torch.Tensor, src: torch.Tensor, *, at_enqueue: b
 
 
 class HostStream:
-    """The compute stream: operators run synchronously on the calling thread."""
+    """The compute stream: operators run synchronously on the calling thread.
+
+    Example:
+        ```python
+        import torch
+        from memfit.backends.cpu_sim import CpuSimBackend, HostStream
+
+        sim = CpuSimBackend(capacity="64MiB")
+        compute = sim.current_stream()
+        isinstance(compute, HostStream)         # True
+        with sim.activate():
+            x = torch.ones(1024)
+            host = sim.host_empty(x.shape, x.dtype)
+            sim.copy_async(host, x, compute).query()   # True: a copy on the compute stream is done on return
+        compute.record_event().query()          # True: so is everything queued on it
+        sim.close()
+        ```
+    """
 
     def record_event(self) -> SimEvent:
         return SimEvent(done=True)
@@ -155,7 +217,22 @@ class HostStream:
 
 
 class SimCopyStream:
-    """A FIFO of copies executed by one worker thread, each taking at least ``nbytes / bandwidth``."""
+    """A FIFO of copies executed by one worker thread, each taking at least ``nbytes / bandwidth``.
+
+    Example:
+        ```python
+        from memfit.backends.cpu_sim import SimCopyStream
+
+        stream = SimCopyStream(bytes_per_second=100e6)       # as CpuSimBackend.copy_stream(): a 100 MB/s link
+        log = []
+        stream.submit(lambda: log.append("copied"), nbytes=10**6)   # takes at least 10 ms (1 MB at 100 MB/s)
+        stream.synchronize()
+        log, stream.query()                                  # (['copied'], True)
+        copied, seconds = stream.take_throughput()
+        copied, seconds >= 0.01                              # (1000000, True)
+        stream.close()
+        ```
+    """
 
     event_type: type[SimEvent] = SimEvent
     """What :meth:`submit` returns (a test backend may count the host waits on them)."""

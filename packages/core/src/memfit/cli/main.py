@@ -21,7 +21,32 @@ console = Console()
 
 
 class MemfitGroup(click.Group):
-    """A click group whose commands are the built-ins plus every registered ``CommandSpec``."""
+    """A click group whose commands are the built-ins plus every registered ``CommandSpec``.
+
+    Example:
+        ```python
+        import click
+        from click.testing import CliRunner
+        from memfit.cli.main import MemfitGroup, cli
+
+        isinstance(cli, MemfitGroup)            # True: the memfit command itself
+
+
+        @click.group(cls=MemfitGroup, help="A tool with its own commands and every installed memfit plugin's.")
+        def tool():
+            pass
+
+
+        @tool.command()
+        def hello():
+            click.echo("hello")
+
+
+        commands = tool.list_commands(click.Context(tool))   # its own and the plugins': 'plan', 'profile', ...
+        "hello" in commands                                  # True
+        CliRunner().invoke(tool, ["hello"]).output.strip()   # 'hello'
+        ```
+    """
 
     def _plugin_commands(self) -> dict[str, click.Command]:
         from memfit.plugins import get_hooks

@@ -43,7 +43,29 @@ def script_argv(argv: list[str]) -> Iterator[None]:
 
 @dataclass(frozen=True)
 class PythonCommand:
-    """``python script.py args`` or ``python -m module args``, checked, ready to run in this process."""
+    """``python script.py args`` or ``python -m module args``, checked, ready to run in this process.
+
+    Example:
+        ```python
+        import os
+        import tempfile
+        from memfit.cli.scripts import PythonCommand
+        from memfit.errors import MemfitError
+
+        with tempfile.TemporaryDirectory() as folder:
+            script = os.path.join(folder, "train.py")
+            with open(script, "w") as file:
+                file.write("import sys; print('training', sys.argv[1:]); sys.exit(3)")
+            command = PythonCommand.parse(["python", script, "--steps", "2"])   # checked before anything runs
+            command.argv[1:]                    # ('--steps', '2')
+            command.run()                       # 3, the script's exit code (it printed: training ['--steps', '2'])
+        PythonCommand.parse(["python", "-m", "json.tool", "data.json"]).module   # 'json.tool'
+        try:
+            PythonCommand.parse(["python", "no_such_script.py"])
+        except MemfitError as exc:
+            print(exc)                          # no_such_script.py: no such file (looked in ...)
+        ```
+    """
 
     argv: tuple[str, ...]
     """What ``sys.argv`` is while it runs."""
@@ -164,6 +186,23 @@ class Termination:
     so the report is not cut short. 143 is 128 + 15, as a shell reports SIGTERM.
     The previous handler is restored on exit. Outside the main thread (signals cannot be
     handled there) it does nothing.
+
+    Example:
+        ```python
+        import signal
+        import threading
+        from memfit.cli.scripts import Termination
+
+        if threading.current_thread() is threading.main_thread():   # where Python handles signals
+            with Termination() as termination:
+                try:
+                    signal.raise_signal(signal.SIGTERM)   # the scheduler's SIGTERM while the script runs ...
+                except SystemExit as exc:
+                    print(exc.code)                       # 143: ... stops it as sys.exit(143) would
+                termination.script_finished()
+                signal.raise_signal(signal.SIGTERM)       # while memfit writes its report: only remembered
+                print(termination.received)               # True
+        ```
     """
 
     exit_code = 128 + signal.SIGTERM

@@ -27,7 +27,20 @@ _RULES = ((1, 1), (3, 7), (5, 3), (7, 11))  # (a, b) pairs; odd a keeps the map 
 
 @dataclass(frozen=True)
 class SyntheticTokens:
-    """See the module docs."""
+    """See the module docs.
+
+    Example:
+        ```python
+        import torch
+        from memfit.models import SyntheticTokens
+
+        data = SyntheticTokens(vocab_size=256, seq_len=8, batch_size=2, seed=0)
+        inputs, targets = data.batch(0)
+        inputs.shape, inputs.dtype                      # (torch.Size([2, 8]), torch.int64)
+        torch.equal(inputs[:, 1:], targets[:, :-1])     # True: the targets are the inputs shifted by one
+        torch.equal(data.batch(0)[0], inputs)           # True: batch i depends only on (seed, i)
+        ```
+    """
 
     vocab_size: int
     seq_len: int

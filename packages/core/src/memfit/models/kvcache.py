@@ -102,6 +102,19 @@ class KVBlock:
     """``block_size`` token positions of one layer: ``key`` and ``value``, each ``KVCache.block_shape``.
 
     Mutable on purpose: an offload hook replaces the two tensors (see :class:`KVCacheHooks`).
+
+    Example:
+        ```python
+        import torch
+        from memfit.models import KVBlock, Llama, LlamaConfig
+
+        model = Llama(LlamaConfig.preset("tiny")).eval()
+        cache = model.new_kv_cache(batch_size=1, max_len=32, block_size=16)
+        model.prefill(torch.randint(0, model.config.vocab_size, (1, 20)), cache)
+        blocks = cache.blocks(0)                        # layer 0: 20 positions in 2 blocks of 16
+        len(blocks), isinstance(blocks[0], KVBlock)     # (2, True)
+        tuple(blocks[0].key.shape)                      # (1, 2, 16, 16): batch, kv heads, positions, head dim
+        ```
     """
 
     key: torch.Tensor
@@ -123,6 +136,29 @@ class KVCacheHooks:
     - :meth:`after_read`: the model has its own copy of the layer's keys and values for this step;
       it will not touch the blocks again before the next step's :meth:`before_read` of the layer.
     - :meth:`end_step`: every layer has been written and read; the cache's ``length`` is ``stop``.
+
+    Example:
+        ```python
+        import torch
+        from memfit.models import KVCacheHooks, Llama, LlamaConfig
+
+
+        class Recorder(KVCacheHooks):   # an offload policy would store blocks after_read and fetch them before_read
+            def __init__(self):
+                self.calls = []
+
+            def begin_step(self, cache, start, stop):
+                self.calls.append(("step", start, stop))
+
+            def after_read(self, cache, layer):
+                self.calls.append(("read", layer))
+
+
+        model = Llama(LlamaConfig.preset("tiny")).eval()
+        hooks = Recorder()
+        model.generate(torch.randint(0, model.config.vocab_size, (1, 8)), max_new_tokens=2, hooks=hooks)
+        hooks.calls   # [('step', 0, 8), ('read', 0), ('read', 1), ('step', 8, 9), ('read', 0), ('read', 1)]
+        ```
     """
 
     def begin_step(self, cache: KVCache, start: int, stop: int) -> None:
@@ -158,6 +194,19 @@ class KVCache:
         device: where blocks are allocated (the model's device).
         dtype: the blocks' dtype (the model's dtype).
         hooks: called at the points in the module docs; ``None`` for no hooks.
+
+    Example:
+        ```python
+        import torch
+        from memfit.models import Llama, LlamaConfig, kv_cache_bytes
+
+        model = Llama(LlamaConfig.preset("tiny")).eval()
+        cache = model.new_kv_cache(batch_size=2, max_len=64)     # a KVCache: nothing allocated yet
+        cache.nbytes()                                           # 0
+        model.prefill(torch.randint(0, model.config.vocab_size, (2, 10)), cache)
+        cache.length, cache.block_shape                          # (10, (2, 2, 16, 16))
+        cache.nbytes() == kv_cache_bytes(model.config, 10, batch_size=2)   # True: one 16-position block per layer
+        ```
     """
 
     def __init__(

@@ -31,7 +31,19 @@ from memfit.workload import LlamaConfig
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square layer norm with a learned scale."""
+    """Root-mean-square layer norm with a learned scale.
+
+    Example:
+        ```python
+        import torch
+        from memfit.models.llama import RMSNorm
+
+        norm = RMSNorm(dim=4, eps=1e-5)                  # the scale starts at ones
+        x = torch.tensor([[1.0, -1.0, 1.0, -1.0], [3.0, 3.0, 3.0, 3.0]])
+        y = norm(x)
+        torch.allclose(y.pow(2).mean(-1), torch.ones(2), atol=1e-4)   # True: rows scaled to unit root mean square
+        ```
+    """
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -67,6 +79,23 @@ class Attention(nn.Module):
     parallelism: in training (no KV cache) it takes this rank's keys and values and returns those of the
     whole sequence with the boolean mask of what each local query may see (``True``: attend), and
     attention runs with that mask instead of ``is_causal``.
+
+    Example:
+        ```python
+        import torch
+        from memfit.models.llama import Attention, rotary_tables
+        from memfit.workload import LlamaConfig
+
+        config = LlamaConfig.preset("tiny")              # 4 query heads sharing 2 key/value heads
+        attention = Attention(config)
+        x = torch.randn(2, 10, config.dim)
+        cos, sin = rotary_tables(config, seq_len=10)
+        out = attention(x, cos, sin)
+        out.shape                                        # torch.Size([2, 10, 64])
+        later = x.clone()
+        later[:, 5:] += 1.0                              # change only positions 5 and after
+        torch.allclose(attention(later, cos, sin)[:, :5], out[:, :5])   # True: causal, earlier positions unchanged
+        ```
     """
 
     gather_context: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None
@@ -120,7 +149,20 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """SwiGLU feed-forward: w2(silu(w1 x) * w3 x)."""
+    """SwiGLU feed-forward: w2(silu(w1 x) * w3 x).
+
+    Example:
+        ```python
+        import torch
+        from memfit.models.llama import FeedForward
+        from memfit.workload import LlamaConfig
+
+        config = LlamaConfig.preset("tiny")
+        ffn = FeedForward(config)
+        ffn(torch.randn(2, 10, config.dim)).shape        # torch.Size([2, 10, 64])
+        ffn.w1.out_features, ffn.w2.in_features          # (176, 176): the SwiGLU hidden size, config.ffn_dim
+        ```
+    """
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
@@ -133,7 +175,22 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm decoder block: attention then feed-forward, each residual."""
+    """Pre-norm decoder block: attention then feed-forward, each residual.
+
+    Example:
+        ```python
+        import torch
+        from memfit.models.llama import Block, rotary_tables
+        from memfit.workload import LlamaConfig
+
+        config = LlamaConfig.preset("tiny")
+        block = Block(config)
+        x = torch.randn(2, 10, config.dim)
+        cos, sin = rotary_tables(config, seq_len=10)
+        block(x, cos, sin).shape                         # torch.Size([2, 10, 64])
+        [name for name, _ in block.named_children()]   # ['attention_norm', 'attention', 'ffn_norm', 'feed_forward']
+        ```
+    """
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
@@ -153,7 +210,21 @@ class Block(nn.Module):
 
 
 class Llama(nn.Module):
-    """The decoder. ``forward(tokens)`` returns logits; :meth:`loss` returns the next-token loss."""
+    """The decoder. ``forward(tokens)`` returns logits; :meth:`loss` returns the next-token loss.
+
+    Example:
+        ```python
+        import torch
+        from memfit.models import Llama, LlamaConfig
+
+        model = Llama(LlamaConfig.preset("tiny", n_layers=2))
+        tokens = torch.randint(0, model.config.vocab_size, (2, 16))
+        model(tokens).shape                              # torch.Size([2, 16, 256]): logits
+        loss = model.loss(tokens[:, :-1], tokens[:, 1:])  # next-token cross-entropy, about ln(256) = 5.5 at first
+        loss.backward()
+        model.eval().generate(tokens[:, :4], max_new_tokens=4).shape   # torch.Size([2, 8]): greedy, with a KV cache
+        ```
+    """
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
