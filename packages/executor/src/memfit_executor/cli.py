@@ -232,11 +232,23 @@ def _compare_with_baseline(
 
 
 def stable_step_seconds(report: dict[str, Any]) -> float | None:
-    """The median time of memfit's steps whose every iteration ran Stable (on its plan); ``None`` without one."""
+    """The median wall time of memfit's steps whose every iteration ran Stable (on its plan); ``None`` without one.
+
+    A step's wall time runs from the previous step's end to its own, memfit's bookkeeping included
+    (``step_wall_seconds``), as the baselines time theirs; a report without it (before 2026-12-08) sums
+    the iterations' own ``seconds``, which leave that bookkeeping out.
+    """
     steps: dict[int, list[dict[str, Any]]] = {}
     for it in report["per_iteration"]:
         steps.setdefault(it.get("step", it["iteration"]), []).append(it)
-    seconds = [sum(it["seconds"] for it in its) for its in steps.values() if all(it["stage"] == "Stable" for it in its)]
+    seconds = []
+    for its in steps.values():
+        if not all(it["stage"] == "Stable" for it in its):
+            continue
+        if "step_wall_seconds" not in its[-1]:
+            seconds.append(sum(it["seconds"] for it in its))
+        elif its[-1]["step_wall_seconds"] is not None:
+            seconds.append(its[-1]["step_wall_seconds"])
     return statistics.median(seconds) if seconds else None
 
 

@@ -52,6 +52,7 @@ import importlib.util
 import json
 import logging
 import re
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any, Literal
@@ -235,6 +236,8 @@ class SwapSession:
         """The latest ``history`` iterations' records, oldest first (``per_iteration`` in the report)."""
         self._stage_iterations: Counter[str] = Counter()  # whole run, by the stage of each iteration's sequence
         self._stage_seconds: Counter[str] = Counter()
+        self._step_mark: float | None = None
+        """When the last step's iterations were handed to the session (``time.perf_counter``)."""
         self._sequences: set[int] = set()
         self.plan_changes: list[int] = []
         """Iterations after which a plan was put in place that the previous iteration did not have."""
@@ -477,6 +480,14 @@ class SwapSession:
         if self._pass_mode and record.ended_by == "optimizer":
             self._pass_mode = False  # a step after all (accumulation over many micro-batches): steps end iterations
             self.runtime.on_backward = None
+        # A step's wall time, from one step's end to the next at the same point of memfit's bookkeeping: the
+        # program and everything memfit does for it (record.seconds stops before the stage machine, the plans
+        # and this session), as a user timing the loop sees it, and as the baselines are timed.
+        step_wall = None
+        if record.ended_by != "backward-to-forward":  # the step's last pass
+            now = time.perf_counter()
+            step_wall = None if self._step_mark is None else now - self._step_mark
+            self._step_mark = now
         counters = self.runtime.end_iteration()
         if self._recompute is not None and self._recompute_owner is not None:
             self._recompute.end_iteration(of_the_plan=record.sequence == self._recompute_owner[0])
@@ -493,6 +504,7 @@ class SwapSession:
                 "sequence": record.sequence,
                 "detailed": record.detailed,
                 "seconds": record.seconds,
+                "step_wall_seconds": step_wall,
                 "peak_device_bytes": record.peak_device_bytes,
                 "ops": record.n_ops,
                 "saved_bytes": record.saved_bytes,
