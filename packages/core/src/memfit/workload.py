@@ -156,6 +156,15 @@ def dtype_bytes(name: str) -> int:
     return DTYPES[name][1]
 
 
+def shape_part(parts: list[str]) -> int | None:
+    """Which of a workload string's ``:``-separated parts is ``BATCHxSEQ`` (not the first: the model's), or ``None``.
+
+    A ``package.module:function`` model keeps its colon, and a model name may hold an ``x``
+    (``hf:mixtral``): the shape is the first later part that reads ``BATCHxSEQ`` whole.
+    """
+    return next((i for i, part in enumerate(parts) if i and re.fullmatch(r"\d+[xX]\d+", part.strip())), None)
+
+
 def parse_devices(text: str, default_device: str | None = None) -> tuple[int, str]:
     """``--devices`` as ``(count, device)``: ``COUNTxDEVICE`` (``"128xh100"`` → ``(128, "h100")``) everywhere.
 
@@ -257,16 +266,13 @@ class Workload(MemfitModel):
 
     @classmethod
     def parse(cls, text: str) -> Workload:
-        """``MODEL:BATCHxSEQ[:DTYPE[:LAYERS]]`` (``tiny:8x128``, ``llama3-8b:1x8192:bf16:2``).
-
-        A ``package.module:function`` model keeps its colon: the shape is the first part that reads
-        ``BATCHxSEQ``.
+        """``MODEL:BATCHxSEQ[:DTYPE[:LAYERS]]`` (``tiny:8x128``, ``llama3-8b:1x8192:bf16:2``; :func:`shape_part`).
 
         Raises:
             MemfitError: the text does not read so, or a value is out of range (the message says which).
         """
         parts = text.split(":")
-        at = next((i for i, part in enumerate(parts) if i and re.fullmatch(r"\d+[xX]\d+", part.strip())), None)
+        at = shape_part(parts)
         if at is None or len(parts) > at + 3:
             raise MemfitError(
                 f"{text!r} is not MODEL:BATCHxSEQ[:DTYPE[:LAYERS]]: write e.g. tiny:8x128 or llama3-8b:1x8192:bf16"

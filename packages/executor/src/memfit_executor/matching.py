@@ -152,9 +152,9 @@ class Entry:
         ```python
         from memfit.models import build_training
         from memfit.plugins import get_hooks
+        from memfit.types import PlanningProblem
         from memfit_executor.matching import SaveLog, bind
         from memfit_executor.runtime import SwapRuntime
-        from memfit_policies import generate_swap_plan
         from memfit_profiler import OnlineProfiler
 
         backend = get_hooks().create_backend("cpu-sim", capacity="64MiB")
@@ -168,7 +168,8 @@ class Entry:
                 run.step()
                 runtime.uninstall()
         trace = profiler.traces[-1]
-        plan = generate_swap_plan(trace, trace.peak_bytes() * 4 // 5)
+        problem = PlanningProblem(trace=trace, budget_bytes=trace.peak_bytes() * 4 // 5)
+        plan = get_hooks().choose_plan(problem, ["swap"])   # the installed swap planner (memfit-policies)
         entry = bind(plan, trace, log, profiler.iterations[-1].phase_ops, traced_here=True).entries[0]
         entry.position <= entry.release < entry.swap_in     # True: saved, freed, then brought back for backward
         entry.nbytes == plan.actions[entry.index].tensor.nbytes   # True: the swap it stands for
@@ -230,9 +231,9 @@ class Binding:
         ```python
         from memfit.models import build_training
         from memfit.plugins import get_hooks
+        from memfit.types import PlanningProblem
         from memfit_executor.matching import SaveLog, bind
         from memfit_executor.runtime import SwapRuntime
-        from memfit_policies import generate_swap_plan
         from memfit_profiler import OnlineProfiler
 
         backend = get_hooks().create_backend("cpu-sim", capacity="64MiB")
@@ -246,7 +247,8 @@ class Binding:
                 run.step()
                 runtime.uninstall()
         trace, record = profiler.traces[-1], profiler.iterations[-1]
-        plan = generate_swap_plan(trace, trace.peak_bytes() * 4 // 5)
+        problem = PlanningProblem(trace=trace, budget_bytes=trace.peak_bytes() * 4 // 5)
+        plan = get_hooks().choose_plan(problem, ["swap"])   # the installed swap planner (memfit-policies)
         binding = bind(plan, trace, log, record.phase_ops, traced_here=True)   # the plan, found in that iteration
         len(binding.entries) == len(plan.actions), binding.unbound   # (True, {}): every swap found its tensor
         binding.forward_ops > 0                     # True: operators from the first save to backward

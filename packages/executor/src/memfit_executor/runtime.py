@@ -102,9 +102,9 @@ class SwapRuntime:
         ```python
         from memfit.models import build_training
         from memfit.plugins import get_hooks
+        from memfit.types import PlanningProblem
         from memfit_executor.matching import SaveLog, bind
         from memfit_executor.runtime import SwapRuntime
-        from memfit_policies import generate_swap_plan
         from memfit_profiler import OnlineProfiler
 
         backend = get_hooks().create_backend("cpu-sim", capacity="64MiB")
@@ -119,7 +119,8 @@ class SwapRuntime:
                 runtime.observer = None
                 runtime.end_iteration()
                 trace = profiler.traces[-1]
-                plan = generate_swap_plan(trace, trace.peak_bytes() * 4 // 5)
+                problem = PlanningProblem(trace=trace, budget_bytes=trace.peak_bytes() * 4 // 5)
+                plan = get_hooks().choose_plan(problem, ["swap"])   # the installed swap planner (memfit-policies)
                 runtime.apply([bind(plan, trace, log, profiler.iterations[-1].phase_ops, traced_here=True)])
                 run.step()                              # the plan's activations go to host memory and come back
                 counters = runtime.end_iteration()

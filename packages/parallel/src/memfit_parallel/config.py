@@ -393,14 +393,18 @@ def _another_memfit_file(item: object) -> str | None:
 
 
 # -- the models memfit-parallel plans --------------------------------------------------------------
-def model_config(name: str, seq: int) -> Any:
-    """The reference Llama config of a preset name, with room for ``seq`` tokens (:meth:`Workload.llama_config`)."""
+def _check_preset(name: str) -> None:
     from memfit.workload import PRESETS
 
     if name not in PRESETS:
         raise MemfitError(
             f"unknown model {name!r}: memfit-parallel plans the reference Llama's presets: {', '.join(PRESETS)}"
         )
+
+
+def model_config(name: str, seq: int) -> Any:
+    """The reference Llama config of a preset name, with room for ``seq`` tokens (:meth:`Workload.llama_config`)."""
+    _check_preset(name)
     return Workload(model=name, seq=seq).llama_config()
 
 
@@ -412,7 +416,7 @@ def workload_config(workload: Workload) -> Any:
     Raises:
         MemfitError: an unknown preset, or config overrides (memfit-parallel trains the presets as they are).
     """
-    model_config(workload.model, workload.seq)  # an unknown model: say what memfit-parallel plans
+    _check_preset(workload.model)
     if workload.overrides:
         raise MemfitError(
             f"memfit-parallel trains the reference Llama presets as they are: the overrides "

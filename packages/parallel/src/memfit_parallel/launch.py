@@ -291,11 +291,8 @@ def planned_workload(plan: dict | None) -> Workload:
     """
     if plan is None:
         return RUN_DEFAULTS
-    given = dict(plan["workload"])
-    for old, new in (("global_batch", "batch"), ("seq_len", "seq")):  # the names plan files had before
-        if old in given:
-            given.setdefault(new, given.pop(old))
-    return Workload.checked(**{**RUN_DEFAULTS.model_dump(), **given})
+    given = Workload.checked(**plan["workload"])  # the names plan files had before load too
+    return RUN_DEFAULTS.model_copy(update=given.model_dump(include=given.model_fields_set))
 
 
 def read_plan(path: str | Path) -> dict | None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -262,10 +261,11 @@ def _simulated_trace(spec: str) -> Trace:
     The workload's grammar (:meth:`memfit.workload.Workload.parse`) with the optimizer that the
     simulated step runs (``adamw`` unless named) after the dtype.
     """
-    from memfit.workload import Workload
+    from memfit.workload import Workload, shape_part
 
     parts = spec.split(":")
-    shape = next((i for i, part in enumerate(parts) if i and re.fullmatch(r"\d+[xX]\d+", part.strip())), len(parts))
+    shape = shape_part(parts)
+    shape = len(parts) if shape is None else shape
     optimizer = "adamw"
     if len(parts) > shape + 2 and not parts[shape + 2].isdigit():  # DTYPE:OPTIMIZER[:LAYERS]
         optimizer = parts.pop(shape + 2)

@@ -63,8 +63,10 @@ def run_simulation(model, overrides, step_spec, layers, device, batch, seq, dtyp
     from memfit_simulator.simulation import simulate
 
     try:
-        fields = parse_overrides(overrides)
-        if ":" in model and not model.startswith("hf:"):
+        workload = Workload.checked(
+            model=model, batch=batch, seq=seq, dtype=dtype, layers=layers, overrides=parse_overrides(overrides)
+        )
+        if workload.kind == "function":
             context = click.get_current_context(silent=True)
             ignored = [
                 f"--{name}"
@@ -73,8 +75,7 @@ def run_simulation(model, overrides, step_spec, layers, device, batch, seq, dtyp
             ]
             if ignored:
                 console.print(f"note: {', '.join(ignored)} ignored: {model} builds its own model, batch and optimizer")
-            layers = None
-        workload = Workload.checked(model=model, batch=batch, seq=seq, dtype=dtype, layers=layers, overrides=fields)
+            workload = workload.model_copy(update={"layers": None})
         source = model_source(workload, optimizer=optimizer, step=step_spec)
         return simulate(source.build, source.step, device=device, settings=source.settings)
     except MemfitError as exc:
