@@ -20,11 +20,14 @@ Two parts, each in processes of its own, on cpu-sim:
   (the one the note of a ``--planner sac`` run at 30 % of the peak names): in paired rounds,
   ``memfit run`` as users get it (``auto``) against ``--planner swap`` at that budget, the planner
   of the plan each chose, and full AC's step at its own peak beside them.
+* ``floor``: what memfit costs with nothing to do (at twice the plain peak) and what full AC costs,
+  each against the plain step, in paired rounds: where the first is not below the second, no plan
+  can make memfit as fast as full AC at that size.
 
 Prints one JSON object ``{"long": {...}, "baseline": {...}, "recompute": {...}}`` (the parts run).
 
 Run: python benchmarks/real_loops.py [--steps 1000] [--rounds 3] [--hidden 128]
-[--part long|baseline|recompute|both|all] (both: long and baseline)
+[--part long|baseline|recompute|floor|both|all] (both: long and baseline)
 """
 
 from __future__ import annotations
@@ -107,9 +110,10 @@ def _qwen2(steps: int, hidden: int) -> tuple[str, ...]:
     return (str(HF_TRAIN), "--model", "qwen2", "--iterations", str(steps), "--hidden", str(hidden))
 
 
-def _ac_peak(folder: str, steps: int, hidden: int) -> int:
-    out = Path(folder) / "ac.json"
-    cmd = [sys.executable, "-m", "memfit_executor.baseline", str(out), "ac", str(steps), "cpu-sim", "--"]
+def _ac_peak(folder: str, steps: int, hidden: int, kind: str = "ac") -> int:
+    """The peak of the Qwen2's steps with full activation checkpointing (``kind`` ``none``: as it is)."""
+    out = Path(folder) / f"{kind}.json"
+    cmd = [sys.executable, "-m", "memfit_executor.baseline", str(out), kind, str(steps), "cpu-sim", "--"]
     subprocess.run([*cmd, *_qwen2(steps, hidden)], check=True, capture_output=True)
     return json.loads(out.read_text())["peak_device_bytes"]
 
@@ -166,6 +170,55 @@ def baseline_rounds(rounds: int, steps: int, hidden: int = 128) -> dict:
     }
 
 
+def floor_rounds(rounds: int, steps: int, hidden: int = 128) -> dict:
+    """What memfit costs when it has nothing to do, beside what full AC costs: both against the plain step.
+
+    Each round: ``memfit run --baseline none`` at twice the plain peak (no plan has anything to swap or
+    recompute; memfit's hooks and stages still run), then ``--baseline ac`` at AC's peak as in the
+    ``baseline`` part. ``floor_ratio`` (memfit's Stable step with nothing to do over the plain step)
+    at or above ``ac_ratio`` (full AC's step over the plain one) means that at this size no plan can
+    make memfit as fast as full AC: its instrumentation alone costs what recomputation does.
+    """
+    from memfit_executor.cli import stable_step_seconds
+
+    with tempfile.TemporaryDirectory() as folder:
+        plain_peak = _ac_peak(folder, steps, hidden, kind="none")
+        ac_peak = _ac_peak(folder, steps, hidden)
+        results = []
+        for _ in range(rounds):
+            idle = _memfit_run(folder, 2 * plain_peak, _qwen2(steps, hidden), "--baseline", "none",
+                               "--baseline-steps", str(min(steps, 10)))  # fmt: skip
+            swapping = _memfit_run(folder, ac_peak, _qwen2(steps, hidden), "--baseline", "ac",
+                                   "--baseline-steps", str(min(steps, 10)))  # fmt: skip
+            plain = idle["baseline"]["step_seconds"]
+            ac = swapping["baseline"]["step_seconds"]
+            floor, ours = stable_step_seconds(idle), stable_step_seconds(swapping)
+            results.append({
+                "plain_step_seconds": plain,
+                "memfit_idle_step_seconds": floor,
+                "ac_step_seconds": ac,
+                "memfit_at_ac_peak_step_seconds": ours,
+                "floor_ratio": floor / plain if floor and plain else None,
+                "ac_ratio": ac / plain if ac and plain else None,
+                "memfit_at_ac_peak_ratio": ours / plain if ours and plain else None,
+                "idle_swaps": idle["swapped_out_bytes"],
+            })  # fmt: skip
+
+    def median(key: str) -> float | None:
+        values = [r[key] for r in results if r[key]]
+        return statistics.median(values) if values else None
+
+    return {
+        "model": f"qwen2 (tests/hf_train.py), hidden {hidden}",
+        "plain_peak_bytes": plain_peak,
+        "ac_peak_bytes": ac_peak,
+        "rounds": results,
+        "median_floor_ratio": median("floor_ratio"),
+        "median_ac_ratio": median("ac_ratio"),
+        "median_memfit_at_ac_peak_ratio": median("memfit_at_ac_peak_ratio"),
+    }
+
+
 def recompute_rounds(rounds: int, steps: int, hidden: int = 128) -> dict:
     """``auto`` against ``--planner swap`` where the recomputation plans keep their margin (module docs)."""
     import re
@@ -209,7 +262,7 @@ def recompute_rounds(rounds: int, steps: int, hidden: int = 128) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--part", choices=["long", "baseline", "recompute", "both", "all"], default="both")
+    parser.add_argument("--part", choices=["long", "baseline", "recompute", "floor", "both", "all"], default="both")
     parser.add_argument("--steps", type=int, default=1000, help="steps of the long run")
     parser.add_argument("--granularity", type=int, default=64, help="lengths are 64 + k * this, up to 512")
     parser.add_argument("--fraction", type=float, default=0.5, help="budget as a fraction of the plain peak")
@@ -224,6 +277,8 @@ def main() -> None:
         result["baseline"] = baseline_rounds(args.rounds, args.baseline_steps, args.hidden)
     if args.part in ("recompute", "all"):
         result["recompute"] = recompute_rounds(args.rounds, args.baseline_steps, args.hidden)
+    if args.part in ("floor", "all"):
+        result["floor"] = floor_rounds(args.rounds, args.baseline_steps, args.hidden)
     print(json.dumps(result, indent=2))
 
 

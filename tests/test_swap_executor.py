@@ -263,10 +263,10 @@ def test_a_persistent_change_of_sequence_length_is_planned_for_and_the_old_plan_
     change = 14
     assert its[change]["sequence"] != its[change - 1]["sequence"]  # the same operators, larger tensors
     # a new length of a planned program follows its plan (memfit_profiler.stages): planned for once it
-    # recurs, Stable after one trial. It is planned from the iteration it recurred in when that one
-    # was traced (Detailed: the run was in GenPolicy, as when a busy machine's slow copies had the old
-    # sequence re-planned), else from its next: one GenPolicy iteration or two.
-    planning = 1 if its[change + 1]["detailed"] else 2
+    # recurs, and Stable at once when its first candidate is predicted to fit (no trial). It is planned
+    # from the iteration it recurred in when that one was traced (Detailed: the run was in GenPolicy, as
+    # when a busy machine's slow copies had the old sequence re-planned), else from its next, in GenPolicy.
+    planning = 0 if its[change + 1]["detailed"] else 1
     stages = ["WarmUp"] * 2 + ["GenPolicy"] * planning + ["Stable"] * (3 - planning)
     assert [it["stage"] for it in its[change : change + 5]] == stages
     assert session.profiler.machine.sequence(its[change]["sequence"]).follower
@@ -477,14 +477,18 @@ def test_a_typo_in_planner_options_is_an_error_before_training():
         memfit.swap(budget="64MiB", backend="cpu-sim", planner_options={"swapp": {}})
 
 
-def test_a_plan_that_cannot_fit_is_said_and_reported(caplog):
+@pytest.mark.parametrize("room", [2, 1])
+def test_a_plan_that_cannot_fit_is_said_and_reported(caplog, room):
+    """No plan fits; the closest plans' trials and passive swaps carry the run. With room for twice the budget, the
+    allocator's peak shows that they held it; on a device of the budget's size (a user's), that nothing died."""
     (losses, _), peak = native_run(train_reference, 10)
     budget = int(peak * 0.22)  # passive swaps reach it; no plan does
-    session = memfit.swap(budget=budget, backend="cpu-sim", capacity=2 * budget)
+    session = memfit.swap(budget=budget, backend="cpu-sim", capacity=room * budget)
     with caplog.at_level("WARNING", logger="memfit.executor"), session as s:
         got, _ = train_reference(10)
     report = s.report()
-    assert got == losses and held(report, budget)
+    assert got == losses and report["peak_device_bytes"] <= budget
+    assert held(report, budget) or room == 1
     assert report["plan_feasible"] is False and report["lowest_planned_peak_bytes"] > budget
     assert "no plan fits the budget" in caplog.text and any("no plan fits" in n for n in report["notes"])
     assert caplog.text.count("no plan fits the budget") == 1  # once for the sequence, not every planning iteration

@@ -220,15 +220,17 @@ class PlanChoice:
 
     def observe(
         self, record: Any, counters: dict[str, Any], copied: tuple[int, float], finished_log: SaveLog | None,
-        on_plan: bool,
+        on_plan: bool, iteration: int | None = None,
     ) -> None:  # fmt: skip
-        """An iteration ended (its profiler record, the runtime's counters, the copy throughput, its save log).
+        """A segment ended: its profiler record, the runtime's counters, the copy throughput, its save log.
 
-        ``on_plan``: whether a plan was in place for it.
+        A segment is a forward-backward pass. ``on_plan``: whether a plan was in place for it. ``iteration``: the
+        session's iteration it belongs to (an optimizer step; default: the record's own index), the index this
+        object's reports give.
         """
         from memfit_profiler.stages import Stage
 
-        self._iteration = record.index
+        self._iteration = record.index if iteration is None else iteration
         if not on_plan:  # what passive swaps alone do for this sequence: what a failed plan falls back to
             self.passive_held[record.sequence] = record.peak_device_bytes <= self.budget_bytes
         plans = self.plans.get(record.sequence)
@@ -356,7 +358,12 @@ class PlanChoice:
                 continue
             reason = "another sequence recurs: recomputation applies to the whole model, so this one swaps only"
             self.replans.append(
-                {"iteration": record.index, "sequence": plans.sequence, "reason": reason, "bandwidth": self.bandwidth}
+                {
+                    "iteration": self._iteration,
+                    "sequence": plans.sequence,
+                    "reason": reason,
+                    "bandwidth": self.bandwidth,
+                }
             )
             log.info("memfit-executor: planning sequence %d again: %s", plans.sequence, reason)
             plans.candidates, plans.trials, plans.from_first_trace = [], [], True
@@ -391,10 +398,38 @@ class PlanChoice:
             return
         if plans.first_trace is None:
             plans.first_trace = (trace, finished_log, phase_ops)
-        plans.candidates = self._plan_candidates(trace, finished_log, phase_ops, plans, record.index)
+        plans.candidates = self._plan_candidates(trace, finished_log, phase_ops, plans, self._iteration)
         if plans.candidates:
-            self.planning_iterations.append(record.index)
-            self.planned_from.append({"iteration": record.index, "sequence": plans.sequence, "trace": trace.iteration})
+            self.planning_iterations.append(self._iteration)
+            self.planned_from.append(
+                {"iteration": self._iteration, "sequence": plans.sequence, "trace": trace.iteration}
+            )
+            self._settle_relative(plans)
+
+    def _settle_relative(self, plans: SequencePlans) -> None:
+        """Plans sooner: a relative of a planned sequence whose first candidate is predicted to fit takes it untried.
+
+        A relative is another length (or batch) of the same program (:mod:`memfit_profiler.stages`): a
+        follower (a relative was being planned for when it left WarmUp), or the first of a family to recur
+        once another has a plan. Its first candidate is of the planner that did best for the family, when
+        one has. Trials would cost it more of its own iterations on passive swaps: with three lengths taking
+        turns, three steps each; so a family's plans are timed against each other only where none is
+        predicted to fit. Should the plan not hold, Stable's health check plans it again, or drops it where
+        passive swaps alone had held the sequence.
+        """
+        from memfit_profiler.stages import Stage
+
+        seq = self.profiler.sequence(plans.sequence)
+        if seq is None or not plans.candidates[0].plan.is_feasible():
+            return
+        planned = any(
+            r.id != seq.id and r.id in self.plans and self.plans[r.id].chosen is not None
+            for r in self.profiler.family(seq)
+        )
+        if not (seq.follower or planned):
+            return
+        self.profiler.settle(plans.sequence)
+        self.on_transition(plans.sequence, Stage.STABLE)
 
     def _plan_candidates(
         self, trace: Any, save_log: SaveLog, phase_ops: tuple[int, int, int], plans: SequencePlans, iteration: int
@@ -414,6 +449,8 @@ class PlanChoice:
         # One that keeps it is a candidate like any other (under `auto` too): GenPolicy times it
         # beside the swap plans, and on a host-bound step recomputing is often the faster way.
         usable = [p for p in proposed if p.keeps_margin() or not recomputes(p)]
+        if len(self.plans) > 1:  # another sequence recurs already: plan without recomputation from the start
+            plans.swap_only = True
         if plans.swap_only:  # see _one_sequence_recomputes
             usable = [p for p in usable if not recomputes(p)]
         if len(usable) < len(proposed):
@@ -475,7 +512,7 @@ class PlanChoice:
         """Adapt (module docs): plan a Stable sequence again when its plan stops holding."""
         copied, seconds = throughput
         if record.peak_device_bytes > self.budget_bytes and self.passive_held.get(plans.sequence):
-            self._drop_plan(plans, f"in iteration {record.index}")
+            self._drop_plan(plans, f"in iteration {self._iteration}")
             return
         strained = counters["passive_swaps"] > STRAINED_PASSIVE_SWAPS or record.peak_device_bytes > self.budget_bytes
         plans.strained = plans.strained + 1 if strained else 0
@@ -513,7 +550,12 @@ class PlanChoice:
             )
         if reason is not None:
             self.replans.append(
-                {"iteration": record.index, "sequence": plans.sequence, "reason": reason, "bandwidth": self.bandwidth}
+                {
+                    "iteration": self._iteration,
+                    "sequence": plans.sequence,
+                    "reason": reason,
+                    "bandwidth": self.bandwidth,
+                }
             )
             log.info("memfit-executor: planning sequence %d again: %s", plans.sequence, reason)
             self.profiler.replan(plans.sequence)

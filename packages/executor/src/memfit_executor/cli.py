@@ -232,23 +232,18 @@ def _compare_with_baseline(
 
 
 def stable_step_seconds(report: dict[str, Any]) -> float | None:
-    """The median wall time of memfit's steps whose every iteration ran Stable (on its plan); ``None`` without one.
+    """The median wall time of memfit's Stable iterations (every segment on its plan); ``None`` without one.
 
-    A step's wall time runs from the previous step's end to its own, memfit's bookkeeping included
-    (``step_wall_seconds``), as the baselines time theirs; a report without it (before 2026-12-08) sums
-    the iterations' own ``seconds``, which leave that bookkeeping out.
+    An iteration's wall time runs from the previous one's end to its own, memfit's bookkeeping included
+    (``step_wall_seconds``), as the baselines time their steps; a report without it (before 2026-12-08) gives
+    the iteration's own ``seconds``, which leave that bookkeeping out.
     """
-    steps: dict[int, list[dict[str, Any]]] = {}
-    for it in report["per_iteration"]:
-        steps.setdefault(it.get("step", it["iteration"]), []).append(it)
-    seconds = []
-    for its in steps.values():
-        if not all(it["stage"] == "Stable" for it in its):
-            continue
-        if "step_wall_seconds" not in its[-1]:
-            seconds.append(sum(it["seconds"] for it in its))
-        elif its[-1]["step_wall_seconds"] is not None:
-            seconds.append(its[-1]["step_wall_seconds"])
+    seconds = [
+        it["step_wall_seconds"] if "step_wall_seconds" in it else it["seconds"]
+        for it in report["per_iteration"]
+        if it["stage"] == "Stable"
+    ]
+    seconds = [s for s in seconds if s is not None]  # the first iteration has no previous end
     return statistics.median(seconds) if seconds else None
 
 
@@ -373,9 +368,14 @@ def summary(report: dict) -> Table:
     if report.get("capacity_bytes", report["budget_bytes"]) != report["budget_bytes"]:
         table.add_row("device capacity", format_size(report["capacity_bytes"]))
     table.add_row("peak device memory", format_size(report["peak_device_bytes"]))
-    steps = report.get("optimizer_steps", report["iterations"])
-    passes = "" if steps == report["iterations"] else f" (forward-backward passes, in {steps} optimizer steps)"
-    table.add_row("iterations", f"{report['iterations']}{passes}")
+    iterations, steps = report["iterations"], report.get("optimizer_steps", report["iterations"])
+    told = []
+    if steps != iterations:
+        skipped = iterations - steps
+        told.append(f"{steps} optimizer steps: {skipped} skipped" if skipped > 0 else f"{steps} optimizer steps")
+    if report.get("segments", iterations) != iterations:
+        told.append(f"{report['segments']} forward-backward passes")
+    table.add_row("iterations", f"{iterations}" + (f" ({'; '.join(told)})" if told else ""))
     stages = report["iterations_per_stage"]
     table.add_row("iterations per stage", ", ".join(f"{k} {v}" for k, v in stages.items()) or "-")
     table.add_row("plans generated", str(report["plans_generated"]))

@@ -53,7 +53,6 @@ import json
 import logging
 import re
 import time
-from collections import Counter
 from pathlib import Path
 from typing import Any, Literal
 
@@ -68,6 +67,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from memfit_executor.choice import PlanChoice, recomputes
 from memfit_executor.finder import ModelFinder
+from memfit_executor.iterations import IterationLog
 from memfit_executor.matching import Binding, SaveLog, bind
 from memfit_executor.oracle import IdentityOracle
 from memfit_executor.recompute import AppliedRecompute, apply_recompute
@@ -232,10 +232,9 @@ class SwapSession:
         self.profiler: Any = None
         self.runtime: SwapRuntime | None = None
         self.oracle: IdentityOracle | None = None
-        self.iterations: list[dict[str, Any]] = []
-        """The latest ``history`` iterations' records, oldest first (``per_iteration`` in the report)."""
-        self._stage_iterations: Counter[str] = Counter()  # whole run, by the stage of each iteration's sequence
-        self._stage_seconds: Counter[str] = Counter()
+        self.iteration_log = IterationLog(self.options.history)
+        """The run's iterations, each an optimizer step of one or more segments (:mod:`memfit_executor.iterations`)."""
+        self._parameters: tuple[Any, tuple[torch.nn.Parameter, ...]] = (None, ())  # the model's, cached
         self._step_mark: float | None = None
         """When the last step's iterations were handed to the session (``time.perf_counter``)."""
         self._sequences: set[int] = set()
@@ -342,7 +341,7 @@ class SwapSession:
                     self.backend.set_capacity(self._saved_capacity)
                 if self._owns_backend:
                     self.backend.close()
-        if exc is None and self.profiler is not None and not self._stage_iterations:
+        if exc is None and self.profiler is not None and not self.iteration_log.segments:
             self._note(NO_OPTIMIZER_STEP)
         if exc is not None and runtime is not None and self.backend.is_oom(exc):
             if not isinstance(exc, SwapOutOfMemoryError):
@@ -375,14 +374,15 @@ class SwapSession:
         return profiler
 
     def _on_backward(self) -> None:
-        """A backward pass begins: with no optimizer step yet, past PASSES_BEFORE_A_STEP, its end ends an iteration.
+        """A backward pass begins: note whether the gradients were cleared since the last (see :meth:`_end_step`).
 
-        At the end of the backward pass (the autograd engine's final callback), not where the next
-        forward pass begins: that is inside an operator, whose own record would straddle two iterations.
+        With no optimizer step yet, past PASSES_BEFORE_A_STEP, its end ends an iteration: at the end of
+        the backward pass (the autograd engine's final callback), not where the next forward pass begins:
+        that is inside an operator, whose own record would straddle two iterations.
         """
+        self.iteration_log.backward_began(cleared=self._gradients_cleared())
         if not self._pass_mode:
             if self.profiler.step_count:
-                self.runtime.on_backward = None  # steps end iterations: nothing to do per pass any more
                 return
             self._passes += 1
             if self._passes <= PASSES_BEFORE_A_STEP:
@@ -390,6 +390,15 @@ class SwapSession:
             self._pass_mode = True
             self._note(NO_STEP_YET.format(passes=self._passes - 1))
         torch.autograd.Variable._execution_engine.queue_callback(self._end_pass)
+
+    def _gradients_cleared(self) -> bool:
+        """Whether the model has no gradient now (``zero_grad()`` set them to ``None``): no accumulation is going on."""
+        model = self._models.model if self._models is not None else None
+        if model is None:
+            return False
+        if self._parameters[0] is not model:
+            self._parameters = (model, tuple(model.parameters()))
+        return all(p.grad is None for p in self._parameters[1])
 
     def _end_pass(self) -> None:
         if self._pass_mode and self.profiler is not None:
@@ -479,7 +488,6 @@ class SwapSession:
         assert self.runtime is not None
         if self._pass_mode and record.ended_by == "optimizer":
             self._pass_mode = False  # a step after all (accumulation over many micro-batches): steps end iterations
-            self.runtime.on_backward = None
         # A step's wall time, from one step's end to the next at the same point of memfit's bookkeeping: the
         # program and everything memfit does for it (record.seconds stops before the stage machine, the plans
         # and this session), as a user timing the loop sees it, and as the baselines are timed.
@@ -493,11 +501,11 @@ class SwapSession:
             self._recompute.end_iteration(of_the_plan=record.sequence == self._recompute_owner[0])
         copied = self.backend.copy_throughput()
         owner = self._applied[counters["plan"]] if counters["plan"] is not None else self._recompute_owner
-        self.iterations.append(
+        self.iteration_log.add_segment(
             {
-                "iteration": record.index,
-                "step": record.step,  # several iterations share a step that ran several passes (accumulation)
-                # the stage of the iteration's own sequence: Stable = it ran on a plan made for it
+                "step": record.step,
+                "ended_by": record.ended_by,
+                # the stage of the segment's own sequence: Stable = it ran on a plan made for it
                 "stage": record.sequence_stage.value,
                 "run_stage": record.stage.value,
                 "next_stage": record.next_stage.value,
@@ -512,25 +520,28 @@ class SwapSession:
                 if owner is None
                 else {"sequence": owner[0], "candidate": owner[1], "planner": self._planners.get(owner)},
                 **{k: v for k, v in counters.items() if k != "plan"},
-            }
+            },
+            counters=[k for k in counters if k != "plan"],  # summed over an iteration's segments
         )
-        if len(self.iterations) > self.options.history:
-            del self.iterations[0]
         if record.peak_device_bytes > self.budget_bytes:
             self._note(
                 f"device memory went above the budget of {format_size(self.budget_bytes)} (per_iteration's "
                 f"peak_device_bytes): the plans and passive swaps did not hold it, and the capacity of "
                 f"{format_size(self.capacity_bytes)} let training go on"
             )
-        stage = record.sequence_stage.value
-        self._stage_iterations[stage] += 1
-        self._stage_seconds[stage] += record.seconds
         self._sequences.add(record.sequence)
         finished_log, self._log = self._log, None
         if self.options.plan is not None:
             self._bind_external(record, finished_log)
         else:
-            self.choice.observe(record, counters, copied, finished_log, on_plan=owner is not None)
+            self.choice.observe(
+                record,
+                counters,
+                copied,
+                finished_log,
+                on_plan=owner is not None,
+                iteration=self.iteration_log.in_progress(),
+            )
         self._apply_plans(latest=record.sequence)
         next_stage = self.profiler.stage  # a re-plan may have moved it since the record was made
         if next_stage is Stage.STABLE:
@@ -547,6 +558,8 @@ class SwapSession:
             self._log = self.runtime.observer = SaveLog()
         else:
             self.runtime.observer = None
+        if record.ended_by != "backward-to-forward":
+            self.iteration_log.end_step()
 
     def _apply_plans(self, latest: int) -> None:
         """Put in place, for the next iteration, every sequence's plan (or the candidate under trial)."""
@@ -560,7 +573,7 @@ class SwapSession:
         recompute = first[1].plan if first and first[0][0] == latest and recomputes(first[1].plan) else None
         if [id(b) for _, b in applicable] != [id(b) for b in self._in_place] or recompute is not self._recompute_plan:
             if applicable:
-                self.plan_changes.append(self.iterations[-1]["iteration"])
+                self.plan_changes.append(self.iteration_log.in_progress())
             self.runtime.apply([b for _, b in applicable])
             self._set_recompute(recompute, owner=first[0][0] if first else None)
         self._in_place = [b for _, b in applicable]
@@ -612,6 +625,11 @@ class SwapSession:
 
     # -- results ---------------------------------------------------------------------------
     @property
+    def iterations(self) -> list[dict[str, Any]]:
+        """The latest ``history`` iterations' records, oldest first (``per_iteration`` in the report)."""
+        return self.iteration_log.records
+
+    @property
     def plan(self) -> Any:
         """The plan in place for the latest iteration's sequence (a :class:`memfit.plan.MemoryPlan`), or ``None``."""
         if self.runtime is None or not self._in_place:
@@ -629,11 +647,13 @@ class SwapSession:
             "budget_bytes": self.budget_bytes,
             "capacity_bytes": self.capacity_bytes,
             "peak_device_bytes": int(peak),
-            "iterations": self._stage_iterations.total(),
+            "iterations": self.iteration_log.count,
+            # forward-backward passes: several an iteration under gradient accumulation
+            "segments": self.iteration_log.segments,
             # the profiler's step count less the iterations the session ended itself (no optimizer step seen)
             "optimizer_steps": self.profiler.step_count - self._pass_ends if self.profiler is not None else 0,
-            "iterations_per_stage": dict(self._stage_iterations),
-            "seconds_per_stage": dict(self._stage_seconds),
+            "iterations_per_stage": dict(self.iteration_log.per_stage),
+            "seconds_per_stage": dict(self.iteration_log.seconds_per_stage),
             "stages": [it["stage"] for it in self.iterations],
             "sequences": len(self._sequences),
             "plans_generated": choice.plans_generated,

@@ -324,6 +324,10 @@ class OnlineProfiler:
         """Send a Stable sequence back to GenPolicy, so that a new plan is generated for it."""
         self.machine.replan(sequence)
 
+    def settle(self, sequence: int) -> None:
+        """Move a GenPolicy sequence to Stable before its trials (:meth:`StageMachine.settle`)."""
+        self.machine.settle(sequence)
+
     def sequence(self, sequence: int) -> KnownSequence | None:
         """The known sequence with this id (its stage, family, whether it follows a relative), if still known."""
         return self.machine.sequence(sequence)

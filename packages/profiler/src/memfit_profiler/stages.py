@@ -63,9 +63,9 @@ previous iteration, and joins the closest one that passes the test, or starts a 
   matched more than m times, instead of after m + 1 matches of its own; and when a relative of it
   is already being planned for or has a plan, it is a **follower**: the iteration that moved it,
   when traced, is the one it is planned from, and one trial of its candidates (the planner that
-  did best for its family first) takes it to Stable instead of n. Three lengths that take turns
-  then have plans from about their 10th step instead of their 28th. A relative seen once (a
-  one-off batch of another shape) is not planned for.
+  did best for its family first) takes it to Stable instead of n; the swap executor skips even
+  that trial when the first candidate is predicted to fit (:meth:`StageMachine.settle`). A
+  relative seen once (a one-off batch of another shape) is not planned for.
 
 **The stage of the run** (:attr:`StageMachine.stage`), which says how the next iteration is
 recorded, is GenPolicy while any sequence is in GenPolicy (Detailed recording: its next
@@ -511,12 +511,22 @@ class StageMachine:
 
     def replan(self, sequence_id: int) -> Transition | None:
         """Send a Stable sequence back to GenPolicy: its plan no longer holds, generate a new one."""
+        return self._asked_to_move(sequence_id, Stage.STABLE, Stage.GENPOLICY, "re-plan requested")
+
+    def settle(self, sequence_id: int) -> Transition | None:
+        """Move a GenPolicy sequence to Stable before its trials: its plan was chosen without them.
+
+        The swap executor settles a relative so (see the module docs): its family's program is known,
+        and the plan made from its own trace is predicted to fit.
+        """
+        return self._asked_to_move(sequence_id, Stage.GENPOLICY, Stage.STABLE, "settled without trials")
+
+    def _asked_to_move(self, sequence_id: int, stage: Stage, to: Stage, why: str) -> Transition | None:
         seq = self.sequence(sequence_id)
-        if seq is None or seq.stage is not Stage.STABLE:
+        if seq is None or seq.stage is not stage:
             return None
-        transition = self._move(seq, Stage.GENPOLICY)
-        log.info("memfit-profiler: sequence %d Stable -> GenPolicy (re-plan requested)", sequence_id)
-        return transition
+        log.info("memfit-profiler: sequence %d %s -> %s (%s)", sequence_id, stage.value, to.value, why)
+        return self._move(seq, to)
 
     def _move(self, seq: KnownSequence, stage: Stage) -> Transition:
         transition = Transition(seq.id, seq.stage, stage)
