@@ -102,6 +102,31 @@ def test_a_step_of_two_optimizers_is_one_iteration_ended_by_the_last(backend):
     assert prof.iterations[-1].phase_ops[2] < steps[-1].phase_ops[2]  # the first optimizer's alone
 
 
+def test_an_optimizer_step_that_raised_does_not_make_the_next_run_an_optimizer_phase(backend):
+    """The native recorder's phase is the process's: an optimizer step that raised (an out-of-memory in an earlier
+    run) never reached the post hook that ends its phase, and the next profiler took a whole step of forward and
+    backward operators for an optimizer's (found by a swap session's first step of two micro-batches: one segment)."""
+    run = build_training("tiny", batch=2, seq=16)
+
+    def fail(*args):
+        raise RuntimeError("out of memory, say")
+
+    with OnlineProfiler(backend):
+        run.model.loss(*run.data.batch(0)).backward()
+        handle = run.optimizer.register_step_pre_hook(fail)  # after the profiler's global pre hook
+        with pytest.raises(RuntimeError, match="out of memory"):
+            run.optimizer.step()
+        handle.remove()
+    with OnlineProfiler(backend) as prof:
+        for step in range(2):
+            for micro in range(2):
+                run.model.loss(*run.data.batch(2 * step + micro)).backward()
+            run.optimizer.step()
+            run.optimizer.zero_grad(set_to_none=True)
+    fwd, bwd, opt = prof.iterations[0].phase_ops
+    assert len(prof.iterations) == 4 and fwd > 0 and bwd > 0 and opt == 0  # the first pass, as recorded after
+
+
 def test_gradient_accumulation_is_a_step_of_several_iterations_whose_first_is_the_trace(backend):
     run = build_training("tiny", batch=2, seq=16)
     saved: list[int] = []

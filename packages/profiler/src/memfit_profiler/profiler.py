@@ -403,6 +403,9 @@ class OnlineProfiler:
         elif self._modules.installed:
             self._modules.uninstall()
         self.recorder.set_program_thread()  # start(), the optimizer's hook or step(): the training loop's thread
+        # an optimizer step that raised never reached the post hook that ends its phase, and the native
+        # recorder's phase is the process's: left on, it would take the next run's operators for an optimizer's
+        self.recorder.set_optimizer_phase(False)
         self.recorder.set_mode(DETAILED if self._detailed else LIGHTWEIGHT)
         if self.backend is not None:
             # per-iteration peaks; the run's peak is kept in self.peak_device_bytes
