@@ -110,7 +110,7 @@ def _qwen2(steps: int, hidden: int) -> tuple[str, ...]:
     return (str(HF_TRAIN), "--model", "qwen2", "--iterations", str(steps), "--hidden", str(hidden))
 
 
-def _ac_peak(folder: str, steps: int, hidden: int, kind: str = "ac") -> int:
+def _baseline_peak(folder: str, steps: int, hidden: int, kind: str = "ac") -> int:
     """The peak of the Qwen2's steps with full activation checkpointing (``kind`` ``none``: as it is)."""
     out = Path(folder) / f"{kind}.json"
     cmd = [sys.executable, "-m", "memfit_executor.baseline", str(out), kind, str(steps), "cpu-sim", "--"]
@@ -139,7 +139,7 @@ def baseline_rounds(rounds: int, steps: int, hidden: int = 128) -> dict:
     from memfit_executor.cli import stable_step_seconds
 
     with tempfile.TemporaryDirectory() as folder:
-        ac_peak = _ac_peak(folder, steps, hidden)
+        ac_peak = _baseline_peak(folder, steps, hidden)
         results = []
         for _ in range(rounds):
             report = _memfit_run(
@@ -182,8 +182,8 @@ def floor_rounds(rounds: int, steps: int, hidden: int = 128) -> dict:
     from memfit_executor.cli import stable_step_seconds
 
     with tempfile.TemporaryDirectory() as folder:
-        plain_peak = _ac_peak(folder, steps, hidden, kind="none")
-        ac_peak = _ac_peak(folder, steps, hidden)
+        plain_peak = _baseline_peak(folder, steps, hidden, kind="none")
+        ac_peak = _baseline_peak(folder, steps, hidden)
         results = []
         for _ in range(rounds):
             idle = _memfit_run(folder, 2 * plain_peak, _qwen2(steps, hidden), "--baseline", "none",

@@ -357,15 +357,7 @@ class PlanChoice:
             if already or not any(recomputes(b.plan) for b in bindings):
                 continue
             reason = "another sequence recurs: recomputation applies to the whole model, so this one swaps only"
-            self.replans.append(
-                {
-                    "iteration": self._iteration,
-                    "sequence": plans.sequence,
-                    "reason": reason,
-                    "bandwidth": self.bandwidth,
-                }
-            )
-            log.info("memfit-executor: planning sequence %d again: %s", plans.sequence, reason)
+            self._record_replan(plans, reason)
             plans.candidates, plans.trials, plans.from_first_trace = [], [], True
             if plans.chosen is not None and recomputes(plans.chosen.plan):
                 plans.chosen = None
@@ -405,6 +397,13 @@ class PlanChoice:
                 {"iteration": self._iteration, "sequence": plans.sequence, "trace": trace.iteration}
             )
             self._settle_relative(plans)
+
+    def _record_replan(self, plans: SequencePlans, reason: str) -> None:
+        """Say that ``plans``' sequence is planned again, and why (``replans`` in the report)."""
+        self.replans.append(
+            {"iteration": self._iteration, "sequence": plans.sequence, "reason": reason, "bandwidth": self.bandwidth}
+        )
+        log.info("memfit-executor: planning sequence %d again: %s", plans.sequence, reason)
 
     def _settle_relative(self, plans: SequencePlans) -> None:
         """Plans sooner: a relative of a planned sequence whose first candidate is predicted to fit takes it untried.
@@ -549,15 +548,7 @@ class PlanChoice:
                 f"planning for {100 * (1 - plans.budget_cut):.0f}% of the budget"
             )
         if reason is not None:
-            self.replans.append(
-                {
-                    "iteration": self._iteration,
-                    "sequence": plans.sequence,
-                    "reason": reason,
-                    "bandwidth": self.bandwidth,
-                }
-            )
-            log.info("memfit-executor: planning sequence %d again: %s", plans.sequence, reason)
+            self._record_replan(plans, reason)
             self.profiler.replan(plans.sequence)
             self.on_transition(plans.sequence, self.profiler.sequence(plans.sequence).stage)
 

@@ -374,7 +374,7 @@ class SwapSession:
         return profiler
 
     def _on_backward(self) -> None:
-        """A backward pass begins: note whether the gradients were cleared since the last (see :meth:`_end_step`).
+        """A backward pass begins: tell the iteration log whether the gradients were cleared (a skipped step).
 
         With no optimizer step yet, past PASSES_BEFORE_A_STEP, its end ends an iteration: at the end of
         the backward pass (the autograd engine's final callback), not where the next forward pass begins:

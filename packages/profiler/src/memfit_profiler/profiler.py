@@ -232,6 +232,9 @@ class OnlineProfiler:
             self._static_keys.update(_storage_keys([*self.model.parameters(), *self.model.buffers()]))
         self.recorder.set_memory_source(self.backend)
         self.recorder.install()
+        # an optimizer step that raised never reached the post hook that ends its phase, and the native
+        # recorder's phase is the process's: left on, it would take this run's operators for an optimizer's
+        self.recorder.set_optimizer_phase(False)
         self._handles = [
             register_optimizer_step_pre_hook(self._before_optimizer_step),
             register_optimizer_step_post_hook(self._after_optimizer_step),
@@ -250,6 +253,7 @@ class OnlineProfiler:
         self._handles.clear()
         self._modules.uninstall()
         self.recorder.set_mode(OFF)
+        self.recorder.set_optimizer_phase(False)  # a step that raised leaves it on (see start)
         with self._uncounted():
             trailing = self.recorder.take()
         if trailing.tokens.size:
@@ -403,9 +407,6 @@ class OnlineProfiler:
         elif self._modules.installed:
             self._modules.uninstall()
         self.recorder.set_program_thread()  # start(), the optimizer's hook or step(): the training loop's thread
-        # an optimizer step that raised never reached the post hook that ends its phase, and the native
-        # recorder's phase is the process's: left on, it would take the next run's operators for an optimizer's
-        self.recorder.set_optimizer_phase(False)
         self.recorder.set_mode(DETAILED if self._detailed else LIGHTWEIGHT)
         if self.backend is not None:
             # per-iteration peaks; the run's peak is kept in self.peak_device_bytes
